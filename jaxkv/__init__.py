@@ -1,0 +1,1 @@
+"""jaxkv: a JAX/Pallas port of vLLM's paged KV-cache engine."""

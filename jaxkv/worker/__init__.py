@@ -1,0 +1,1 @@
+"""Device side: KV buffers, block tables, the jitted step, the sampler."""

@@ -1,0 +1,1 @@
+"""Flax NNX models with a functional paged-KV forward."""
