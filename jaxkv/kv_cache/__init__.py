@@ -11,3 +11,14 @@ from jaxkv.kv_cache.specs import (
     cdiv,
     normalize_kv_dtype,
 )
+from jaxkv.kv_cache.config import (
+    available_kv_cache_memory,
+    blocks_per_request,
+    check_enough_kv_cache_memory,
+    estimate_max_model_len,
+    get_kv_cache_config,
+    get_kv_cache_configs,
+    get_kv_cache_groups,
+    get_max_concurrency,
+    num_tokens_in_cache,
+)
