@@ -22,3 +22,4 @@ from jaxkv.kv_cache.config import (
     get_max_concurrency,
     num_tokens_in_cache,
 )
+from jaxkv.kv_cache.from_model import kv_cache_specs_from_layers

@@ -170,6 +170,8 @@ def get_kv_cache_configs(
                 specs, mem, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens
             )
         except ValueError as e:
+            if len(specs_per_worker) == 1:
+                raise
             raise ValueError(f"worker rank {rank}: {e}") from None
     merged: dict[str, KVCacheSpec] = {}
     for specs in specs_per_worker:
