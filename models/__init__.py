@@ -1,1 +1,31 @@
-"""Flax NNX models with a functional paged-KV forward."""
+"""Flax NNX models with a functional paged-KV forward.
+
+Families: "llama" (Llama 2/3, Mistral, Qwen2, Qwen3) and "gemma2" (hybrid local/global
+attention with soft-capping). Public surface:
+
+  config:   ModelConfig (.from_hf_config), RopeScaling, LayerKVInfo, KVCacheBinding, get_config,
+            layer_name
+  models:   build_model, LlamaForCausalLM, Gemma2ForCausalLM, CausalLM
+            model(input_ids [T], positions [T], kv_buffers, attn_metadata, binding)
+                -> (hidden [T, hidden] after the final norm, new kv_buffers)
+            model.compute_logits(hidden [R, hidden]) -> [R, V] float32
+            model.kv_layer_infos() -> {layer_name: LayerKVInfo}
+  weights:  load_hf_weights, hf_state_dict
+  testing:  dense_forward (non-paged reference, [Bt, L] -> [Bt, L, V])
+"""
+from models.build import MODEL_CLASSES, build_model
+from models.config import (KVCacheBinding, LayerKVInfo, ModelConfig, RopeScaling, get_config,
+                           layer_name)
+from models.dense_reference import dense_forward, dense_hidden
+from models.hf_config import SUPPORTED_MODEL_TYPES
+from models.hybrid import Gemma2ForCausalLM
+from models.llama import LlamaForCausalLM
+from models.transformer import CausalLM
+from models.weights import hf_state_dict, load_hf_weights
+
+__all__ = [
+    "CausalLM", "Gemma2ForCausalLM", "KVCacheBinding", "LayerKVInfo", "LlamaForCausalLM",
+    "MODEL_CLASSES", "ModelConfig", "RopeScaling", "SUPPORTED_MODEL_TYPES", "build_model",
+    "dense_forward", "dense_hidden", "get_config", "hf_state_dict", "layer_name",
+    "load_hf_weights",
+]

@@ -1,0 +1,67 @@
+"""What the worker returns (``ModelRunnerOutput``) and what the core emits (``EngineCoreOutput``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: Logprobs of one sampled (or prompt) token: ``(token_ids, logprobs, ranks)``, three
+#: aligned lists. Entry 0 is the sampled token itself, then the top-k tokens (so up to
+#: k + 1 entries, as vLLM). ``ranks`` are 1-based ranks in the vocabulary (1 = most likely).
+TokenLogprobs = tuple[list[int], list[float], list[int]]
+
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    """One step's results from the worker.
+
+    Attributes:
+        req_ids: Requests of the batch, in row order.
+        req_id_to_index: ``req_id -> row``.
+        sampled_token_ids: Per row, the accepted tokens as Python ints: one for a normal
+            step, ``1 + accepted drafts`` with speculative decoding, and ``[]`` for a step
+            that was a partial prefill chunk (its sample is meaningless).
+        logprobs: None, or per row one ``TokenLogprobs`` per sampled token.
+        prompt_logprobs_dict: ``req_id -> prompt TokenLogprobs`` of the positions computed
+            this step (requests that asked for them).
+        spec_token_ids: None, or per row the draft tokens proposed for the next step.
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs]] | None = None
+    prompt_logprobs_dict: dict[str, list[TokenLogprobs] | None] = dataclasses.field(default_factory=dict)
+    spec_token_ids: list[list[int]] | None = None
+
+    @classmethod
+    def from_sampled(cls, sampled: dict[str, list[int]]) -> "ModelRunnerOutput":
+        """Convenience builder from ``req_id -> sampled tokens`` (tests, simple engines)."""
+        req_ids = list(sampled)
+        return cls(req_ids, {r: i for i, r in enumerate(req_ids)}, [sampled[r] for r in req_ids])
+
+
+@dataclasses.dataclass
+class EngineCoreOutput:
+    """Per-request result of ``Scheduler.update_from_output`` (and of aborts).
+
+    Attributes:
+        request_id: The request.
+        new_token_ids: Tokens appended this step (after stop trimming).
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None (still running).
+        stop_reason: The stop token id that finished it, else None (EOS, length, abort).
+        new_logprobs: ``TokenLogprobs`` of the new tokens, when requested.
+        new_prompt_logprobs: Prompt logprobs computed this step, when requested.
+        num_cached_tokens: Prefix-cache hit (tokens) at the request's first scheduling.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

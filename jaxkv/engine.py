@@ -1,0 +1,383 @@
+"""LLMEngine and LLM: the glue between the host core and the worker (schedule -> execute -> update).
+
+Quick start::
+
+    from jaxkv import LLM, SamplingParams
+    llm = LLM("tiny-llama", kv_cache_memory_bytes=64 << 20)
+    outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8, temperature=0))
+    print(outs[0].outputs[0].token_ids)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+
+import jax
+
+from jaxkv.core import EngineCoreOutput, Request, RequestStatus, Scheduler, SchedulerConfig
+from jaxkv.detokenizer import IncrementalDetokenizer
+from jaxkv.engine_config import EngineConfig, resolve_engine_config
+from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxkv.sampling_params import SamplingParams
+from jaxkv.worker.model_runner import ModelRunner
+
+
+@dataclasses.dataclass
+class _Child:
+    """One completion of a request (vLLM fans ``n > 1`` out into n child requests)."""
+
+    index: int
+    request_id: str          # the core's id
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    detok: IncrementalDetokenizer | None = None
+
+
+@dataclasses.dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_Child]
+    metrics: RequestMetrics
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Build it with :meth:`from_config` (or through :class:`LLM`). ``add_request`` validates and
+    queues; ``step`` runs one schedule -> execute -> update cycle and returns the outputs of
+    the requests that made progress.
+    """
+
+    def __init__(self, model, model_config, tokenizer, config: EngineConfig):
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.config = config
+        self.kv_cache_config = config.kv_cache_config
+        self.scheduler = Scheduler(config.kv_cache_config, config.scheduler_config)
+        self.runner = ModelRunner(
+            model, config.kv_cache_config, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len, attention_backend=config.attention_backend,
+            cache_dtype=config.cache_dtype, seed=config.seed, eos_token_id=self._eos_id())
+        self._parents: dict[str, _Parent] = {}
+        self._child_of: dict[str, tuple[_Parent, _Child]] = {}
+        self._counter = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens_computed = 0
+        self.step_seconds = 0.0
+        self.num_steps = 0
+        self.peak_kv_cache_usage = 0.0
+        self.prefix_hit_tokens = 0
+        self._last_stats = None
+
+    @classmethod
+    def from_config(cls, model: str = "tiny-llama", **kwargs) -> "LLMEngine":
+        loaded, model_config, tokenizer, config = resolve_engine_config(model, **kwargs)
+        return cls(loaded, model_config, tokenizer, config)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"model {self.config.model_name!r} has no tokenizer: pass token-id lists, not strings")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
+            ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+            if bad:
+                raise TypeError(f"prompt token ids must be ints, got {bad[:3]!r}")
+            return None, ids
+        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        """Validates and queues a request; raises ValueError/TypeError with no state change."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {request_id!r}")
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) > self.config.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens is longer than "
+                             f"max_model_len={self.config.max_model_len}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"request {request_id!r}: stop strings {params.stop} need a tokenizer")
+        n = params.n
+        children = []
+        requests = []
+        for i in range(n):
+            child_id = request_id if n == 1 else f"{i}_{request_id}"
+            child_params = params
+            if n > 1:
+                child_params = dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + i)
+            req = Request(child_id, ids, child_params, eos_token_id=self._eos_id(),
+                          priority=priority, cache_salt=cache_salt)
+            requests.append(req)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, stop=list(params.stop or []),
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    skip_special_tokens=params.skip_special_tokens)
+            children.append(_Child(index=i, request_id=child_id, detok=detok,
+                                   logprobs=[] if params.logprobs is not None else None,
+                                   cumulative_logprob=0.0 if params.logprobs is not None else None))
+        added = []
+        try:
+            for req in requests:
+                self.scheduler.add_request(req)
+                added.append(req.request_id)
+        except Exception:
+            if added:
+                self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        parent = _Parent(request_id, text, ids, params, children,
+                         RequestMetrics(arrival_time=time.perf_counter()),
+                         prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        self._parents[request_id] = parent
+        for c in children:
+            self._child_of[c.request_id] = (parent, c)
+
+    def _eos_id(self) -> int | None:
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if eos is None:
+            eos = self.model_config.eos_token_id
+        if isinstance(eos, (tuple, list)):
+            eos = eos[0] if eos else None
+        return eos
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Aborts requests (unknown ids raise ValueError; the others are still aborted first)."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        unknown = [r for r in ids if r not in self._parents]
+        for rid in ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            live = [c.request_id for c in parent.children if c.finish_reason is None]
+            if live:
+                self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            for c in parent.children:
+                self._child_of.pop(c.request_id, None)
+        if unknown:
+            raise ValueError(f"cannot abort unknown request ids {unknown}")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        now = time.perf_counter()
+        for rid in so.num_scheduled_tokens:
+            pc = self._child_of.get(rid)
+            if pc is not None and pc[0].metrics.first_scheduled_time is None:
+                pc[0].metrics.first_scheduled_time = now
+        mro = self.runner.execute_model(so)
+        core_outputs = self.scheduler.update_from_output(so, mro)
+        self.step_seconds += time.perf_counter() - t0
+        self.num_steps += 1
+        self._last_stats = self.scheduler.make_stats()
+        self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, self._last_stats.kv_cache_usage)
+        self.num_prompt_tokens_computed += so.total_num_scheduled_tokens
+        return self._process(core_outputs)
+
+    def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        now = time.perf_counter()
+        touched: dict[str, _Parent] = {}
+        for co in core_outputs:
+            pc = self._child_of.get(co.request_id)
+            if pc is None:
+                continue
+            parent, child = pc
+            touched[parent.request_id] = parent
+            if co.num_cached_tokens and not parent.num_cached_tokens:
+                self.prefix_hit_tokens += co.num_cached_tokens
+                parent.num_cached_tokens = co.num_cached_tokens
+                parent.metrics.num_prefix_hit_tokens = co.num_cached_tokens
+            if co.new_prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
+                parent.prompt_logprobs.extend(self._to_logprobs(lp) for lp in co.new_prompt_logprobs)
+            if co.new_token_ids:
+                self.num_generated_tokens += len(co.new_token_ids)
+                if parent.metrics.first_token_time is None:
+                    parent.metrics.first_token_time = now
+                parent.metrics.last_token_time = now
+                child.token_ids.extend(co.new_token_ids)
+                if child.logprobs is not None and co.new_logprobs:
+                    for lp in co.new_logprobs:
+                        child.logprobs.append(self._to_logprobs(lp))
+                        child.cumulative_logprob += lp[1][0]
+                if child.detok is not None and child.finish_reason is None:
+                    matched = child.detok.update(co.new_token_ids)
+                    if matched is not None and co.finish_reason is None:
+                        self.scheduler.finish_requests([child.request_id], RequestStatus.FINISHED_STOPPED)
+                        child.finish_reason, child.stop_reason = "stop", matched
+            if co.finish_reason is not None and child.finish_reason is None:
+                child.finish_reason, child.stop_reason = co.finish_reason, co.stop_reason
+        outputs = []
+        for parent in touched.values():
+            out = self._make_output(parent)
+            if parent.finished:
+                parent.metrics.finished_time = now
+                self._parents.pop(parent.request_id, None)
+                for c in parent.children:
+                    self._child_of.pop(c.request_id, None)
+            outputs.append(out)
+        return outputs
+
+    def _to_logprobs(self, lp) -> dict[int, Logprob]:
+        ids, lps, ranks = lp
+        out = {}
+        for t, l, r in zip(ids, lps, ranks):
+            if t not in out:
+                dec = self.tokenizer.decode([t]) if self.tokenizer is not None else None
+                out[int(t)] = Logprob(float(l), int(r), dec)
+        return out
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        completions = []
+        for c in parent.children:
+            text = c.detok.text if c.detok is not None else ""
+            completions.append(CompletionOutput(
+                index=c.index, text=text, token_ids=list(c.token_ids),
+                cumulative_logprob=c.cumulative_logprob,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt,
+            prompt_token_ids=list(parent.prompt_token_ids), prompt_logprobs=parent.prompt_logprobs,
+            outputs=completions, finished=parent.finished, metrics=parent.metrics,
+            num_cached_tokens=parent.num_cached_tokens)
+
+    # ---- stats --------------------------------------------------------------------------------
+
+    def get_stats(self) -> dict:
+        st = self._last_stats or self.scheduler.make_stats()
+        stats = dict(
+            kv_cache_usage=st.kv_cache_usage, num_running_reqs=st.num_running_reqs,
+            num_waiting_reqs=st.num_waiting_reqs, prefix_cache_hit_rate=st.prefix_cache_hit_rate,
+            num_preemptions=st.num_preemptions, peak_kv_cache_usage=self.peak_kv_cache_usage,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            num_compiles=self.runner.num_compiles,
+            compile_seconds=round(self.runner.compile_seconds, 3),
+            num_steps=self.num_steps,
+            generated_tokens=self.num_generated_tokens,
+            scheduled_tokens=self.num_prompt_tokens_computed,
+            output_tokens_per_s=(self.num_generated_tokens / self.step_seconds) if self.step_seconds else 0.0,
+        )
+        return stats
+
+    def next_request_id(self) -> str:
+        return str(next(self._counter))
+
+
+class LLM:
+    """Offline batch generation, shaped like ``vllm.LLM``.
+
+    Args:
+      model: "tiny-llama" | "tiny-hybrid" | "smollm2-135m-instruct" | a local HF checkpoint
+        directory (config.json + *.safetensors) | a .gguf file.
+      Others: see :func:`jaxkv.engine_config.resolve_engine_config`.
+    """
+
+    def __init__(self, model: str = "tiny-llama", **kwargs):
+        self.llm_engine = LLMEngine.from_config(model, **kwargs)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates completions for ``prompts`` (one prompt or a list); outputs in input order."""
+        engine = self.llm_engine
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                rid = engine.next_request_id()
+                engine.add_request(rid, p, sp)
+                ids.append(rid)
+        except Exception:
+            if ids:
+                engine.abort_request(ids)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        while len(finished) < len(ids):
+            for out in engine.step():
+                if out.finished and out.request_id in ids:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+            if not engine.has_unfinished_requests() and len(finished) < len(ids):
+                raise RuntimeError("engine has no unfinished requests but outputs are missing")
+        if bar is not None:
+            bar.close()
+        return [finished[r] for r in ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Renders one conversation (list of {"role", "content"}) or a list of them with the
+        model's chat template, then generates."""
+        tok = self.llm_engine.tokenizer
+        if tok is None:
+            raise ValueError("chat() needs a model with a tokenizer and a chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)

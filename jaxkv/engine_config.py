@@ -1,0 +1,125 @@
+"""EngineConfig: every engine knob resolved and validated once, plus the KV-cache plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+
+from jaxkv.core import SchedulerConfig
+from jaxkv.kv_cache import (
+    KVCacheConfig,
+    available_kv_cache_memory,
+    get_kv_cache_config,
+    kv_cache_specs_from_layers,
+)
+
+#: KV budget on devices that report no memory stats (CPU) when none is given.
+DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model_name: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    cache_dtype: str
+    attention_backend: str
+    seed: int
+    kv_cache_config: KVCacheConfig
+    scheduler_config: SchedulerConfig
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def resolve_engine_config(
+    model="tiny-llama",
+    *,
+    block_size: int = 16,
+    kv_cache_memory_bytes: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    num_gpu_blocks_override: int | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int | None = None,
+    enable_prefix_caching: bool = True,
+    enable_chunked_prefill: bool = True,
+    long_prefill_token_threshold: int = 0,
+    scheduling_policy: str = "fcfs",
+    kv_cache_dtype: str = "auto",
+    attention_backend: str = "auto",
+    dtype: str = "float32",
+    seed: int = 0,
+    tokenizer=None,
+    verbose: bool = False,
+):
+    """Loads the model and plans the KV cache. Returns (model, model_config, tokenizer, EngineConfig).
+
+    ``model`` is a name or path for ``models.load_model``, or an already built NNX model
+    (then ``tokenizer`` may be given).
+    """
+    from models.registry import load_model  # the engine depends on models, never the reverse
+
+    if isinstance(model, str):
+        loaded, model_config, tok = load_model(model, dtype=dtype, seed=seed)
+        name = model
+    else:
+        loaded, model_config, tok = model, model.config, None
+        name = type(model).__name__
+    tokenizer = tokenizer if tokenizer is not None else tok
+
+    _positive("block_size", block_size)
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    _positive("max_num_seqs", max_num_seqs)
+    if max_model_len is None:
+        max_model_len = model_config.max_position_embeddings
+    _positive("max_model_len", max_model_len)
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={model_config.max_position_embeddings}")
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(2048, max_num_seqs) if enable_chunked_prefill else max(max_model_len, max_num_seqs)
+    _positive("max_num_batched_tokens", max_num_batched_tokens)
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= "
+                         f"max_num_seqs={max_num_seqs} (every running request needs a token a step)")
+    cache_dtype = model_config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+
+    specs = kv_cache_specs_from_layers(loaded.kv_layer_infos(), block_size=block_size,
+                                       cache_dtype=cache_dtype)
+    stats = None
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        stats = None
+    if kv_cache_memory_bytes is None and not stats:
+        kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        if verbose:
+            print(f"jaxkv: device reports no memory stats; KV cache budget "
+                  f"{kv_cache_memory_bytes / 2**20:.0f} MiB (set kv_cache_memory_bytes)", file=sys.stderr)
+    budget = available_kv_cache_memory(stats, gpu_memory_utilization=gpu_memory_utilization,
+                                       kv_cache_memory_bytes=kv_cache_memory_bytes)
+    kv_config = get_kv_cache_config(specs, budget, max_model_len=max_model_len,
+                                    max_num_batched_tokens=max_num_batched_tokens,
+                                    num_gpu_blocks_override=num_gpu_blocks_override)
+    eos = model_config.eos_token_id
+    if isinstance(eos, (tuple, list)):
+        eos = eos[0] if eos else None
+    sched = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+        enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold, policy=scheduling_policy,
+        eos_token_id=eos)
+    config = EngineConfig(model_name=name, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                          cache_dtype=cache_dtype, attention_backend=attention_backend, seed=seed,
+                          kv_cache_config=kv_config, scheduler_config=sched)
+    return loaded, model_config, tokenizer, config

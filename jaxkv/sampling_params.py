@@ -1,0 +1,148 @@
+"""Sampling parameters for one request, with vLLM's names and defaults (no jax import).
+
+The engine reads these; the host core (`jaxkv.core`) reads ``max_tokens``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids`` and ``prompt_logprobs``. Nothing downstream mutates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+#: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
+SAMPLING_EPS = 1e-5
+
+
+class SamplingType(enum.IntEnum):
+    """How the sampler picks a token."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Sampling parameters (vLLM V1 names and defaults).
+
+    Normalisation done in ``__post_init__`` (so consumers see one form):
+      * ``stop``: ``None`` or a string becomes a list of strings.
+      * ``stop_token_ids``: ``None`` becomes ``[]``.
+      * ``top_k``: ``-1`` (vLLM's older "disabled") becomes ``0`` (disabled).
+      * greedy (``temperature < 1e-5``): ``top_p``, ``top_k``, ``min_p`` are reset to their
+        disabled values, as vLLM does.
+
+    Attributes:
+        n: Number of completions per prompt (>= 1; identical when greedy).
+        temperature: Softmax temperature (>= 0); below 1e-5 means greedy.
+        top_p: Nucleus mass in (0, 1].
+        top_k: Keep the k most likely tokens; 0 (or -1) disables.
+        min_p: Minimum probability relative to the most likely token, in [0, 1].
+        seed: Per-request generator seed, or None.
+        stop: Stop strings (matched by the detokenizer, not the core).
+        stop_token_ids: Token ids that stop generation (checked by the scheduler).
+        ignore_eos: Keep generating after EOS.
+        max_tokens: Maximum number of generated tokens (>= 1), or None for "until
+            max_model_len".
+        min_tokens: EOS and stop token ids are ignored before this many tokens.
+        logprobs: Number of top logprobs per generated token (None: none; -1: whole vocab).
+        prompt_logprobs: Number of top logprobs per prompt token (None: none). Requests
+            that ask for them bypass prefix-cache hits.
+        presence_penalty: In [-2, 2].
+        frequency_penalty: In [-2, 2].
+        repetition_penalty: > 0; 1 disables.
+        include_stop_str_in_output: Keep the matched stop string in the text.
+        skip_special_tokens: Drop special tokens when detokenizing.
+        spaces_between_special_tokens: Detokenizer option.
+        detokenize: Whether the engine detokenizes the output.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self):
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an int >= 1 (or None), got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < -1):
+                raise ValueError(f"{name} must be None, -1 (whole vocab) or >= 0, got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must contain non-empty strings, got {self.stop!r}")
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+
+        if self.greedy:
+            # n > 1 with greedy is allowed (vLLM V1): the n completions are identical.
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        """True when ``temperature < 1e-5`` (vLLM treats that as temperature 0)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.greedy:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM

@@ -1,0 +1,28 @@
+"""Static shape buckets: few shapes, so steady-state serving never compiles."""
+
+from __future__ import annotations
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from ``lo`` up to ``hi``, plus ``hi`` itself when it is not one.
+
+    Example: ``pow2_buckets(16, 96) == (16, 32, 64, 96)``.
+    """
+    if lo < 1 or hi < 1:
+        raise ValueError(f"bucket bounds must be >= 1, got lo={lo}, hi={hi}")
+    out, b = [], 1
+    while b < lo:
+        b *= 2
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """Smallest bucket >= n; ValueError if n exceeds the largest."""
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")

@@ -1,0 +1,311 @@
+"""ModelRunner: turns a ``SchedulerOutput`` into one jitted device step.
+
+Per step the runner (1) updates its persistent batch (request id <-> row) and stages the
+block-table diff, (2) builds the host inputs in row order and packs them into one int32 array
+(one host->device transfer), (3) runs the jitted step with the KV buffers and block tables
+donated, and (4) fetches one packed int32 array of results (one device->host transfer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.core import ModelRunnerOutput, SchedulerOutput
+from jaxkv.kv_cache import KVCacheConfig, cdiv
+from jaxkv.worker import kv_memory
+from jaxkv.worker.block_table import apply_block_table_ops_jit
+from jaxkv.worker.buckets import pick_bucket, pow2_buckets
+from jaxkv.worker.input_batch import InputBatch
+from jaxkv.worker.packing import pack, unpack_host
+from jaxkv.worker.sampling_adapter import (
+    bucket_k,
+    prompt_logprobs_fn,
+    prompt_row,
+    row_logprobs,
+    sample_fn,
+)
+from jaxkv.worker.step import StepShape, build_step_fn
+from models.config import KVCacheBinding
+
+BACKENDS = ("auto", "xla", "pallas", "reference")
+
+
+def resolve_backend(name: str, platform: str | None = None) -> tuple[str, bool]:
+    """("auto" | "xla" | "pallas" | "reference") -> (backend, interpret).
+
+    "auto" is Pallas on GPU/TPU and the XLA backend on CPU, where Pallas only runs in
+    interpret mode (~100x slower than XLA, measured). "pallas" on CPU means interpret mode.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    platform = platform or jax.default_backend()
+    if name == "auto":
+        return ("pallas", False) if platform in ("gpu", "cuda", "rocm", "tpu") else ("xla", False)
+    return name, (name == "pallas" and platform == "cpu")
+
+
+@dataclasses.dataclass
+class CachedRequestState:
+    """What the worker remembers of a request between steps."""
+
+    req_id: str
+    token_ids: list[int]             # prompt + generated tokens
+    num_prompt_tokens: int
+    sampling_params: object
+    block_ids: list[list[int]]       # per KV-cache group
+    num_computed_tokens: int
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def _wants_prompt_logprobs(s: CachedRequestState) -> bool:
+    return (getattr(s.sampling_params, "prompt_logprobs", None) is not None
+            and s.num_computed_tokens < s.num_prompt_tokens)
+
+
+class ModelRunner:
+    """Device side of the engine for one model and one ``KVCacheConfig``.
+
+    Args:
+      model: an NNX model with the ``models`` paged-forward interface.
+      kv_cache_config: the plan; buffers are allocated here.
+      max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits.
+      attention_backend: "auto" | "xla" | "pallas" | "reference".
+      cache_dtype: KV-cache dtype name ("float32", "bfloat16", "float16", "fp8").
+      seed: engine seed for requests without their own.
+    """
+
+    def __init__(self, model, kv_cache_config: KVCacheConfig, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, attention_backend: str = "auto",
+                 cache_dtype: str = "float32", seed: int = 0, eos_token_id: int | None = None, k_scale: float | None = None,
+                 v_scale: float | None = None, min_token_bucket: int = 16, min_seq_bucket: int = 8,
+                 min_width_bucket: int = 4):
+        self.config = kv_cache_config
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = kv_cache_config.block_size
+        self.num_groups = len(kv_cache_config.kv_cache_groups)
+        self.vocab_size = model.config.vocab_size
+        backend, interpret = resolve_backend(attention_backend)
+        self.backend = backend
+        self.binding = KVCacheBinding(
+            layers=tuple((name, g, t) for name, (g, t) in kv_cache_config.layer_binding().items()),
+            block_size=self.block_size, cache_dtype=cache_dtype, backend=backend,
+            interpret=interpret, k_scale=k_scale, v_scale=v_scale)
+        self.page_bytes = kv_memory.page_size_bytes(kv_cache_config)
+
+        self.graphdef, self.state = nnx.split(model)
+        self.buffers = kv_memory.allocate_kv_buffers(kv_cache_config)
+        self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len,
+                                      [self.max_blocks_per_req] * self.num_groups, engine_seed=seed)
+        self.stager = self.input_batch.block_table
+        self.tables = self.stager.device_tables()
+        self.eos_token_id = eos_token_id
+
+        self.token_buckets = pow2_buckets(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens)
+        self.seq_buckets = pow2_buckets(min(min_seq_bucket, max_num_seqs), max_num_seqs)
+        self.width_buckets = pow2_buckets(min(min_width_bucket, self.max_blocks_per_req), self.max_blocks_per_req)
+
+        self.requests: dict[str, CachedRequestState] = {}
+        self._out_specs: dict = {}
+        step = build_step_fn(self.graphdef, binding=self.binding, page_bytes=self.page_bytes,
+                             sample_fn=sample_fn, prompt_logprobs_fn=prompt_logprobs_fn,
+                             out_specs=self._out_specs)
+        self._step = jax.jit(step, static_argnames=("shape",), donate_argnames=("buffers", "tables"))
+        self.compiled_shapes: set[StepShape] = set()
+        self.num_compiles = 0
+        self.compile_seconds = 0.0
+
+    # ---- persistent batch ---------------------------------------------------------------------
+
+    def _add_to_batch(self, s: CachedRequestState) -> None:
+        self.input_batch.add_request(
+            s.req_id, s.token_ids[: s.num_prompt_tokens], s.block_ids, s.sampling_params,
+            output_token_ids=s.token_ids[s.num_prompt_tokens:],
+            num_computed_tokens=s.num_computed_tokens)
+
+    def _update_states(self, so: SchedulerOutput) -> list[int]:
+        """Applies the scheduler's decisions to the persistent batch; returns block ids to zero.
+
+        As vLLM: finished requests are forgotten; preempted and unscheduled ones leave the
+        batch but keep their state; new and resumed ones take free rows (a resumed request's
+        block lists are replaced); running ones get their new blocks appended; then the batch
+        is condensed so rows 0..n-1 are exactly this step's requests.
+        """
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        for req_id in so.preempted_req_ids:
+            batch.remove_request(req_id)
+        for req_id in batch.req_ids:
+            if req_id not in so.num_scheduled_tokens:
+                batch.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            s = CachedRequestState(
+                req_id=new.req_id, token_ids=list(new.prompt_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids), sampling_params=new.sampling_params,
+                block_ids=[list(ids) for ids in new.block_ids],
+                num_computed_tokens=new.num_computed_tokens)
+            self.requests[new.req_id] = s
+            self._add_to_batch(s)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            s = self.requests[req_id]
+            s.num_computed_tokens = cached.num_computed_tokens[i]
+            new_ids = cached.new_block_ids[i]
+            resumed = cached.resumed_from_preemption[i]
+            if resumed:
+                s.block_ids = [list(ids) for ids in new_ids]
+            elif new_ids is not None:
+                for g, ids in enumerate(new_ids):
+                    s.block_ids[g].extend(ids)
+            row = batch.req_id_to_index.get(req_id)
+            if row is not None and not resumed:
+                batch.num_computed_tokens_cpu[row] = s.num_computed_tokens
+                if new_ids is not None and any(new_ids):
+                    batch.append_block_ids(req_id, new_ids)
+            else:
+                batch.remove_request(req_id)
+                self._add_to_batch(s)
+        batch.condense()
+        return list(so.new_block_ids_to_zero)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        zero_ids = self._update_states(so)
+        batch = self.input_batch
+        req_ids = batch.req_ids
+        n = len(req_ids)
+        if n == 0 or so.total_num_scheduled_tokens == 0:
+            if self.stager.has_pending_ops():
+                self._flush_block_table_ops()
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        states = [self.requests[r] for r in req_ids]
+        q_lens = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
+        total = int(q_lens.sum())
+        T = pick_bucket(total, self.token_buckets)
+        S = pick_bucket(n, self.seq_buckets)
+        num_computed = np.zeros(S, np.int32)
+        num_computed[:n] = batch.num_computed_tokens_cpu[:n]
+        widest = int((num_computed[:n] + q_lens).max())
+        width = pick_bucket(cdiv(widest, self.block_size), self.width_buckets)
+        qsl = np.zeros(S + 1, np.int32)
+        qsl[1 : n + 1] = np.cumsum(q_lens)
+        qsl[n + 1 :] = total
+        input_ids = np.zeros(T, np.int32)
+        for i in range(n):
+            c = int(num_computed[i])
+            input_ids[qsl[i] : qsl[i + 1]] = batch.token_ids_cpu[i, c : c + q_lens[i]]
+        ops, ops_layout = self.stager.encode()
+        zeros = np.full(max(8, 1 << max(len(zero_ids) - 1, 0).bit_length()), -1, np.int32)
+        zeros[: len(zero_ids)] = zero_ids
+        md = batch.sampling_metadata(S, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size)
+        if md.max_num_logprobs is not None:
+            md = dataclasses.replace(md, max_num_logprobs=bucket_k(md.max_num_logprobs))
+        leaves, treedef = jax.tree_util.tree_flatten(md)
+        arrays = {"input_ids": input_ids, "query_start_loc": qsl, "num_computed": num_computed,
+                  "num_seqs": np.array([n], np.int32), "block_ops": ops, "zero_blocks": zeros}
+        arrays.update({f"sampling_{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)})
+        k_prompt = self._prompt_logprobs_k(states)
+        if k_prompt >= 0:
+            arrays["prompt_targets"] = self._prompt_targets(states, qsl, q_lens, T)
+        packed, spec = pack(arrays)
+        shape = StepShape(num_tokens=T, num_seqs=S, width=width,
+                          max_q_len=1 if int(q_lens.max()) == 1 else T, inputs=spec, ops=ops_layout,
+                          sampling_treedef=treedef, prompt_logprobs=bucket_k(k_prompt) if k_prompt > 0 else k_prompt)
+        results = self._run(shape, packed)
+
+        sampled = results["sampled_token_ids"]
+        want_lp = "logprobs" in results
+        out_tokens: list[list[int]] = []
+        logprobs_out: list | None = [] if want_lp else None
+        prompt_lp: dict = {}
+        for i, s in enumerate(states):
+            end = s.num_computed_tokens + int(q_lens[i])
+            if k_prompt >= 0 and _wants_prompt_logprobs(s):
+                prompt_lp[s.req_id] = self._collect_prompt_logprobs(s, results, int(qsl[i]), int(q_lens[i]))
+            if end >= len(s.token_ids):          # caught up: this step samples a token
+                tok = int(sampled[i])
+                s.token_ids.append(tok)
+                batch.append_token_ids(s.req_id, [tok])
+                out_tokens.append([tok])
+                if want_lp:
+                    k = s.sampling_params.logprobs
+                    logprobs_out.append([row_logprobs(results, i, k)] if k is not None else [])
+            else:                                # a partial prefill chunk: nothing sampled
+                out_tokens.append([])
+                if want_lp:
+                    logprobs_out.append([])
+            s.num_computed_tokens = end
+            batch.num_computed_tokens_cpu[i] = end
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=out_tokens, logprobs=logprobs_out,
+                                 prompt_logprobs_dict=prompt_lp)
+
+    def _flush_block_table_ops(self) -> None:
+        """Applies staged block-table ops without running the model (nothing scheduled)."""
+        ops, layout = self.stager.encode()
+        self.tables = apply_block_table_ops_jit(self.tables, jnp.asarray(ops), layout=layout)
+
+    def _run(self, shape: StepShape, packed: np.ndarray) -> dict[str, np.ndarray]:
+        new = shape not in self.compiled_shapes
+        t0 = time.perf_counter()
+        self.buffers, self.tables, out = self._step(self.state, self.buffers, self.tables,
+                                                    jnp.asarray(packed), shape=shape)
+        host = np.asarray(jax.device_get(out))
+        if new:
+            self.compiled_shapes.add(shape)
+            self.num_compiles += 1
+            self.compile_seconds += time.perf_counter() - t0
+        return unpack_host(host, self._out_specs[shape])
+
+    # ---- prompt logprobs ----------------------------------------------------------------------
+
+    @staticmethod
+    def _prompt_logprobs_k(states: Sequence[CachedRequestState]) -> int:
+        """Top-k of prompt logprobs this step needs (-1: no request is in its prompt and asks)."""
+        ks = [s.sampling_params.prompt_logprobs for s in states if _wants_prompt_logprobs(s)]
+        return max(ks) if ks else -1
+
+    @staticmethod
+    def _prompt_targets(states, qsl, q_lens, T) -> np.ndarray:
+        """Per token, the next prompt token (the target of its prompt logprob) or -1."""
+        targets = np.full(T, -1, np.int32)
+        for i, s in enumerate(states):
+            if not _wants_prompt_logprobs(s):
+                continue
+            for j in range(int(q_lens[i])):
+                pos = s.num_computed_tokens + j
+                if pos + 1 < s.num_prompt_tokens:
+                    targets[qsl[i] + j] = s.token_ids[pos + 1]
+        return targets
+
+    @staticmethod
+    def _collect_prompt_logprobs(s, results, start, q_len) -> list:
+        """TokenLogprobs of the prompt positions computed this step (targets = next prompt token)."""
+        k = s.sampling_params.prompt_logprobs
+        return [prompt_row(results, start + j, s.token_ids[s.num_computed_tokens + j + 1], k)
+                for j in range(q_len) if s.num_computed_tokens + j + 1 < s.num_prompt_tokens]
+
+    # ---- warm-up and introspection ------------------------------------------------------------
+
+    def device_block_tables(self) -> list[np.ndarray]:
+        """The device tables fetched to the host (tests compare them with the scheduler)."""
+        return [np.asarray(t) for t in self.tables]
+
+    def row_of(self, req_id: str) -> int:
+        return self.input_batch.req_id_to_index[req_id]

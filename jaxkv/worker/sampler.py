@@ -1,0 +1,411 @@
+"""The sampler: logits of the last token of each request row -> next token ids (+ logprobs).
+
+Everything here runs on the device inside the jitted step. The per-row inputs come in one
+:class:`SamplingMetadata` pytree built on the host by :func:`build_sampling_metadata`
+(plain numpy leaves, so the runner can pack them into its one host->device transfer).
+
+Shape names: ``S`` request rows (padded to a bucket), ``V`` vocab size, ``K`` number of top
+logprobs, ``Lp`` / ``Lo`` / ``Lb`` padded lengths of the prompt, output and banned-token lists.
+
+Order of operations (vLLM V1 ``Sampler.forward``):
+  1. logprobs, if requested, from the *raw* logits (vLLM's default ``logprobs_mode =
+     "raw_logprobs"``: before bans, penalties, temperature and truncation);
+  2. banned tokens -> -inf (min_tokens: EOS and stop ids before ``min_tokens`` outputs);
+  3. penalties: repetition (tokens in prompt or output), frequency and presence (output);
+  4. greedy rows (``temperature < SAMPLING_EPS``) take the argmax of these logits, exactly;
+  5. temperature, then min_p, then top_k / top_p (one sort per row), then a Gumbel-max draw.
+
+Randomness is per request, never batch-wide: row ``i`` draws with
+``fold_in(key_i, num_output_tokens_i)`` where ``key_i`` is the request's own key (from its
+``seed``, or from the engine seed and the request id). A seeded request therefore gets the same
+tokens alone or at any row of any batch, and after a preemption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.sampling_params import SAMPLING_EPS
+
+#: PRNG implementation of the per-request key data ([2] uint32 per request).
+PRNG_IMPL = "threefry2x32"
+#: Padding entry of the token-id lists in SamplingMetadata (counts nothing, bans nothing).
+PAD_TOKEN_ID = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling inputs for S rows. Padding rows are greedy with neutral parameters."""
+
+    temperature: jax.Array         # [S] float32; < SAMPLING_EPS means greedy
+    top_k: jax.Array               # [S] int32; 0 = off
+    top_p: jax.Array               # [S] float32; 1 = off
+    min_p: jax.Array               # [S] float32; 0 = off
+    presence_penalty: jax.Array    # [S] float32; 0 = off
+    frequency_penalty: jax.Array   # [S] float32; 0 = off
+    repetition_penalty: jax.Array  # [S] float32; 1 = off
+    key_data: jax.Array            # [S, 2] uint32, the request's threefry key (make_request_key)
+    num_output_tokens: jax.Array   # [S] int32, tokens generated so far (folded into the key)
+    prompt_token_ids: jax.Array    # [S, Lp] int32, PAD_TOKEN_ID-padded; Lp = 0 unless use_penalties
+    output_token_ids: jax.Array    # [S, Lo] int32, PAD_TOKEN_ID-padded; Lo = 0 unless use_penalties
+    banned_token_ids: jax.Array    # [S, Lb] int32, PAD_TOKEN_ID-padded; set to -inf this step
+    all_greedy: bool = True        # static: skip temperature, truncation and the random draw
+    use_penalties: bool = False    # static: apply repetition / frequency / presence penalties
+    use_top_k_top_p: bool = False  # static: some random row has top_k > 0 or top_p < 1
+    max_num_logprobs: int | None = None  # static: None = no logprobs; K >= 0 = sampled + top-K
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+
+jax.tree_util.register_dataclass(
+    SamplingMetadata,
+    data_fields=[
+        "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "key_data", "num_output_tokens", "prompt_token_ids",
+        "output_token_ids", "banned_token_ids",
+    ],
+    meta_fields=["all_greedy", "use_penalties", "use_top_k_top_p", "max_num_logprobs"],
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """Sampled tokens and, when ``max_num_logprobs`` is not None, their logprobs."""
+
+    sampled_token_ids: jax.Array        # [S] int32
+    logprobs: jax.Array | None          # [S, K + 1] float32: sampled token first, then the top K
+    logprob_token_ids: jax.Array | None  # [S, K + 1] int32, token ids of ``logprobs``
+    sampled_rank: jax.Array | None      # [S] int32, 1-based rank of the sampled token (raw logits)
+
+
+jax.tree_util.register_dataclass(
+    SamplerOutput,
+    data_fields=["sampled_token_ids", "logprobs", "logprob_token_ids", "sampled_rank"],
+    meta_fields=[],
+)
+
+
+# ---- logprobs ------------------------------------------------------------------------------
+
+
+def compute_logprobs(
+    logits: jax.Array,      # [P, V] float, raw logits (one row per position)
+    target_ids: jax.Array,  # [P] int32, the token whose logprob and rank are wanted
+    num_logprobs: int,      # static K >= 0
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Logprob and rank of ``target_ids`` plus the top-K logprobs of each row.
+
+    Usable for sampled tokens and for prompt positions (targets = the next prompt token).
+    ``rank`` is vLLM's: the number of tokens whose logprob is >= the target's (1 = most likely;
+    ties share the worse rank).
+
+    Returns:
+      target_logprob [P] float32, rank [P] int32, topk_ids [P, K] int32,
+      topk_logprobs [P, K] float32 (descending).
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [P, V]
+    target_ids = target_ids.astype(jnp.int32)
+    target_logprob = jnp.take_along_axis(logprobs, target_ids[:, None], axis=-1)[:, 0]  # [P]
+    rank = jnp.sum(logprobs >= target_logprob[:, None], axis=-1, dtype=jnp.int32)  # [P]
+    topk_logprobs, topk_ids = jax.lax.top_k(logprobs, num_logprobs)  # [P, K]
+    return target_logprob, rank, topk_ids.astype(jnp.int32), topk_logprobs
+
+
+# ---- logits processing ---------------------------------------------------------------------
+
+
+def _token_counts(
+    token_ids: jax.Array,  # [S, L] int32, PAD_TOKEN_ID-padded
+    vocab_size: int,
+    *,
+    presence_only: bool = False,
+) -> jax.Array:            # [S, V] int32 counts, or bool presence when presence_only
+    """Per-row bincount of token ids on the device (padding entries are dropped)."""
+    rows = jnp.broadcast_to(jnp.arange(token_ids.shape[0])[:, None], token_ids.shape)
+    cols = jnp.where(token_ids < 0, vocab_size, token_ids)  # pad -> out of range -> dropped
+    if presence_only:
+        seen = jnp.zeros((token_ids.shape[0], vocab_size), jnp.bool_)
+        return seen.at[rows, cols].set(True, mode="drop")
+    counts = jnp.zeros((token_ids.shape[0], vocab_size), jnp.int32)
+    return counts.at[rows, cols].add(1, mode="drop")
+
+
+def apply_banned_tokens(
+    logits: jax.Array,     # [S, V] float32
+    banned_ids: jax.Array,  # [S, Lb] int32, PAD_TOKEN_ID-padded
+) -> jax.Array:            # [S, V] float32
+    """Sets banned tokens to -inf (a no-op when Lb == 0)."""
+    if banned_ids.shape[1] == 0:
+        return logits
+    rows = jnp.broadcast_to(jnp.arange(banned_ids.shape[0])[:, None], banned_ids.shape)
+    cols = jnp.where(banned_ids < 0, logits.shape[1], banned_ids)
+    return logits.at[rows, cols].set(-jnp.inf, mode="drop")
+
+
+def apply_penalties(
+    logits: jax.Array,              # [S, V] float32
+    prompt_token_ids: jax.Array,    # [S, Lp] int32, PAD_TOKEN_ID-padded
+    output_token_ids: jax.Array,    # [S, Lo] int32, PAD_TOKEN_ID-padded
+    presence_penalty: jax.Array,    # [S] float32
+    frequency_penalty: jax.Array,   # [S] float32
+    repetition_penalty: jax.Array,  # [S] float32
+) -> jax.Array:                     # [S, V] float32
+    """vLLM's penalties.
+
+    For a token seen in the prompt or the output, repetition divides a positive logit by
+    ``repetition_penalty`` and multiplies a non-positive one; then, for a token seen ``c > 0``
+    times in the output, ``logit -= c * frequency_penalty + presence_penalty``.
+    """
+    vocab = logits.shape[1]
+    output_counts = _token_counts(output_token_ids, vocab)                         # [S, V] int32
+    in_prompt = _token_counts(prompt_token_ids, vocab, presence_only=True)         # [S, V] bool
+    in_output = output_counts > 0                                                  # [S, V] bool
+    rep = repetition_penalty[:, None]
+    repeated = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(in_prompt | in_output, repeated, logits)
+    logits = logits - frequency_penalty[:, None] * output_counts.astype(jnp.float32)
+    return logits - presence_penalty[:, None] * in_output.astype(jnp.float32)
+
+
+def apply_min_p(
+    logits: jax.Array,  # [S, V] float32, temperature already applied
+    min_p: jax.Array,   # [S] float32
+) -> jax.Array:         # [S, V] float32
+    """Masks tokens with ``p < min_p * p_max``, i.e. ``logit < logit_max + log(min_p)``.
+
+    The comparison is done on logits (no softmax): the two tests are the same because the
+    softmax normaliser cancels. ``min_p = 0`` gives ``log 0 = -inf`` and keeps everything.
+    """
+    threshold = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def apply_top_k_top_p(
+    logits: jax.Array,  # [S, V] float32, temperature already applied
+    top_k: jax.Array,   # [S] int32, 0 = off
+    top_p: jax.Array,   # [S] float32, 1 = off
+) -> jax.Array:         # [S, V] float32
+    """Keeps the top_k most likely tokens, then the smallest prefix of them holding top_p mass.
+
+    One descending sort per row. A token stays if it is among the first ``top_k`` and the
+    probability mass (over those ``top_k``) strictly before it is < ``top_p``; at least one
+    token always stays. The kept set is a prefix of the sorted row, so the mask is a threshold
+    on the logit of its last element (ties with that element are kept, as in vLLM's top-k).
+
+    Example: probs [0.5, 0.3, 0.15, 0.05] with top_p 0.7: mass before each token is
+    [0, 0.5, 0.8, 0.95] -> the first two stay.
+    """
+    vocab = logits.shape[1]
+    sorted_desc = jnp.sort(logits, axis=-1, descending=True)                  # [S, V]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)                # [S]
+    in_top_k = jnp.arange(vocab)[None, :] < k[:, None]                        # [S, V]
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs                          # [S, V]
+    # top_p >= 1 keeps everything explicitly: a float32 cumsum can reach 1 before the tail.
+    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    num_kept = jnp.maximum(jnp.sum(keep, axis=-1), 1)                         # [S]
+    threshold = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)  # [S, 1]
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def _request_keys(
+    key_data: jax.Array,           # [S, 2] uint32
+    num_output_tokens: jax.Array,  # [S] int32
+) -> jax.Array:                    # [S] typed PRNG keys
+    keys = jax.random.wrap_key_data(key_data.astype(jnp.uint32), impl=PRNG_IMPL)
+    return jax.vmap(jax.random.fold_in)(keys, num_output_tokens.astype(jnp.uint32))
+
+
+def random_sample(
+    logits: jax.Array,             # [S, V] float32, processed (temperature, truncation)
+    key_data: jax.Array,           # [S, 2] uint32
+    num_output_tokens: jax.Array,  # [S] int32
+) -> jax.Array:                    # [S] int32
+    """Gumbel-max draw from ``softmax(logits)`` with each row's own key."""
+    keys = _request_keys(key_data, num_output_tokens)
+    vocab = logits.shape[1]
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)  # [S, V]
+    return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
+
+
+# ---- the sampler ---------------------------------------------------------------------------
+
+
+def sample(
+    logits: jax.Array,       # [S, V] float (one row per request row)
+    md: SamplingMetadata,
+) -> SamplerOutput:
+    """Samples one token per row (see the module docstring for the order). Jittable."""
+    logits = logits.astype(jnp.float32)
+    raw_logits = logits
+
+    logits = apply_banned_tokens(logits, md.banned_token_ids)
+    if md.use_penalties:
+        logits = apply_penalties(
+            logits, md.prompt_token_ids, md.output_token_ids,
+            md.presence_penalty, md.frequency_penalty, md.repetition_penalty,
+        )
+    token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # greedy: exact argmax
+
+    if not md.all_greedy:
+        is_greedy = md.temperature < SAMPLING_EPS
+        temperature = jnp.where(is_greedy, 1.0, md.temperature)
+        scaled = logits / temperature[:, None]
+        scaled = apply_min_p(scaled, md.min_p)
+        if md.use_top_k_top_p:
+            scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
+        random_ids = random_sample(scaled, md.key_data, md.num_output_tokens)
+        token_ids = jnp.where(is_greedy, token_ids, random_ids)
+
+    if md.max_num_logprobs is None:
+        return SamplerOutput(token_ids, None, None, None)
+    token_logprob, rank, topk_ids, topk_logprobs = compute_logprobs(
+        raw_logits, token_ids, md.max_num_logprobs
+    )
+    return SamplerOutput(
+        sampled_token_ids=token_ids,
+        logprobs=jnp.concatenate([token_logprob[:, None], topk_logprobs], axis=-1),
+        logprob_token_ids=jnp.concatenate([token_ids[:, None], topk_ids], axis=-1),
+        sampled_rank=rank,
+    )
+
+
+# ---- host side: keys and metadata ----------------------------------------------------------
+
+
+def make_request_key(seed: int) -> np.ndarray:  # [2] uint32
+    """Threefry key data of a request seed (any int; taken modulo 2**64), computed on the host.
+
+    Equals ``jax.random.key_data(jax.random.PRNGKey(seed))`` for 0 <= seed < 2**32; larger
+    seeds keep their high 32 bits (PRNGKey drops them when x64 is off).
+    """
+    seed %= 1 << 64
+    return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+
+
+def make_unseeded_request_key(engine_seed: int, req_id: str) -> np.ndarray:  # [2] uint32
+    """Key of a request without a seed: a stable hash of (engine seed, request id).
+
+    vLLM request ids are unique within an engine, so the id plays the role of a per-request
+    counter; unlike a counter it needs no state and survives preemption and re-adding.
+    """
+    digest = hashlib.blake2b(f"{engine_seed}\0{req_id}".encode(), digest_size=8).digest()
+    return make_request_key(int.from_bytes(digest, "little"))
+
+
+def _pow2_bucket(n: int, min_size: int) -> int:
+    """0 for n == 0, else the smallest power of two >= max(n, min_size)."""
+    if n == 0:
+        return 0
+    size = max(min_size, 1)
+    while size < n:
+        size *= 2
+    return size
+
+
+def _pad_lists(lists: Sequence[Sequence[int]], num_rows: int, width: int) -> np.ndarray:
+    out = np.full((num_rows, width), PAD_TOKEN_ID, np.int32)  # [S, width]
+    for i, ids in enumerate(lists):
+        out[i, : len(ids)] = ids
+    return out
+
+
+def build_sampling_metadata(
+    params: Sequence,                       # [n] SamplingParams (or duck-typed), real rows
+    key_data: np.ndarray,                   # [n, 2] uint32, make_request_key / make_unseeded_...
+    num_output_tokens: Sequence[int],       # [n] tokens generated so far per row
+    prompt_token_ids: Sequence[Sequence[int]] | None = None,  # [n] lists; needed for penalties
+    output_token_ids: Sequence[Sequence[int]] | None = None,  # [n] lists; needed for penalties
+    *,
+    num_rows: int,                          # S >= n: the request bucket
+    eos_token_id: int | None = None,
+    vocab_size: int | None = None,          # needed only to resolve logprobs=-1 (whole vocab)
+    min_history_bucket: int = 16,
+) -> SamplingMetadata:
+    """Builds the (numpy) SamplingMetadata of one step for rows ``0..n-1``, padded to S rows.
+
+    Padding rows are greedy with neutral parameters. Static fields, chosen so the jitted step
+    sees few variants: ``all_greedy``, ``use_penalties``, ``use_top_k_top_p`` from the rows;
+    ``max_num_logprobs`` = the largest requested K rounded up to a power of two (each row
+    then keeps its own first K + 1 columns). History widths Lp / Lo are powers of two
+    (>= ``min_history_bucket``) and 0 when no row uses penalties. ``min_tokens``: while a row
+    has fewer outputs, its stop token ids (and EOS unless ``ignore_eos``) are banned.
+    """
+    n = len(params)
+    if n > num_rows:
+        raise ValueError(f"{n} requests do not fit in a bucket of {num_rows} rows")
+    f32 = np.float32
+    temperature = np.zeros(num_rows, f32)
+    top_k = np.zeros(num_rows, np.int32)
+    top_p = np.ones(num_rows, f32)
+    min_p = np.zeros(num_rows, f32)
+    presence = np.zeros(num_rows, f32)
+    frequency = np.zeros(num_rows, f32)
+    repetition = np.ones(num_rows, f32)
+    keys = np.zeros((num_rows, 2), np.uint32)
+    keys[:n] = np.asarray(key_data, np.uint32).reshape(n, 2)
+    steps = np.zeros(num_rows, np.int32)
+    steps[:n] = num_output_tokens
+
+    banned: list[list[int]] = []
+    max_logprobs = None
+    for i, p in enumerate(params):
+        temperature[i] = p.temperature
+        top_k[i] = max(int(p.top_k), 0)  # -1 = off, as 0
+        top_p[i], min_p[i] = p.top_p, p.min_p
+        presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
+        repetition[i] = p.repetition_penalty
+        if steps[i] < getattr(p, "min_tokens", 0):
+            stop_ids = list(getattr(p, "stop_token_ids", None) or [])
+            if eos_token_id is not None and not getattr(p, "ignore_eos", False):
+                stop_ids.append(eos_token_id)
+            banned.append(stop_ids)
+        else:
+            banned.append([])
+        k = getattr(p, "logprobs", None)
+        if k is not None:
+            if k == -1:
+                if vocab_size is None:
+                    raise ValueError("logprobs=-1 (whole vocab) needs vocab_size")
+                k = vocab_size
+            max_logprobs = max(max_logprobs or 0, int(k))
+
+    is_random = temperature[:n] >= SAMPLING_EPS
+    use_penalties = bool(
+        np.any(presence != 0) or np.any(frequency != 0) or np.any(repetition != 1)
+    )
+    use_top_k_top_p = bool(np.any(is_random & ((top_k[:n] > 0) | (top_p[:n] < 1))))
+    if max_logprobs is not None:
+        max_logprobs = _pow2_bucket(max_logprobs, 1)
+        if vocab_size is not None:
+            max_logprobs = min(max_logprobs, vocab_size)
+
+    if use_penalties:
+        if prompt_token_ids is None or output_token_ids is None:
+            raise ValueError("penalties need prompt_token_ids and output_token_ids per row")
+        lp = _pow2_bucket(max((len(x) for x in prompt_token_ids), default=0), min_history_bucket)
+        lo = _pow2_bucket(max((len(x) for x in output_token_ids), default=0), min_history_bucket)
+        prompt_arr = _pad_lists(prompt_token_ids, num_rows, lp)
+        output_arr = _pad_lists(output_token_ids, num_rows, lo)
+    else:
+        prompt_arr = output_arr = np.zeros((num_rows, 0), np.int32)
+    banned_arr = _pad_lists(banned, num_rows, _pow2_bucket(max(map(len, banned), default=0), 4))
+
+    return SamplingMetadata(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+        key_data=keys, num_output_tokens=steps,
+        prompt_token_ids=prompt_arr, output_token_ids=output_arr, banned_token_ids=banned_arr,
+        all_greedy=not bool(np.any(is_random)),
+        use_penalties=use_penalties,
+        use_top_k_top_p=use_top_k_top_p,
+        max_num_logprobs=max_logprobs,
+    )

@@ -1,0 +1,102 @@
+"""The jitted step: block-table diff -> zero new blocks -> slot mapping -> model -> sampler.
+
+Everything the host sends arrives packed in one int32 array (``packing``); everything the
+host needs comes back packed in one int32 array. KV buffers and block tables are donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxkv.worker import kv_memory
+from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops
+from jaxkv.worker.packing import PackSpec, pack_device, unpack
+from pallas_kernels import PAD_SLOT_ID, AttentionMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """Static shape of one step; every distinct value is one compile."""
+
+    num_tokens: int          # T
+    num_seqs: int            # S
+    width: int               # B: block-table columns read this step
+    max_q_len: int           # 1 for a pure-decode step, else T
+    inputs: PackSpec         # layout of the packed host->device buffer
+    ops: BlockTableOpsLayout # layout of the block-table diff inside it
+    sampling_treedef: object # pytree structure of the sampling metadata (its static flags)
+    prompt_logprobs: int     # top-k of prompt logprobs (-1: none requested this step)
+
+
+def token_positions(query_start_loc, num_computed, num_seqs, num_tokens):
+    """Per token: its sequence row, position and validity.
+
+    query_start_loc: [S + 1] int32; num_computed: [S] int32 (tokens cached before this step).
+    Returns seq [T] int32, positions [T] int32, valid [T] bool.
+    Example: query_start_loc [0, 2, 5], num_computed [5, 0] -> seq [0, 0, 1, 1, 1],
+    positions [5, 6, 0, 1, 2].
+    """
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, num_computed.shape[0] - 1)
+    valid = t < query_start_loc[num_seqs]
+    positions = num_computed[seq] + t - query_start_loc[seq]
+    return seq, jnp.where(valid, positions, 0), valid
+
+
+def slot_mapping(block_table, seq, positions, valid, block_size):
+    """slot = block_table[seq, pos // bs] * bs + pos % bs; padding tokens get PAD_SLOT_ID.
+
+    block_table: [S, B] int32; seq, positions: [T] int32; valid: [T] bool -> [T] int32.
+    """
+    col = jnp.minimum(positions // block_size, block_table.shape[1] - 1)
+    slots = block_table[seq, col] * block_size + positions % block_size
+    return jnp.where(valid, slots, PAD_SLOT_ID).astype(jnp.int32)
+
+
+def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logprobs_fn,
+                  out_specs: dict):
+    """Returns ``step(state, buffers, tables, packed, *, shape)`` to be jitted by the caller.
+
+    The packed output's layout is recorded in ``out_specs[shape]`` when a shape is traced
+    (it depends only on the static shape), so the host can unpack the one array it fetches.
+    """
+
+    def step(state, buffers, tables, packed, *, shape: StepShape):
+        x = unpack(packed, shape.inputs)
+        tables = apply_block_table_ops(tables, x["block_ops"], layout=shape.ops)
+        if x["zero_blocks"].shape[0]:
+            buffers = tuple(kv_memory.zero_blocks(b, x["zero_blocks"], page_bytes=page_bytes)
+                            for b in buffers)
+        num_seqs = x["num_seqs"][0]
+        qsl = x["query_start_loc"]                        # [S + 1]
+        num_computed = x["num_computed"]                  # [S]
+        q_len = qsl[1:] - qsl[:-1]
+        seq_lens = jnp.where(q_len > 0, num_computed + q_len, 0)
+        seq, positions, valid = token_positions(qsl, num_computed, num_seqs, shape.num_tokens)
+        mds = []
+        for table in tables:
+            bt = table[: shape.num_seqs, : shape.width]   # [S, B]
+            mds.append(AttentionMetadata(
+                seq_lens=seq_lens, query_start_loc=qsl, block_tables=bt,
+                slot_mapping=slot_mapping(bt, seq, positions, valid, binding.block_size),
+                num_seqs=num_seqs, max_q_len=shape.max_q_len))
+        model = nnx.merge(graphdef, state)
+        hidden, buffers = model(x["input_ids"], positions, tuple(buffers), tuple(mds), binding)
+        last = jnp.maximum(qsl[1:] - 1, 0)                # [S] last scheduled token of each seq
+        logits = model.compute_logits(hidden[last])       # [S, V] float32
+        sampling = jax.tree_util.tree_unflatten(
+            shape.sampling_treedef, [x[f"sampling_{i}"] for i in range(shape.sampling_treedef.num_leaves)])
+        out = sample_fn(logits, sampling)
+        if shape.prompt_logprobs >= 0:
+            all_logits = model.compute_logits(hidden)     # [T, V]
+            out.update(prompt_logprobs_fn(all_logits, x["prompt_targets"], shape.prompt_logprobs))
+        packed_out, out_specs[shape] = pack_device(out)
+        return buffers, tables, packed_out
+
+    return step

@@ -1,0 +1,79 @@
+"""Attention projections (q/k/v/o, optional per-head q/k norm, RoPE) and the paged attention call.
+
+The module owns the parameters and the static per-layer facts (window, soft-cap, sm_scale);
+*where* the keys come from is the caller's choice: ``paged_attend`` writes K/V into a paged
+buffer and calls ``pallas_kernels.paged_attention``; the dense reference attends over the
+whole sequence with plain jnp. Both go through the same ``project`` and ``o_proj``.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from models.config import KVCacheBinding, ModelConfig
+from models.layers import RMSNorm, apply_rope, linear, rope_inv_freq
+from pallas_kernels import AttentionMetadata, kv_cache_view, paged_attention, write_kv
+
+
+class Attention(nnx.Module):
+    """GQA attention of one decoder layer (HF names: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs):
+        c = config
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = c.num_key_value_heads
+        self.head_dim = c.head_dim
+        self.sliding_window = c.layer_window(layer_idx)
+        self.soft_cap = c.attn_logit_softcapping
+        self.sm_scale = c.sm_scale
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+        dt = c.dtype
+        h, d = c.hidden_size, c.head_dim
+        self.q_proj = linear(h, self.num_heads * d, use_bias=c.attention_bias, param_dtype=dt, rngs=rngs)
+        self.k_proj = linear(h, self.num_kv_heads * d, use_bias=c.attention_bias, param_dtype=dt, rngs=rngs)
+        self.v_proj = linear(h, self.num_kv_heads * d, use_bias=c.attention_bias, param_dtype=dt, rngs=rngs)
+        self.o_proj = linear(self.num_heads * d, h, use_bias=c.attention_out_bias, param_dtype=dt,
+                             rngs=rngs)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(d, eps=c.rms_norm_eps, param_dtype=dt)
+            self.k_norm = RMSNorm(d, eps=c.rms_norm_eps, param_dtype=dt)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project(self, x: jax.Array,          # [..., T, hidden]
+                positions: jax.Array,        # [..., T] int32
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:  # q [..., T, Hq, D], k/v [..., T, Hkv, D]
+        """q, k, v for tokens at ``positions``: projections, q/k norm (Qwen3), then RoPE."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = np.asarray(self.inv_freq, np.float32)  # static tuple keeps the module hashable
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def output(self, o: jax.Array) -> jax.Array:  # [..., T, Hq, D] -> [..., T, hidden]
+        return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.head_dim))
+
+    def paged_attend(self, q: jax.Array,       # [T, Hq, D]
+                     k: jax.Array,             # [T, Hkv, D]
+                     v: jax.Array,             # [T, Hkv, D]
+                     buffer: jax.Array,        # [N * page_bytes] uint8, this layer's KV tensor
+                     md: AttentionMetadata,    # this layer's KV-cache group
+                     binding: KVCacheBinding,
+                     ) -> tuple[jax.Array, jax.Array]:  # o [T, Hq, D], new buffer
+        """Writes this step's K/V at ``md.slot_mapping``, then attends over the paged cache."""
+        buffer = write_kv(buffer, k, v, md.slot_mapping, block_size=binding.block_size,
+                          dtype=binding.cache_dtype, k_scale=binding.k_scale, v_scale=binding.v_scale)
+        view = kv_cache_view(buffer, block_size=binding.block_size, num_kv_heads=self.num_kv_heads,
+                             head_size=self.head_dim, dtype=binding.cache_dtype)
+        o = paged_attention(q, view, md.seq_lens, md.query_start_loc, md.block_tables, md.num_seqs,
+                            sm_scale=self.sm_scale, sliding_window=self.sliding_window,
+                            soft_cap=self.soft_cap, k_scale=binding.k_scale, v_scale=binding.v_scale,
+                            max_q_len=md.max_q_len or None, backend=binding.backend,
+                            interpret=binding.interpret)
+        return o, buffer
+

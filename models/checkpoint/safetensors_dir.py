@@ -1,0 +1,129 @@
+"""Hugging Face checkpoint directories: config.json + one or more *.safetensors.
+
+A directory holds either a single ``model.safetensors``, several shards listed in
+``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``), or, without an
+index, any number of ``*.safetensors`` files that are all read. Tensors come back as numpy
+arrays in their stored dtype and HF layout (linear weights ``[out, in]``); bf16 is numpy's
+``ml_dtypes.bfloat16`` (importing ml_dtypes registers it, which safetensors' numpy backend
+needs to hand back BF16/F8 tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with numpy for safe_open)
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    """Returns the parsed ``config.json`` of an HF checkpoint directory."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"checkpoint directory {str(root)!r} does not exist or is not a directory")
+    config_path = root / CONFIG_FILE
+    if not config_path.is_file():
+        raise ValueError(f"no {CONFIG_FILE} in checkpoint directory {str(root)!r}")
+    with open(config_path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _shard_files(root: Path) -> list[Path]:
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{str(index_path)!r} has no 'weight_map'")
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (root / n).is_file()]
+        if missing:
+            raise ValueError(
+                f"shard(s) {missing} listed in {str(index_path)!r} are missing from {str(root)!r}"
+            )
+        return [root / n for n in names]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in checkpoint directory {str(root)!r}")
+    return files
+
+
+def read_safetensors_dir(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """Reads an HF checkpoint directory.
+
+    Returns:
+      ``(config_dict, tensors)``: the parsed config.json and ``{HF name: np.ndarray}`` in the
+      stored dtype and HF layout.
+
+    Raises:
+      ValueError: the directory, its config.json, its safetensors files or a listed shard is
+        missing, or a tensor name appears in two files.
+    """
+    root = Path(path)
+    config = read_config(root)
+    tensors: dict[str, np.ndarray] = {}
+    for shard in _shard_files(root):
+        with safe_open(str(shard), framework="numpy") as f:
+            for name in f.keys():
+                if name in tensors:
+                    raise ValueError(f"tensor {name!r} appears in more than one file under {str(root)!r}")
+                tensors[name] = f.get_tensor(name)
+    return config, tensors
+
+
+def write_safetensors_dir(
+    path: str | os.PathLike,
+    config: dict,
+    tensors: dict[str, np.ndarray],
+    *,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Writes ``config.json`` and the tensors as an HF checkpoint directory.
+
+    Args:
+      path: the directory (created if missing).
+      config: the HF config dict, written as config.json.
+      tensors: ``{HF name: np.ndarray}``; any dtype numpy/ml_dtypes knows (bf16 included).
+      max_shard_bytes: when given, tensors are packed in name order into shards of at most this
+        many bytes (a tensor larger than the cap gets a shard of its own), named
+        ``model-0000i-of-0000n.safetensors`` with a ``model.safetensors.index.json``, as
+        transformers' ``save_pretrained`` does. Otherwise one ``model.safetensors``.
+
+    Returns:
+      The directory path.
+    """
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / CONFIG_FILE, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    if max_shard_bytes is None:
+        save_file(arrays, str(root / "model.safetensors"))
+        return root
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(arrays):
+        nbytes = arrays[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arrays[name]
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(root / file_name))
+        weight_map.update({name: file_name for name in shard})
+    total = sum(a.nbytes for a in arrays.values())
+    with open(root / INDEX_FILE, "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return root

@@ -1,0 +1,102 @@
+"""The decoder-only causal LM shared by both families; families differ only in their layer class.
+
+Module tree (mirrors HF parameter names, see models/weights.py):
+  model.embed_tokens, model.layers[i] (self_attn, mlp, norms), model.norm, lm_head (untied only)
+
+Forward contract (vLLM's): ``__call__`` returns hidden states *after* the final norm;
+``compute_logits`` applies the LM head (and Gemma 2's final soft-cap) to the rows that need
+logits. Decoder layers take an ``attend(q, k, v) -> (o, aux)`` callable so the paged forward
+and the dense reference share every projection and norm and differ only in attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import KVCacheBinding, LayerKVInfo, ModelConfig, layer_name
+from models.layers import RMSNorm, linear
+from pallas_kernels import AttentionMetadata
+
+#: HF ``initializer_range``. Not 1/sqrt(hidden): with Gemma's sqrt(hidden) input scaling and tied
+#: embeddings, that makes each token's own logit dominate and a random model repeats its input.
+EMBED_INIT_STD = 0.02
+
+
+class DecoderStack(nnx.Module):
+    """HF ``model``: token embedding, decoder layers, final norm."""
+
+    def __init__(self, config: ModelConfig, layer_cls: type, *, rngs: nnx.Rngs):
+        h = config.hidden_size
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, h, dtype=config.dtype, param_dtype=config.dtype,
+            embedding_init=nnx.initializers.normal(EMBED_INIT_STD), rngs=rngs)
+        self.layers = nnx.List([layer_cls(config, i, rngs=rngs) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(h, eps=config.rms_norm_eps, unit_offset=config.architecture == "gemma2",
+                            param_dtype=config.dtype)
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only LM with a functional paged-KV forward. Subclasses set ``layer_cls``."""
+
+    layer_cls: type = None  # set by each family
+    embed_scale: bool = False  # Gemma: multiply embeddings by sqrt(hidden_size)
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.model = DecoderStack(config, self.layer_cls, rngs=rngs)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = linear(config.hidden_size, config.vocab_size, use_bias=False,
+                                  param_dtype=config.dtype, rngs=rngs)
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:  # [...] int32 -> [..., hidden]
+        h = self.model.embed_tokens(input_ids)
+        if self.embed_scale:  # HF rounds the normalizer to the activation dtype first
+            h = h * jnp.asarray(self.config.hidden_size ** 0.5, dtype=h.dtype)
+        return h
+
+    # ---- paged forward -----------------------------------------------------------------------
+    def __call__(self, input_ids: jax.Array,     # [T] int32
+                 positions: jax.Array,           # [T] int32
+                 kv_buffers: tuple[jax.Array, ...],  # per KV tensor: [N * page_bytes] uint8
+                 attn_metadata: tuple[AttentionMetadata, ...],  # per KV-cache group
+                 binding: KVCacheBinding,
+                 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # hidden [T, hidden] (final-normed), buffers
+        """One paged step: layer i writes/reads ``kv_buffers[tensor]`` with ``attn_metadata[group]``
+        where ``(group, tensor) = binding.lookup(f"model.layers.{i}.self_attn")``.
+
+        The buffers are carried through the layers as values (donate them in the jitted step).
+        """
+        buffers = list(kv_buffers)
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            group, tensor = binding.lookup(layer_name(i))
+            if group >= len(attn_metadata) or tensor >= len(buffers):
+                raise ValueError(f"{layer_name(i)} is bound to group {group}, tensor {tensor} but the "
+                                 f"step has {len(attn_metadata)} groups and {len(buffers)} buffers")
+            attend = functools.partial(layer.self_attn.paged_attend, buffer=buffers[tensor],
+                                       md=attn_metadata[group], binding=binding)
+            h, buffers[tensor] = layer(h, positions, attend)
+        return self.model.norm(h), tuple(buffers)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [..., hidden] final-normed -> [..., V] f32
+        """LM head (the tied embedding when ``tie_word_embeddings``), then the final soft-cap."""
+        if self.lm_head is None:
+            logits = self.model.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        logits = logits.astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = cap * jnp.tanh(logits / cap)
+        return logits
+
+    def kv_layer_infos(self) -> dict[str, LayerKVInfo]:
+        """Per attention layer: KV heads, head size, sliding window (the engine builds specs)."""
+        c = self.config
+        return {layer_name(i): LayerKVInfo(c.num_key_value_heads, c.head_dim, c.layer_window(i))
+                for i in range(c.num_hidden_layers)}

@@ -1,0 +1,121 @@
+"""KV-cache page layout: the typed, page-major view of a flat uint8 KV buffer.
+
+A KV buffer is one flat ``uint8`` array of ``num_blocks * page_bytes`` bytes. Block ``b`` is
+the contiguous byte range ``[b * page_bytes, (b + 1) * page_bytes)`` so the worker can zero,
+copy or transfer a block as one slice. Inside a page the order is ``[2, Hkv, bs, D]``:
+
+    kv_cache[N, 2, Hkv, bs, D]     kv_cache[b, 0, h] = K of block b, KV head h: one [bs, D] tile
+                                   kv_cache[b, 1, h] = V of block b, KV head h
+
+Why this in-page order: the unit every kernel loads is "the K (or V) rows of one block for one
+KV head" -- a [bs, D] tile that feeds one ``dot`` per KV head (a Triton program and a Mosaic
+kernel both process all query heads of one KV head together). With ``[2, Hkv, bs, D]`` that tile
+is one contiguous ``bs * D * itemsize`` byte run (a single coalesced load / one DMA), and the K
+and V tiles of the same head sit at a fixed stride. Token-major orders (``[bs, Hkv, D]``) would
+make each tile ``bs`` strided runs of ``D`` elements.
+
+Dtypes: "float32" | "bfloat16" | "float16" | "fp8" (float8_e4m3fn, 1 byte), or the jnp dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+#: Canonical KV dtype names -> jnp dtypes. Aliases below map onto these names.
+KV_DTYPES: dict[str, jnp.dtype] = {
+    "float32": jnp.dtype(jnp.float32),
+    "bfloat16": jnp.dtype(jnp.bfloat16),
+    "float16": jnp.dtype(jnp.float16),
+    "fp8": jnp.dtype(jnp.float8_e4m3fn),
+}
+_ALIASES = {
+    "fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
+    "half": "float16", "float8_e4m3fn": "fp8", "fp8_e4m3": "fp8",
+}
+
+
+def resolve_kv_dtype(dtype) -> jnp.dtype:
+    """Returns the jnp dtype for a KV dtype name ("bfloat16", "fp8", ...) or a jnp/numpy dtype."""
+    if isinstance(dtype, str):
+        name = _ALIASES.get(dtype, dtype)
+        if name not in KV_DTYPES:
+            raise ValueError(f"unsupported KV-cache dtype {dtype!r}; expected one of {sorted(KV_DTYPES)}")
+        return KV_DTYPES[name]
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"unsupported KV-cache dtype {dtype!r}") from e
+    if dt not in KV_DTYPES.values():
+        raise ValueError(f"unsupported KV-cache dtype {dtype!r}; expected one of {sorted(KV_DTYPES)}")
+    return dt
+
+
+def is_fp8(dtype) -> bool:
+    """True when ``dtype`` (name or dtype) is the fp8 KV dtype (float8_e4m3fn)."""
+    return resolve_kv_dtype(dtype) == KV_DTYPES["fp8"]
+
+
+def _check_dims(**dims: int) -> None:
+    for name, value in dims.items():
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def page_bytes(block_size: int, num_kv_heads: int, head_size: int, dtype) -> int:
+    """Bytes of one page (block): K and V of ``block_size`` tokens for every KV head."""
+    _check_dims(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size)
+    return 2 * block_size * num_kv_heads * head_size * resolve_kv_dtype(dtype).itemsize
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                   dtype) -> tuple[int, ...]:
+    """Typed page-major shape ``(N, 2, Hkv, bs, D)`` of a KV cache (see module docstring).
+
+    ``dtype`` only validates here (the shape does not depend on it) so callers can use one
+    signature for every backend's layout.
+    """
+    _check_dims(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+                head_size=head_size)
+    resolve_kv_dtype(dtype)
+    return (int(num_blocks), 2, int(num_kv_heads), int(block_size), int(head_size))
+
+
+def kv_cache_view(buffer: jax.Array,  # [N * page_bytes] uint8
+                  *, block_size: int, num_kv_heads: int, head_size: int, dtype) -> jax.Array:
+    """Typed view ``[N, 2, Hkv, bs, D]`` of a flat uint8 KV buffer: bitcast + reshape, no copy.
+
+    Inside ``jit`` this is a layout-only bitcast (XLA turns it into an aliasing bitcast), so
+    the view and the buffer share memory; outside ``jit`` an eager call materialises a new array.
+
+    Example: bs 16, Hkv 8, D 128, bfloat16 -> page_bytes = 2*16*8*128*2 = 65536; a buffer of
+    1048576 bytes is 16 blocks and views as [16, 2, 8, 16, 128] bfloat16.
+    """
+    dt = resolve_kv_dtype(dtype)
+    pb = page_bytes(block_size, num_kv_heads, head_size, dt)
+    if buffer.ndim != 1 or buffer.dtype != jnp.uint8:
+        raise ValueError(f"KV buffer must be flat uint8, got shape {buffer.shape} dtype {buffer.dtype}")
+    if buffer.shape[0] % pb:
+        raise ValueError(f"KV buffer of {buffer.shape[0]} bytes is not a multiple of page_bytes={pb} "
+                         f"(block_size={block_size}, num_kv_heads={num_kv_heads}, "
+                         f"head_size={head_size}, dtype={dt.name})")
+    shape = kv_cache_shape(buffer.shape[0] // pb, block_size, num_kv_heads, head_size, dt)
+    return bytes_to_typed(buffer, dt).reshape(shape)
+
+
+def bytes_to_typed(raw: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Bitcasts a uint8 array whose last dim is a multiple of itemsize to ``dtype`` (last dim / itemsize)."""
+    isz = dtype.itemsize
+    if isz == 1:
+        return lax.bitcast_convert_type(raw, dtype)
+    return lax.bitcast_convert_type(raw.reshape(*raw.shape[:-1], raw.shape[-1] // isz, isz), dtype)
+
+
+def typed_to_bytes(x: jax.Array) -> jax.Array:
+    """Bitcasts ``x [..., D]`` to uint8 ``[..., D * itemsize]`` (same memory order)."""
+    b = lax.bitcast_convert_type(x, jnp.uint8)
+    if x.dtype.itemsize == 1:
+        return b
+    return b.reshape(*x.shape[:-1], x.shape[-1] * x.dtype.itemsize)

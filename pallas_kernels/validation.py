@@ -1,0 +1,58 @@
+"""Argument checks shared by every paged-attention entry point (shapes only, before tracing)."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.kv_write import check_scales
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def validate_attention_args(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs, *,
+                            sm_scale, sliding_window, soft_cap, k_scale, v_scale,
+                            max_q_len=None, interpret=False) -> None:
+    """Raises ValueError naming the bad value; runs on shapes only (before tracing the kernel)."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
+    if kv_cache.ndim != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(f"kv_cache must be the typed view [N, 2, Hkv, bs, D], got shape {kv_cache.shape}")
+    num_tokens, num_q_heads, head_size = q.shape
+    _, _, num_kv_heads, _, kv_head_size = kv_cache.shape
+    if kv_head_size != head_size:
+        raise ValueError(f"head size of q ({head_size}) != head size of kv_cache ({kv_head_size})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if seq_lens.ndim != 1:
+        raise ValueError(f"seq_lens must be [S], got shape {seq_lens.shape}")
+    num_seq_rows = seq_lens.shape[0]
+    if query_start_loc.shape != (num_seq_rows + 1,):
+        raise ValueError(f"query_start_loc must be [S + 1] = [{num_seq_rows + 1}], got {query_start_loc.shape}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seq_rows or block_tables.shape[1] < 1:
+        raise ValueError(f"block_tables must be [S={num_seq_rows}, B>=1], got {block_tables.shape}")
+    if jnp.ndim(num_seqs) != 0:
+        raise ValueError(f"num_seqs must be a scalar, got shape {jnp.shape(num_seqs)}")
+    for name, a in (("seq_lens", seq_lens), ("query_start_loc", query_start_loc),
+                    ("block_tables", block_tables)):
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got dtype {a.dtype}")
+    if not isinstance(sm_scale, numbers.Real) or isinstance(sm_scale, bool) or not np.isfinite(sm_scale) \
+            or sm_scale <= 0:
+        raise ValueError(f"sm_scale must be a positive finite Python float, got {sm_scale!r}")
+    if sliding_window is not None and (not _is_int(sliding_window) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if soft_cap is not None and (not isinstance(soft_cap, numbers.Real) or isinstance(soft_cap, bool)
+                                 or not soft_cap > 0):
+        raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
+    check_scales(kv_cache.dtype, k_scale, v_scale)
+    if max_q_len is not None and (not _is_int(max_q_len) or max_q_len < 1):
+        raise ValueError(f"max_q_len must be None or an int >= 1, got {max_q_len!r}")
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a bool, got {interpret!r}")
+    if num_tokens == 0:
+        raise ValueError("q has no tokens (T = 0)")

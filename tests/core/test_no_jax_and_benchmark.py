@@ -1,0 +1,37 @@
+"""The host core stays plain Python, and the overhead benchmark still runs."""
+
+import ast
+import importlib.util
+import pathlib
+
+import jaxkv.core
+import jaxkv.sampling_params
+
+ROOT = pathlib.Path(jaxkv.core.__file__).parent
+
+
+def _imported_modules(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+
+
+def test_core_never_imports_jax():
+    files = sorted(ROOT.glob("*.py")) + [pathlib.Path(jaxkv.sampling_params.__file__)]
+    assert len(files) > 10
+    for path in files:
+        bad = [m for m in _imported_modules(path) if m.split(".")[0] in ("jax", "jaxlib", "flax", "numpy")]
+        assert not bad, f"{path.name} imports {bad}"
+
+
+def test_scheduler_overhead_benchmark_smoke(tmp_path):
+    path = ROOT.parents[1] / "benchmarks" / "scheduler_overhead.py"
+    spec = importlib.util.spec_from_file_location("scheduler_overhead", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "result.json"
+    module.main(["--num-requests", "8", "--steps", "5", "--output", str(out)])
+    assert '"us_per_request_per_step"' in out.read_text()

@@ -1,0 +1,56 @@
+"""SamplingParams: vLLM defaults, normalisation and validation."""
+
+import pytest
+
+from jaxkv.sampling_params import SamplingParams, SamplingType
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (1, 1.0, 1.0, 0, 0.0, None)
+    assert (p.max_tokens, p.min_tokens, p.ignore_eos, p.logprobs, p.prompt_logprobs) == (16, 0, False, None, None)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.stop == [] and p.stop_token_ids == []
+    assert p.skip_special_tokens and not p.include_stop_str_in_output
+    assert not p.greedy and p.sampling_type is SamplingType.RANDOM
+
+
+def test_normalisation():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(top_k=5).top_k == 5
+    greedy = SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.1)
+    assert greedy.greedy and greedy.sampling_type is SamplingType.GREEDY
+    assert (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, 0, 0.0)
+    assert SamplingParams(seed=3).sampling_type is SamplingType.RANDOM_SEED
+    assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_tokens": 0}, "max_tokens must be an int >= 1.*0"),
+        ({"max_tokens": -3}, "-3"),
+        ({"temperature": -0.5}, "temperature.*-0.5"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ({"top_p": 1.5}, "1.5"),
+        ({"top_k": -2}, "top_k.*-2"),
+        ({"min_p": 1.2}, "min_p.*1.2"),
+        ({"n": 0}, "n must be"),
+        ({"min_tokens": 5, "max_tokens": 3}, r"min_tokens \(5\) must be <= max_tokens \(3\)"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": -5}, "logprobs"),
+        ({"stop": ["ok", ""]}, "non-empty"),
+        ({"stop_token_ids": [1, -1]}, "stop_token_ids"),
+    ],
+)
+def test_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_greedy_allows_n_greater_than_one():
+    # vLLM V1 accepts n > 1 with greedy sampling; the completions are identical.
+    p = SamplingParams(n=3, temperature=0.0)
+    assert p.n == 3 and p.greedy

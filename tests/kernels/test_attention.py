@@ -1,0 +1,118 @@
+"""Backends equal the reference: block sizes, head dims, GQA ratios, decode / mixed / edge lengths,
+random block-table permutations, NaN in every page nobody may read, window, soft-cap, fp8.
+
+One test class per backend: ``TestXla`` runs the full grid; ``TestPallas`` (interpret mode on
+CPU, compiled on GPU) runs a representative subset.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels.testing import make_batch
+
+ON_GPU = jax.default_backend() == "gpu"
+
+# (q_lens, kv_lens) scenarios; table width is chosen so the longest length fills it exactly.
+SCENARIOS = {
+    # pure decode: kv_len 1, an exact multiple of bs (2 * bs), the longest the table allows.
+    "decode": lambda bs: ([1, 1, 1, 1], [1, 2 * bs, 3 * bs - 3, 4 * bs]),
+    # mixed: a chunk in the middle of a sequence, a whole prompt at the table's max length,
+    # a 2-token chunk and two decodes.
+    "mixed": lambda bs: ([5, 4 * bs, 2, 1, 1], [bs + 7, 4 * bs, 3, 1, 2 * bs]),
+}
+
+
+def run_case(backend, interpret, *, scenario, block_size, head_size, group, num_kv_heads=2,
+             cache_dtype="float32", q_dtype=jnp.float32, sliding_window=None, soft_cap=None,
+             fp8_scale=None, extra_table=0, seed=0, max_q_len="auto", pad=True):
+    rng = np.random.default_rng(seed)
+    q_lens, kv_lens = SCENARIOS[scenario](block_size)
+    width = max(-(-kl // block_size) for kl in kv_lens) + extra_table
+    b = make_batch(rng, q_lens=q_lens, kv_lens=kv_lens, block_size=block_size,
+                   num_q_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
+                   head_size=head_size, cache_dtype=cache_dtype, q_dtype=q_dtype,
+                   num_seq_rows=len(q_lens) + (2 if pad else 0),
+                   num_tokens=sum(q_lens) + (3 if pad else 0), max_blocks=width,
+                   sliding_window=sliding_window, kv_scale=fp8_scale)
+    kw = dict(sm_scale=head_size ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap,
+              k_scale=fp8_scale, v_scale=fp8_scale)
+    args = b.attention_args()
+    want = jax.jit(functools.partial(pk.paged_attention, backend="reference", **kw))(*args)
+    mq = b.max_q_len if max_q_len == "auto" else max_q_len
+    got = jax.jit(functools.partial(pk.paged_attention, backend=backend, interpret=interpret,
+                                    max_q_len=mq, **kw))(*args)
+    assert got.shape == b.q.shape and got.dtype == b.q.dtype
+    got = np.asarray(got.astype(jnp.float32))
+    want = np.asarray(want.astype(jnp.float32))
+    assert not np.isnan(want).any() and not np.isnan(got).any()
+    n_real = int(b.query_start_loc[int(b.num_seqs)])
+    assert (got[n_real:] == 0).all(), "padding rows must be zero"
+    tol = 2e-2 if (q_dtype != jnp.float32 or backend == "pallas") else 2e-5
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+class TestXla:
+    backend, interpret = "xla", False
+
+    @pytest.mark.parametrize("scenario", ["decode", "mixed"])
+    @pytest.mark.parametrize("group", [1, 4, 8])
+    @pytest.mark.parametrize("block_size,head_size", [(8, 128), (16, 64), (32, 128)])
+    def test_grid(self, scenario, group, block_size, head_size):
+        run_case(self.backend, self.interpret, scenario=scenario, block_size=block_size,
+                 head_size=head_size, group=group)
+
+    @pytest.mark.parametrize("sliding_window,soft_cap,cache_dtype,q_dtype,fp8_scale", [
+        (1, None, "float32", jnp.float32, None),
+        (5, None, "float32", jnp.float32, None),
+        (20, 10.0, "bfloat16", jnp.bfloat16, None),
+        (None, 5.0, "float32", jnp.float32, None),
+        (None, None, "fp8", jnp.bfloat16, 0.05),
+        (9, 30.0, "fp8", jnp.float32, 0.5),
+        (None, None, "float16", jnp.float16, None),
+    ])
+    @pytest.mark.parametrize("scenario", ["decode", "mixed"])
+    def test_features(self, scenario, sliding_window, soft_cap, cache_dtype, q_dtype, fp8_scale):
+        run_case(self.backend, self.interpret, scenario=scenario, block_size=8, head_size=64,
+                 group=4, cache_dtype=cache_dtype, q_dtype=q_dtype,
+                 sliding_window=sliding_window, soft_cap=soft_cap, fp8_scale=fp8_scale)
+
+    @pytest.mark.parametrize("max_q_len", [None, 64])
+    def test_wide_table_and_loose_max_q_len(self, max_q_len):
+        """Extra garbage table columns and a loose (or absent) max_q_len change nothing."""
+        run_case(self.backend, self.interpret, scenario="mixed", block_size=16, head_size=64,
+                 group=2, extra_table=3, max_q_len=max_q_len)
+
+    def test_no_padding(self):
+        run_case(self.backend, self.interpret, scenario="mixed", block_size=8, head_size=64,
+                 group=1, pad=False)
+
+
+def test_invalid_args_raise_value_error():
+    b = make_batch(np.random.default_rng(0), q_lens=[1], kv_lens=[3], block_size=8,
+                   num_q_heads=4, num_kv_heads=2, head_size=64)
+    q, kv, sl, qsl, bt, ns = b.attention_args()
+    call = functools.partial(pk.paged_attention, sm_scale=0.1)
+    bad = [
+        (dict(backend="cuda"), "backend"),
+        (dict(sliding_window=0), "sliding_window"),
+        (dict(soft_cap=-1.0), "soft_cap"),
+        (dict(k_scale=0.5), "k_scale"),
+        (dict(max_q_len=0), "max_q_len"),
+        (dict(sm_scale=float("nan")), "sm_scale"),
+    ]
+    for kw, name in bad:
+        with pytest.raises(ValueError, match=name):
+            call(q, kv, sl, qsl, bt, ns, **kw)
+    with pytest.raises(ValueError, match="num_q_heads"):
+        call(q[:, :3], kv, sl, qsl, bt, ns)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        call(q, kv, sl, qsl[:1], bt, ns)
+    with pytest.raises(ValueError, match="head size"):
+        call(q[..., :32], kv, sl, qsl, bt, ns)
+    with pytest.raises(ValueError, match="sm_scale"):
+        pk.paged_attention_reference(q, kv, sl, qsl, bt, ns, sm_scale=-1.0)

@@ -1,0 +1,52 @@
+"""orbax save/restore of model parameters, and load_model's built-in names."""
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ckpt_fixtures import small_config  # noqa: E402
+
+from models import build_model  # noqa: E402
+from models.checkpoint import read_saved_config, restore_params, save_params  # noqa: E402
+from models.registry import load_model  # noqa: E402
+
+
+@pytest.mark.parametrize("name,dtype", [("tiny-llama", "float32"), ("tiny-hybrid", "bfloat16")])
+def test_save_restore_identical_params(tmp_path, name, dtype):
+    config = small_config(name, dtype=dtype)
+    model = build_model(config, seed=7)
+    save_params(model, tmp_path / "ckpt")
+    assert read_saved_config(tmp_path / "ckpt") == config
+    restored = restore_params(config, tmp_path / "ckpt")
+    want = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    got = dict(nnx.to_flat_state(nnx.state(restored, nnx.Param)))
+    assert len(got) == len(want)
+    for path, var in want:
+        a, b = np.asarray(var[...]), np.asarray(got[path][...])
+        assert a.dtype == b.dtype == np.dtype(jax.numpy.dtype(dtype)), path
+        np.testing.assert_array_equal(a, b, err_msg=str(path))
+
+
+def test_orbax_errors(tmp_path):
+    config = small_config()
+    save_params(build_model(config), tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="already exists"):
+        save_params(build_model(config), tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        restore_params(small_config(num_hidden_layers=3), tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="no orbax checkpoint"):
+        restore_params(config, tmp_path / "nothing")
+
+
+def test_load_model_builtin_random_names():
+    model, config, tokenizer = load_model("tiny-llama", seed=1)
+    assert tokenizer is None and config.architecture == "llama" and config.num_hidden_layers == 8
+    with pytest.raises(ValueError, match="dtype"):
+        load_model("tiny-llama", dtype="float64")
+    with pytest.raises(ValueError, match="not a built-in model"):
+        load_model("no-such-model")

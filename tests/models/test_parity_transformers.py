@@ -1,0 +1,60 @@
+"""Parity with HF transformers on random-weight checkpoints saved by transformers itself.
+
+Needs torch and transformers (the ``parity`` extra; on these machines ``pip install
+torch==2.13.0`` takes a local CPU wheel first); skipped when either is absent.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from models import dense_forward  # noqa: E402
+from models.registry import load_model  # noqa: E402
+
+pytestmark = pytest.mark.parity
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=128, initializer_range=0.1)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                              tie_word_embeddings=False),
+    "gemma2": lambda: transformers.Gemma2Config(**COMMON, sliding_window=8, query_pre_attn_scalar=16,
+                                                attn_logit_softcapping=50.0,
+                                                final_logit_softcapping=30.0),
+}
+PROMPT = [[3, 17, 101, 45, 9, 200, 33, 7, 64, 12, 5, 250]]  # [1, 12]; longer than the window
+STEPS = 32
+
+
+@pytest.fixture(params=sorted(CONFIGS))
+def checkpoint(request, tmp_path):
+    torch.manual_seed(0)
+    config = CONFIGS[request.param]()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                          torch_dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model, tmp_path
+
+
+def test_logits_and_greedy_tokens_match(checkpoint):
+    hf_model, path = checkpoint
+    model, config, _ = load_model(path)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        want = hf_model(ids).logits.numpy()
+    got = np.asarray(dense_forward(model, jnp.asarray(PROMPT, jnp.int32)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+    with torch.no_grad():
+        hf_tokens = hf_model.generate(ids, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)[0, len(PROMPT[0]):].tolist()
+    forward = jax.jit(dense_forward)
+    seq = list(PROMPT[0])
+    for _ in range(STEPS):
+        seq.append(int(jnp.argmax(forward(model, jnp.asarray([seq], jnp.int32))[0, -1])))
+    assert seq[len(PROMPT[0]):] == hf_tokens

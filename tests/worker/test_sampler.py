@@ -1,0 +1,242 @@
+"""Sampler: greedy exactness, truncation masks, penalties, per-request seeds, logprobs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.sampling_params import SamplingParams
+from jaxkv.worker.sampler import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    build_sampling_metadata,
+    compute_logprobs,
+    make_request_key,
+    make_unseeded_request_key,
+    sample,
+)
+
+sample_jit = jax.jit(sample)
+V = 32
+
+
+def _md(params, *, steps=None, prompts=None, outputs=None, num_rows=None, seeds=None, **kw):
+    n = len(params)
+    keys = np.stack([make_request_key(s) for s in (seeds or [p.seed or 0 for p in params])])
+    return build_sampling_metadata(
+        params, keys, steps if steps is not None else [0] * n,
+        prompts if prompts is not None else [[]] * n,
+        outputs if outputs is not None else [[]] * n,
+        num_rows=num_rows or n, vocab_size=V, **kw,
+    )
+
+
+def _logits(rows, seed=0):
+    return np.asarray(jax.random.normal(jax.random.PRNGKey(seed), (rows, V)) * 3, np.float32)
+
+
+def test_greedy_is_argmax_also_in_mixed_batch():
+    logits = _logits(6)
+    out = sample_jit(logits, _md([SamplingParams(temperature=0.0)] * 5, num_rows=6))
+    np.testing.assert_array_equal(out.sampled_token_ids, logits.argmax(-1))
+    # Mixed: rows 0, 2, 4 greedy, the others random; greedy rows are still the exact argmax.
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.5, seed=i) for i in range(6)]
+    md = _md(params)
+    assert not md.all_greedy
+    out = np.asarray(sample_jit(logits, md).sampled_token_ids)
+    np.testing.assert_array_equal(out[::2], logits.argmax(-1)[::2])
+
+
+def test_greedy_is_argmax_of_penalised_logits():
+    logits = _logits(2, seed=3)
+    prompts, outputs = [[1, 2, 3], [4]], [[5, 5, 6], []]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
+                             presence_penalty=0.7)] * 2
+    md = _md(params, prompts=prompts, outputs=outputs)
+    expected = _numpy_penalties(logits, prompts, outputs, [0.7] * 2, [0.5] * 2, [1.3] * 2)
+    np.testing.assert_array_equal(sample_jit(logits, md).sampled_token_ids, expected.argmax(-1))
+
+
+def test_top_k_1_equals_greedy():
+    logits = _logits(8, seed=1)
+    params = [SamplingParams(temperature=1.0, top_k=1, seed=i) for i in range(8)]
+    md = _md(params)
+    assert md.use_top_k_top_p and not md.all_greedy
+    np.testing.assert_array_equal(sample_jit(logits, md).sampled_token_ids, logits.argmax(-1))
+
+
+def test_temperature_sampling_matches_softmax_frequencies():
+    # One request, N draws: row i is the same request after i generated tokens.
+    row = np.array([1.0, 0.5, 0.0, -1.0], np.float32)
+    n, temp = 4000, 0.7
+    params = [SamplingParams(temperature=temp, seed=1234)] * n
+    md = _md(params, steps=list(range(n)))
+    tokens = np.asarray(sample_jit(np.tile(row, (n, 1)), md).sampled_token_ids)
+    expected = np.exp(row / temp) / np.exp(row / temp).sum() * n
+    counts = np.bincount(tokens, minlength=4)
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 25.0, (counts, expected)  # df = 3; p(chi2 > 25) ~ 2e-5
+
+
+def test_top_p_top_k_min_p_literal_masks():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 5, jnp.float32))
+    # mass before each sorted token: [0, .5, .8, .95]
+    out = apply_top_k_top_p(
+        logits,
+        top_k=jnp.array([0, 0, 0, 3, 3], jnp.int32),
+        # row 3: over the top 3, probs renormalise to [.526, .316, .158] -> mass before the
+        # third is .842 < .9 (kept); row 4: .842 >= .8 (dropped).
+        top_p=jnp.array([0.7, 0.85, 1.0, 0.9, 0.8], jnp.float32),
+    )
+    kept = np.isfinite(np.asarray(out))
+    assert kept.tolist() == [
+        [True, True, False, False],
+        [True, True, True, False],
+        [True, True, True, True],
+        [True, True, True, False],
+        [True, True, False, False],
+    ]
+    np.testing.assert_array_equal(np.asarray(out)[kept], np.asarray(logits)[kept])
+    # Neutral top_k / top_p keep a tail whose float32 mass rounds to nothing.
+    tail = jnp.array([[0.0, -30.0, -40.0, -50.0]], jnp.float32)
+    out = apply_top_k_top_p(tail, jnp.array([0], jnp.int32), jnp.array([1.0], jnp.float32))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(tail))
+    # min_p: keep p >= min_p * p_max = min_p * 0.5.
+    out = apply_min_p(logits[:3], jnp.array([0.0, 0.2, 0.5], jnp.float32))
+    assert np.isfinite(np.asarray(out)).tolist() == [
+        [True, True, True, True],
+        [True, True, True, False],  # 0.05 < 0.1
+        [True, True, False, False],  # 0.15 < 0.25
+    ]
+
+
+def test_sampling_never_picks_masked_tokens():
+    row = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    n = 512
+    cases = [dict(top_p=0.7), dict(top_k=2), dict(min_p=0.5)]
+    for kw in cases:
+        md = _md([SamplingParams(temperature=1.0, seed=7, **kw)] * n, steps=list(range(n)))
+        tokens = np.asarray(sample_jit(np.tile(row, (n, 1)), md).sampled_token_ids)
+        assert set(tokens.tolist()) == {0, 1}, kw
+
+
+def _numpy_penalties(logits, prompts, outputs, presence, frequency, repetition):
+    out = np.array(logits, np.float64)
+    for i in range(out.shape[0]):
+        counts = np.bincount(np.asarray(outputs[i], np.int64), minlength=out.shape[1])
+        seen = (np.bincount(np.asarray(prompts[i], np.int64), minlength=out.shape[1]) > 0) | (counts > 0)
+        pos = out[i] > 0
+        out[i] = np.where(seen & pos, out[i] / repetition[i], np.where(seen, out[i] * repetition[i], out[i]))
+        out[i] -= frequency[i] * counts + presence[i] * (counts > 0)
+    return out.astype(np.float32)
+
+
+def test_penalties_match_numpy():
+    logits = _logits(3, seed=5)
+    prompts = [[0, 1, 2, 2], [3], []]
+    outputs = [[2, 4, 4, 4], [], [0, 31, 31]]
+    pres, freq, rep = [0.5, 0.0, -1.0], [0.25, 1.0, 2.0], [1.5, 0.8, 1.0]
+    params = [SamplingParams(presence_penalty=p, frequency_penalty=f, repetition_penalty=r)
+              for p, f, r in zip(pres, freq, rep)]
+    md = _md(params, prompts=prompts, outputs=outputs)
+    assert md.use_penalties
+    got = apply_penalties(
+        jnp.asarray(logits), md.prompt_token_ids, md.output_token_ids,
+        jnp.array(pres, jnp.float32), jnp.array(freq, jnp.float32), jnp.array(rep, jnp.float32),
+    )
+    expected = _numpy_penalties(logits, prompts, outputs, pres, freq, rep)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra", [dict(top_p=0.9), dict()])
+def test_seeded_request_is_batch_invariant(extra):
+    # With extra={}, the request alone skips top-k/top-p (static flag off) while the batch
+    # applies it (row 2 has top_k): the neutral top_k=0 / top_p=1 must then change nothing.
+    target = SamplingParams(temperature=1.0, seed=42, **extra)
+    logits_row = _logits(1, seed=9)[0]
+    others = _logits(5, seed=10)
+    for step in range(4):
+        alone = sample_jit(logits_row[None], _md([target], steps=[step])).sampled_token_ids
+        # Same request at row 3 of a batch of 5 with different params, seeds and counters.
+        params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=1.2, top_k=5), target, SamplingParams(temperature=1.0)]
+        batch_logits = others.copy()
+        batch_logits[3] = logits_row
+        md = _md(params, steps=[7, 3, 1, step, 0], num_rows=8,
+                 seeds=[1, 0, 99, 42, 5])
+        in_batch = sample_jit(np.concatenate([batch_logits, np.zeros((3, V), np.float32)]), md)
+        assert int(in_batch.sampled_token_ids[3]) == int(alone[0]), step
+    # Different steps give different draws (not a constant stream).
+    draws = {int(sample_jit(np.zeros((1, V), np.float32), _md([target], steps=[s])).sampled_token_ids[0])
+             for s in range(16)}
+    assert len(draws) > 4
+
+
+def test_logprobs_and_ranks():
+    logits = _logits(4, seed=2)
+    params = [SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=100.0),
+              SamplingParams(temperature=1.0, seed=3, logprobs=1),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=0)]
+    # Row 0's penalty changes the sampled token but logprobs stay raw (vLLM "raw_logprobs").
+    md = _md(params, prompts=[[int(logits[0].argmax())], [], [], []], outputs=[[]] * 4)
+    assert md.max_num_logprobs == 4  # max K = 3, bucketed to a power of two
+    out = sample_jit(logits, md)
+    ref = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    ids = np.asarray(out.sampled_token_ids)
+    assert ids[0] != logits[0].argmax()  # the repetition penalty moved the greedy choice
+    assert out.logprobs.shape == (4, 5) and out.logprob_token_ids.shape == (4, 5)
+    np.testing.assert_array_equal(out.logprob_token_ids[:, 0], ids)
+    np.testing.assert_allclose(out.logprobs[:, 0], ref[np.arange(4), ids], rtol=1e-5, atol=1e-6)
+    order = np.argsort(-ref, axis=-1)[:, :4]
+    np.testing.assert_array_equal(out.logprob_token_ids[:, 1:], order)
+    np.testing.assert_allclose(out.logprobs[:, 1:], np.take_along_axis(ref, order, -1), rtol=1e-5, atol=1e-6)
+    expected_rank = (ref >= ref[np.arange(4), ids][:, None]).sum(-1)
+    np.testing.assert_array_equal(out.sampled_rank, expected_rank)
+    assert int(out.sampled_rank[0]) == 2 and int(out.sampled_rank[2]) == 1
+
+
+def test_prompt_logprobs_helper():
+    logits = _logits(5, seed=4)  # 5 prompt positions
+    targets = np.array([3, 0, 31, 7, 7], np.int32)
+    lp, rank, top_ids, top_lp = jax.jit(compute_logprobs, static_argnames="num_logprobs")(
+        logits, targets, num_logprobs=2)
+    ref = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_allclose(lp, ref[np.arange(5), targets], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(rank, (ref >= ref[np.arange(5), targets][:, None]).sum(-1))
+    np.testing.assert_array_equal(top_ids, np.argsort(-ref, -1)[:, :2])
+    assert top_lp.shape == (5, 2)
+
+
+def test_min_tokens_bans_stop_ids_and_eos():
+    logits = np.zeros((2, V), np.float32)
+    logits[:, 5] = 10.0   # EOS is by far the most likely
+    logits[:, 6] = 9.0    # a stop id
+    params = [SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[6])] * 2
+    md = _md(params, steps=[1, 2], eos_token_id=5)
+    assert md.banned_token_ids.tolist() == [[6, 5, -1, -1], [-1, -1, -1, -1]]
+    out = sample_jit(logits, md).sampled_token_ids
+    assert np.asarray(out).tolist()[1] == 5 and np.asarray(out).tolist()[0] not in (5, 6)
+
+
+def test_metadata_padding_and_static_flags():
+    md = _md([SamplingParams(temperature=0.5, top_p=0.9, seed=3)], num_rows=4)
+    assert md.temperature.tolist() == [0.5, 0, 0, 0]  # padding rows greedy
+    assert md.key_data.tolist() == [[0, 3], [0, 0], [0, 0], [0, 0]]
+    assert (md.all_greedy, md.use_penalties, md.use_top_k_top_p, md.max_num_logprobs) == (
+        False, False, True, None)
+    assert md.prompt_token_ids.shape == (4, 0)
+    md = _md([SamplingParams(frequency_penalty=0.1)], prompts=[[1] * 20], outputs=[[2]], num_rows=2)
+    assert md.use_penalties and md.prompt_token_ids.shape == (2, 32) and md.output_token_ids.shape == (2, 16)
+    with pytest.raises(ValueError, match="do not fit"):
+        _md([SamplingParams()] * 3, num_rows=2)
+
+
+def test_request_keys():
+    for seed in (0, 7, 2**32 - 1):
+        np.testing.assert_array_equal(make_request_key(seed), jax.random.key_data(jax.random.PRNGKey(seed)))
+    assert make_request_key(2**40 + 3).tolist() == [2**8, 3]
+    a, b = make_unseeded_request_key(0, "req-1"), make_unseeded_request_key(0, "req-2")
+    assert a.dtype == np.uint32 and a.tolist() != b.tolist()
+    np.testing.assert_array_equal(a, make_unseeded_request_key(0, "req-1"))
+    assert make_unseeded_request_key(1, "req-1").tolist() != a.tolist()
