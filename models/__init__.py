@@ -29,3 +29,9 @@ __all__ = [
     "dense_forward", "dense_hidden", "get_config", "hf_state_dict", "layer_name",
     "load_hf_weights",
 ]
+
+# Checkpoints, tokenizer and the name/path loader (issue 5 part B).
+from models.registry import BUILTIN_NAMES, load_model  # noqa: E402
+from models.tokenizer import Tokenizer  # noqa: E402
+
+__all__ += ["BUILTIN_NAMES", "Tokenizer", "load_model"]

@@ -20,19 +20,14 @@ from models.config import KVCacheBinding, LayerKVInfo, ModelConfig, layer_name
 from models.layers import RMSNorm, linear
 from pallas_kernels import AttentionMetadata
 
-#: HF ``initializer_range``. Not 1/sqrt(hidden): with Gemma's sqrt(hidden) input scaling and tied
-#: embeddings, that makes each token's own logit dominate and a random model repeats its input.
-EMBED_INIT_STD = 0.02
-
-
 class DecoderStack(nnx.Module):
     """HF ``model``: token embedding, decoder layers, final norm."""
 
-    def __init__(self, config: ModelConfig, layer_cls: type, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer_cls: type, *, embed_std: float, rngs: nnx.Rngs):
         h = config.hidden_size
         self.embed_tokens = nnx.Embed(
             config.vocab_size, h, dtype=config.dtype, param_dtype=config.dtype,
-            embedding_init=nnx.initializers.normal(EMBED_INIT_STD), rngs=rngs)
+            embedding_init=nnx.initializers.normal(embed_std), rngs=rngs)
         self.layers = nnx.List([layer_cls(config, i, rngs=rngs) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(h, eps=config.rms_norm_eps, unit_offset=config.architecture == "gemma2",
                             param_dtype=config.dtype)
@@ -46,7 +41,11 @@ class CausalLM(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
-        self.model = DecoderStack(config, self.layer_cls, rngs=rngs)
+        # Random init: layer 0 sees embeddings of std 1/sqrt(hidden) after any input scaling.
+        # (With Gemma's sqrt(hidden) scaling and tied embeddings a larger std makes each token's
+        # own logit dominate, and the random model just repeats its input.)
+        embed_std = config.hidden_size ** -0.5 / (config.hidden_size ** 0.5 if self.embed_scale else 1.0)
+        self.model = DecoderStack(config, self.layer_cls, embed_std=embed_std, rngs=rngs)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:

@@ -30,7 +30,7 @@ def _hf_layout(model: CausalLM) -> dict[str, tuple[tuple, tuple[int, ...], bool]
         if leaf not in _LEAF_NAMES:
             raise ValueError(f"parameter {path} has no HF name mapping")
         name = ".".join(str(p) for p in path[:-1]) + "." + _LEAF_NAMES[leaf]
-        shape = tuple(var[...].shape)
+        shape = tuple(var.get_value().shape)  # works for abstract (eval_shape) models too
         transposed = leaf == "kernel"
         layout[name] = (path, shape[::-1] if transposed else shape, transposed)
     return layout

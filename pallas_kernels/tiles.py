@@ -112,3 +112,14 @@ def kv_block_range(tiles: Tiles, *, block_size: int, max_blocks: int,
     first = lo // block_size
     end = jnp.where(tiles.num_q > 0, (hi + block_size - 1) // block_size, first)
     return first.astype(jnp.int32), jnp.minimum(end, max_blocks).astype(jnp.int32), bound
+
+
+def scatter_rows(dst,       # [T, Hq, D]
+                 tile_out,  # [NT, Qt, Hq, D]
+                 t: Tiles):
+    """Writes valid tile rows into dst [T, Hq, D]; empty rows are dropped (out of range)."""
+    num_tokens = dst.shape[0]
+    rows = t.row0[:, None] + jnp.arange(t.tile_q, dtype=jnp.int32)[None, :]
+    ok = jnp.arange(t.tile_q)[None, :] < t.num_q[:, None]
+    rows = jnp.where(ok, rows, num_tokens).reshape(-1)
+    return dst.at[rows].set(tile_out.reshape(-1, *dst.shape[1:]), mode="drop")

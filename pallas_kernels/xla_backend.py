@@ -48,10 +48,12 @@ def _attend_tiles(q, kv_cache, block_tables, t: tiles_lib.Tiles, *, sliding_wind
     needed = bidx < end[:, None]
     ids = jnp.where(needed, block_tables[t.seq[:, None], jnp.minimum(bidx, max_blocks - 1)],
                     NULL_BLOCK_ID)
-    pages = kv_cache[ids]                                                 # [NT, nb, 2, Hkv, bs, D]
-    kv = pages.transpose(0, 2, 3, 1, 4, 5).reshape(nt, 2, num_kv_heads, nb * block_size, head_size)
-    k = kv[:, 0].astype(jnp.float32)                                      # [NT, Hkv, L, D]
-    v = kv[:, 1].astype(jnp.float32)
+    # Gather (block, K|V, head) tiles straight into [NT, Hkv, nb, bs, D]: measured 2x faster on
+    # XLA:CPU than gathering whole pages and transposing them (one pass over the KV, not three).
+    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
+    k = kv_cache[ids[:, None, :], 0, heads].reshape(nt, num_kv_heads, nb * block_size, head_size)
+    v = kv_cache[ids[:, None, :], 1, heads].reshape(nt, num_kv_heads, nb * block_size, head_size)
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)                   # [NT, Hkv, L, D]
 
     rows = t.row0[:, None] + jnp.arange(qt, dtype=jnp.int32)[None, :]    # [NT, Qt]
     row_ok = jnp.arange(qt)[None, :] < t.num_q[:, None]
@@ -89,15 +91,6 @@ def _attend_tiles(q, kv_cache, block_tables, t: tiles_lib.Tiles, *, sliding_wind
     return out.reshape(nt, qt, num_q_heads, head_size)
 
 
-def _scatter_rows(dst, tile_out, t: tiles_lib.Tiles):
-    """Writes valid tile rows into dst [T, Hq, D]; empty rows are dropped (out of range)."""
-    num_tokens = dst.shape[0]
-    rows = t.row0[:, None] + jnp.arange(t.tile_q, dtype=jnp.int32)[None, :]
-    ok = jnp.arange(t.tile_q)[None, :] < t.num_q[:, None]
-    rows = jnp.where(ok, rows, num_tokens).reshape(-1)
-    return dst.at[rows].set(tile_out.reshape(-1, *dst.shape[1:]), mode="drop")
-
-
 def paged_attention_xla(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs, *,
                         sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
                         v_scale=None, max_q_len=None):
@@ -121,7 +114,7 @@ def paged_attention_xla(q, kv_cache, seq_lens, query_start_loc, block_tables, nu
 
     out = jnp.zeros(qf.shape, jnp.float32)
     dec = tiles_lib.decode_tiles(seq_lens, query_start_loc, num_seqs)
-    out = _scatter_rows(out, attend(dec), dec)
+    out = tiles_lib.scatter_rows(out, attend(dec), dec)
 
     tile_q = min(MAX_TILE_Q, 1 << max(0, (max_q - 2).bit_length()))      # >= max_q - 1, pow2
     bound = tiles_lib.max_prefill_tiles(num_tokens, num_seq_rows, tile_q, max_q)
@@ -134,7 +127,7 @@ def paged_attention_xla(q, kv_cache, seq_lens, query_start_loc, block_tables, nu
             def run(o):
                 t = tiles_lib.prefill_tiles(seq_lens, query_start_loc, num_seqs,
                                             tile_q=tile_q, num_tiles=n)
-                return _scatter_rows(o, attend(t), t)
+                return tiles_lib.scatter_rows(o, attend(t), t)
             return run
 
         _, total = tiles_lib.prefill_tile_counts(query_start_loc, num_seqs, tile_q)

@@ -234,6 +234,24 @@ class BlockTableStager:
 
     # ---- encoding ----------------------------------------------------------------------------
 
+    def _net_ops(self) -> tuple[list, list, list]:
+        """The staged diff as (moves [(src, dst)], clears [row], writes [(g, row, col, id)])."""
+        moves, clears, writes = [], [], []
+        for row in sorted(self._diff):
+            diff = self._diff[row]
+            if diff.origin == PAD_ROW:
+                if self._start_num_blocks[:, row].any():  # rows with 0 blocks are already all NULL
+                    clears.append(row)
+            elif diff.origin != row:
+                moves.append((diff.origin, row))
+            writes.extend((g, row, col, block_id) for (g, col), block_id in sorted(diff.writes.items()))
+        return moves, clears, writes
+
+    def encode_sizes(self) -> tuple[int, int, int]:
+        """(moves, clears, writes) the next :meth:`encode` needs, to pick a layout beforehand."""
+        moves, clears, writes = self._net_ops()
+        return len(moves), len(clears), len(writes)
+
     def encode(self, layout: BlockTableOpsLayout | None = None) -> tuple[np.ndarray, BlockTableOpsLayout]:
         """Encodes the net effect of the ops staged since the last encode, and starts a new step.
 
@@ -245,15 +263,7 @@ class BlockTableStager:
           ``(ops_flat, layout)``: ``ops_flat`` is ``[layout.size]`` int32 (pack it with the other
           step inputs), ``layout`` is the static argument of :func:`apply_block_table_ops`.
         """
-        moves, clears, writes = [], [], []
-        for row in sorted(self._diff):
-            diff = self._diff[row]
-            if diff.origin == PAD_ROW:
-                if self._start_num_blocks[:, row].any():  # rows with 0 blocks are already all NULL
-                    clears.append(row)
-            elif diff.origin != row:
-                moves.append((diff.origin, row))
-            writes.extend((g, row, col, block_id) for (g, col), block_id in sorted(diff.writes.items()))
+        moves, clears, writes = self._net_ops()
 
         if layout is None:
             layout = BlockTableOpsLayout(

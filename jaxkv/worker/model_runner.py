@@ -21,10 +21,11 @@ from flax import nnx
 from jaxkv.core import ModelRunnerOutput, SchedulerOutput
 from jaxkv.kv_cache import KVCacheConfig, cdiv
 from jaxkv.worker import kv_memory
-from jaxkv.worker.block_table import apply_block_table_ops_jit
-from jaxkv.worker.buckets import pick_bucket, pow2_buckets
+from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops_jit
+from jaxkv.worker.buckets import pick_bucket, pow2_buckets, pow4_buckets
 from jaxkv.worker.input_batch import InputBatch
 from jaxkv.worker.packing import pack, unpack_host
+from jaxkv.worker.sampler import build_sampling_metadata
 from jaxkv.worker.sampling_adapter import (
     bucket_k,
     prompt_logprobs_fn,
@@ -116,7 +117,13 @@ class ModelRunner:
 
         self.token_buckets = pow2_buckets(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(min(min_seq_bucket, max_num_seqs), max_num_seqs)
-        self.width_buckets = pow2_buckets(min(min_width_bucket, self.max_blocks_per_req), self.max_blocks_per_req)
+        # Block-table widths grow 4x per bucket: the XLA backend's gather is linear in the
+        # width, so padding costs at most 4x there, while the compile count stays small.
+        self.width_buckets = pow4_buckets(min(min_width_bucket, self.max_blocks_per_req), self.max_blocks_per_req)
+        per_step = max_num_seqs * self.num_groups
+        self._base_ops_layout = BlockTableOpsLayout(
+            num_moves=max_num_seqs, num_clears=max_num_seqs, num_writes=per_step)
+        self.zero_buckets = pow2_buckets(per_step, max(per_step, self.config.num_blocks))
 
         self.requests: dict[str, CachedRequestState] = {}
         self._out_specs: dict = {}
@@ -210,23 +217,18 @@ class ModelRunner:
         for i in range(n):
             c = int(num_computed[i])
             input_ids[qsl[i] : qsl[i + 1]] = batch.token_ids_cpu[i, c : c + q_lens[i]]
-        ops, ops_layout = self.stager.encode()
-        zeros = np.full(max(8, 1 << max(len(zero_ids) - 1, 0).bit_length()), -1, np.int32)
+        ops, ops_layout = self.stager.encode(self._ops_layout(self.stager))
+        zeros = np.full(pick_bucket(len(zero_ids), self.zero_buckets), -1, np.int32)
         zeros[: len(zero_ids)] = zero_ids
         md = batch.sampling_metadata(S, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size)
-        if md.max_num_logprobs is not None:
-            md = dataclasses.replace(md, max_num_logprobs=bucket_k(md.max_num_logprobs))
-        leaves, treedef = jax.tree_util.tree_flatten(md)
-        arrays = {"input_ids": input_ids, "query_start_loc": qsl, "num_computed": num_computed,
-                  "num_seqs": np.array([n], np.int32), "block_ops": ops, "zero_blocks": zeros}
-        arrays.update({f"sampling_{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)})
         k_prompt = self._prompt_logprobs_k(states)
+        extra = {}
         if k_prompt >= 0:
-            arrays["prompt_targets"] = self._prompt_targets(states, qsl, q_lens, T)
-        packed, spec = pack(arrays)
-        shape = StepShape(num_tokens=T, num_seqs=S, width=width,
-                          max_q_len=1 if int(q_lens.max()) == 1 else T, inputs=spec, ops=ops_layout,
-                          sampling_treedef=treedef, prompt_logprobs=bucket_k(k_prompt) if k_prompt > 0 else k_prompt)
+            extra["prompt_targets"] = self._prompt_targets(states, qsl, q_lens, T)
+        shape, packed = self._pack_step(
+            input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, width=width,
+            max_q_len=1 if int(q_lens.max()) == 1 else T,
+            prompt_logprobs=bucket_k(k_prompt) if k_prompt > 0 else k_prompt)
         results = self._run(shape, packed)
 
         sampled = results["sampled_token_ids"]
@@ -255,6 +257,48 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=out_tokens, logprobs=logprobs_out,
                                  prompt_logprobs_dict=prompt_lp)
+
+    def _pack_step(self, input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, *,
+                   width, max_q_len, prompt_logprobs) -> tuple[StepShape, np.ndarray]:
+        leaves, treedef = jax.tree_util.tree_flatten(md)
+        arrays = {"input_ids": input_ids, "query_start_loc": qsl, "num_computed": num_computed,
+                  "num_seqs": np.array([n], np.int32), "block_ops": ops, "zero_blocks": zeros}
+        arrays.update({f"sampling_{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)})
+        arrays.update(extra)
+        packed, spec = pack(arrays)
+        shape = StepShape(num_tokens=input_ids.shape[0], num_seqs=num_computed.shape[0], width=width,
+                          max_q_len=max_q_len, inputs=spec, ops=ops_layout, sampling_treedef=treedef,
+                          prompt_logprobs=prompt_logprobs)
+        return shape, packed
+
+    def _ops_layout(self, stager) -> BlockTableOpsLayout:
+        """Fixed capacities for steady state (a decode step never changes the layout); a step
+        that writes more (new or resumed rows) takes the next power of two."""
+        base = self._base_ops_layout
+        moves, clears, writes = stager.encode_sizes()
+        return BlockTableOpsLayout(
+            num_moves=max(base.num_moves, moves), num_clears=max(base.num_clears, clears),
+            num_writes=pick_bucket(writes, pow2_buckets(base.num_writes, max(base.num_writes, writes))))
+
+    def warmup(self, *, progress: bool = True) -> None:
+        """Compiles the pure-decode step for every (request bucket, block-table width bucket)
+        with greedy sampling, so steady-state greedy decoding never compiles."""
+        combos = [(S, w) for S in self.seq_buckets for w in self.width_buckets]
+        t0 = time.perf_counter()
+        for k, (S, width) in enumerate(combos):
+            T = pick_bucket(S, self.token_buckets)
+            md = build_sampling_metadata([], np.zeros((0, 2), np.uint32), [], [], [], num_rows=S)
+            ops, layout = self.stager.encode(self._ops_layout(self.stager))
+            zeros = np.full(self.zero_buckets[0], -1, np.int32)
+            shape, packed = self._pack_step(
+                np.zeros(T, np.int32), np.zeros(S + 1, np.int32), np.zeros(S, np.int32), 0, ops,
+                layout, zeros, md, {}, width=width, max_q_len=1, prompt_logprobs=-1)
+            self._run(shape, packed)
+            if progress:
+                print(f"\rjaxkv: compiling decode shapes {k + 1}/{len(combos)} "
+                      f"({time.perf_counter() - t0:.1f} s)", end="", file=sys.stderr, flush=True)
+        if progress:
+            print(file=sys.stderr)
 
     def _flush_block_table_ops(self) -> None:
         """Applies staged block-table ops without running the model (nothing scheduled)."""

@@ -56,40 +56,88 @@ def run_case(backend, interpret, *, scenario, block_size, head_size, group, num_
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+GRID = [(bs, hd, g) for bs, hd in ((8, 128), (16, 64), (32, 128)) for g in (1, 4, 8)]
+FEATURES = [  # sliding_window, soft_cap, cache_dtype, q_dtype, fp8 scale
+    (1, None, "float32", jnp.float32, None),
+    (5, None, "float32", jnp.float32, None),
+    (20, 10.0, "bfloat16", jnp.bfloat16, None),
+    (None, 5.0, "float32", jnp.float32, None),
+    (None, None, "fp8", jnp.bfloat16, 0.05),
+    (9, 30.0, "fp8", jnp.float32, 0.5),
+    (None, None, "float16", jnp.float16, None),
+]
+
+
 class TestXla:
+    """Full grid. Subclasses override the backend and which cases they run."""
     backend, interpret = "xla", False
 
-    @pytest.mark.parametrize("scenario", ["decode", "mixed"])
-    @pytest.mark.parametrize("group", [1, 4, 8])
-    @pytest.mark.parametrize("block_size,head_size", [(8, 128), (16, 64), (32, 128)])
-    def test_grid(self, scenario, group, block_size, head_size):
-        run_case(self.backend, self.interpret, scenario=scenario, block_size=block_size,
-                 head_size=head_size, group=group)
+    def check(self, **kw):
+        run_case(self.backend, self.interpret, **kw)
 
-    @pytest.mark.parametrize("sliding_window,soft_cap,cache_dtype,q_dtype,fp8_scale", [
-        (1, None, "float32", jnp.float32, None),
-        (5, None, "float32", jnp.float32, None),
-        (20, 10.0, "bfloat16", jnp.bfloat16, None),
-        (None, 5.0, "float32", jnp.float32, None),
-        (None, None, "fp8", jnp.bfloat16, 0.05),
-        (9, 30.0, "fp8", jnp.float32, 0.5),
-        (None, None, "float16", jnp.float16, None),
-    ])
-    @pytest.mark.parametrize("scenario", ["decode", "mixed"])
-    def test_features(self, scenario, sliding_window, soft_cap, cache_dtype, q_dtype, fp8_scale):
-        run_case(self.backend, self.interpret, scenario=scenario, block_size=8, head_size=64,
-                 group=4, cache_dtype=cache_dtype, q_dtype=q_dtype,
-                 sliding_window=sliding_window, soft_cap=soft_cap, fp8_scale=fp8_scale)
+    @pytest.mark.parametrize("block_size,head_size,group", GRID)
+    def test_mixed_grid(self, block_size, head_size, group):
+        self.check(scenario="mixed", block_size=block_size, head_size=head_size, group=group)
+
+    @pytest.mark.parametrize("block_size,head_size,group", [(8, 64, 8), (16, 128, 1), (32, 64, 4)])
+    def test_decode(self, block_size, head_size, group):
+        self.check(scenario="decode", block_size=block_size, head_size=head_size, group=group)
+
+    @pytest.mark.parametrize("sliding_window,soft_cap,cache_dtype,q_dtype,fp8_scale", FEATURES)
+    def test_features(self, sliding_window, soft_cap, cache_dtype, q_dtype, fp8_scale):
+        self.check(scenario="mixed", block_size=8, head_size=64, group=4, cache_dtype=cache_dtype,
+                   q_dtype=q_dtype, sliding_window=sliding_window, soft_cap=soft_cap,
+                   fp8_scale=fp8_scale)
+
+    @pytest.mark.parametrize("sliding_window,cache_dtype,fp8_scale", [(6, "float32", None),
+                                                                      (None, "fp8", 0.25)])
+    def test_decode_features(self, sliding_window, cache_dtype, fp8_scale):
+        self.check(scenario="decode", block_size=8, head_size=64, group=2, cache_dtype=cache_dtype,
+                   sliding_window=sliding_window, fp8_scale=fp8_scale)
 
     @pytest.mark.parametrize("max_q_len", [None, 64])
     def test_wide_table_and_loose_max_q_len(self, max_q_len):
         """Extra garbage table columns and a loose (or absent) max_q_len change nothing."""
-        run_case(self.backend, self.interpret, scenario="mixed", block_size=16, head_size=64,
-                 group=2, extra_table=3, max_q_len=max_q_len)
+        self.check(scenario="mixed", block_size=16, head_size=64, group=2, extra_table=3,
+                   max_q_len=max_q_len)
 
     def test_no_padding(self):
-        run_case(self.backend, self.interpret, scenario="mixed", block_size=8, head_size=64,
-                 group=1, pad=False)
+        self.check(scenario="mixed", block_size=8, head_size=64, group=1, pad=False)
+
+
+def _subset(cases, keep):
+    return [c for i, c in enumerate(cases) if i in keep]
+
+
+class TestPallas(TestXla):
+    """The Pallas kernel: compiled on GPU (whole grid), interpret mode on CPU (a subset)."""
+    backend, interpret = "pallas", not ON_GPU
+
+    def check(self, **kw):
+        # Interpret mode runs every program in Python-driven XLA: keep CPU cases few.
+        run_case(self.backend, self.interpret, **kw)
+
+    if not ON_GPU:
+        @pytest.mark.parametrize("block_size,head_size,group", _subset(GRID, {0, 5, 7}))
+        def test_mixed_grid(self, block_size, head_size, group):
+            self.check(scenario="mixed", block_size=block_size, head_size=head_size, group=group)
+
+        @pytest.mark.parametrize("sliding_window,soft_cap,cache_dtype,q_dtype,fp8_scale",
+                                 _subset(FEATURES, {2, 5}))
+        def test_features(self, sliding_window, soft_cap, cache_dtype, q_dtype, fp8_scale):
+            super().test_features(sliding_window, soft_cap, cache_dtype, q_dtype, fp8_scale)
+
+        @pytest.mark.parametrize("sliding_window,cache_dtype,fp8_scale", [(6, "float32", None)])
+        def test_decode_features(self, sliding_window, cache_dtype, fp8_scale):
+            super().test_decode_features(sliding_window, cache_dtype, fp8_scale)
+
+        @pytest.mark.parametrize("max_q_len", [None])
+        def test_wide_table_and_loose_max_q_len(self, max_q_len):
+            super().test_wide_table_and_loose_max_q_len(max_q_len)
+
+        @pytest.mark.skip(reason="covered by the other interpret cases; runs on GPU")
+        def test_no_padding(self):
+            pass
 
 
 def test_invalid_args_raise_value_error():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -110,3 +111,13 @@ def test_init_is_deterministic_and_seeded():
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     assert not np.array_equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+def test_abstract_build_then_load():
+    config = _config("tiny-hybrid")
+    src = build_model(config, seed=1)
+    model = build_model(config, abstract=True)  # nothing allocated until load_hf_weights
+    assert isinstance(model.model.norm.weight.get_value(), jax.ShapeDtypeStruct)
+    load_hf_weights(model, hf_state_dict(src))
+    np.testing.assert_array_equal(np.asarray(nnx.jit(dense_forward)(model, _ids())),
+                                  np.asarray(nnx.jit(dense_forward)(src, _ids())))

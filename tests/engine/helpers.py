@@ -1,0 +1,47 @@
+"""Shared helpers for engine tests: small models and the dense greedy reference loop."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.engine import LLM, LLMEngine
+from models import build_model, dense_forward, get_config
+
+SMALL = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, vocab_size=512,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+
+
+def small_model(family: str = "tiny-llama", seed: int = 0, **overrides):
+    kw = dict(SMALL)
+    if family == "tiny-hybrid":
+        kw.update(sliding_window=16, num_hidden_layers=4)
+    kw.update(overrides)
+    return build_model(get_config(family, **kw), seed=seed)
+
+
+def make_llm(model, **kwargs) -> LLM:
+    kwargs.setdefault("kv_cache_memory_bytes", 8 << 20)
+    kwargs.setdefault("max_num_seqs", 8)
+    kwargs.setdefault("max_num_batched_tokens", 64)
+    kwargs.setdefault("block_size", 16)
+    llm = LLM.__new__(LLM)
+    llm.llm_engine = LLMEngine.from_config(model, **kwargs)
+    return llm
+
+
+def dense_greedy(model, prompt: list[int], max_tokens: int, pad_to: int = 256) -> list[int]:
+    """Greedy loop on the dense, non-paged forward (causal, so right-padding is harmless)."""
+    fwd = jax.jit(lambda ids: dense_forward(model, ids))
+    tokens = list(prompt)
+    out = []
+    length = max(pad_to, len(prompt) + max_tokens)
+    for _ in range(max_tokens):
+        ids = np.zeros((1, length), np.int32)
+        ids[0, : len(tokens)] = tokens
+        logits = fwd(jnp.asarray(ids))
+        tok = int(jnp.argmax(logits[0, len(tokens) - 1]))
+        out.append(tok)
+        tokens.append(tok)
+    return out
