@@ -86,8 +86,26 @@ def _add_bench(sub) -> None:
     add_parser(sub)
 
 
+def _enable_compile_cache() -> None:
+    """Persist compiled steps across CLI runs (the CLI owns its process; the library never
+    touches global jax config). ``JAXKV_NO_COMPILE_CACHE=1`` turns it off."""
+    import os
+
+    if os.environ.get("JAXKV_NO_COMPILE_CACHE"):
+        return
+    import jax
+
+    from models.checkpoint.smollm2 import cache_dir
+
+    path = cache_dir() / "xla"
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "plan":
+        _enable_compile_cache()
     return args.func(args)
 
 

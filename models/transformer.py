@@ -20,6 +20,7 @@ from models.config import KVCacheBinding, LayerKVInfo, ModelConfig, layer_name
 from models.layers import RMSNorm, linear
 from pallas_kernels import AttentionMetadata
 
+
 class DecoderStack(nnx.Module):
     """HF ``model``: token embedding, decoder layers, final norm."""
 

@@ -7,10 +7,10 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models import RopeScaling
 from models.layers import GatedMLP, RMSNorm, apply_rope, rope_inv_freq
-from flax import nnx
 
 
 def test_rope_rotate_half_layout():

@@ -1,0 +1,135 @@
+"""GPU microbenchmark (run by gpu_check.sh): Pallas kernel vs jax's Pallas paged_attention vs XLA.
+
+    python benchmarks/_kernel_bench_gpu.py OUT_DIR [--smoke] [--repeats N] [--budget-s S]
+
+Decode and mixed batches, batch 1..256, context 512..32k, bfloat16 and fp8. Columns: time,
+achieved HBM bandwidth (K/V + q bytes needed / time; H200 peak ~4.8 TB/s), ratio of jax's
+``ops/gpu/paged_attention.paged_attention`` (decode, bfloat16 only; its own layout, converted
+outside the timing; q pre-scaled) and of the XLA backend to our kernel, and the max abs
+difference of our kernel vs the XLA backend. ``--smoke`` runs tiny shapes in interpret mode on
+CPU to test this script. Stops adding workloads when ``--budget-s`` is spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+import pallas_kernels as pk
+
+from _kernel_bench_common import (Workload, bytes_read, environment, make_inputs, markdown_table,
+                                  out_dir, time_fn, write_results)
+
+H = dict(num_q_heads=32, num_kv_heads=8, head_size=128)   # Llama-3-8B attention
+XLA_MAX_BYTES = 2 << 30   # the gather-based XLA backend materialises f32 K/V: skip beyond this
+
+
+def workloads(smoke: bool) -> list[Workload]:
+    if smoke:
+        s = dict(num_q_heads=8, num_kv_heads=2, head_size=64, block_size=16)
+        return [Workload("decode-b2-c64", "decode", 2, 64, 1, 0, **s),
+                Workload("decode-b2-c64-fp8", "decode", 2, 64, 1, 0, **s, cache_dtype="fp8"),
+                Workload("mixed-1x16+1-c64", "mixed", 2, 64, 16, 1, **s)]
+    w = []
+    for b, c in [(1, 512), (1, 32768), (16, 4096), (64, 4096), (64, 32768), (256, 512),
+                 (256, 4096)]:
+        w.append(Workload(f"decode-b{b}-c{c}", "decode", b, c, 1, 0, **H))
+    for b, c in [(1, 32768), (64, 4096), (256, 4096)]:
+        w.append(Workload(f"decode-b{b}-c{c}-fp8", "decode", b, c, 1, 0, **H, cache_dtype="fp8"))
+    w.append(Workload("mixed-1x512+63-c4096", "mixed", 64, 4096, 512, 1, **H))
+    w.append(Workload("mixed-2x1024+254-c2048", "mixed", 256, 2048, 1024, 2, **H))
+    w.append(Workload("mixed-1x512+63-c4096-fp8", "mixed", 64, 4096, 512, 1, **H, cache_dtype="fp8"))
+    return w
+
+
+def jax_builtin(q, cache, seq_lens, tables, *, sm_scale, interpret):
+    """jax's decode kernel on the same data: [Hkv, N, bs, D] pages, q scaled by the caller."""
+    k_pages = jnp.swapaxes(cache[:, 0], 0, 1)
+    v_pages = jnp.swapaxes(cache[:, 1], 0, 1)
+    width = -(-tables.shape[1] // 128) * 128 if tables.shape[1] > 16 else 16
+    tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+    k_splits = 16 if width >= 16 else 1
+    fn = jax.jit(functools.partial(jax_paged.paged_attention, k_splits=k_splits,
+                                   pages_per_compute_block=min(8, width // k_splits),
+                                   interpret=interpret))
+    qs = q * jnp.asarray(sm_scale, q.dtype)
+    return fn, (qs, k_pages, v_pages, tables, seq_lens)
+
+
+def run(w: Workload, *, repeats: int, interpret: bool) -> list[dict]:
+    args = make_inputs(w)
+    q, cache, seq_lens, _, tables, _ = args
+    sm_scale = w.head_size ** -0.5
+    scale = 0.5 if w.cache_dtype == "fp8" else None
+    nbytes = bytes_read(w)
+    kw = dict(sm_scale=sm_scale, k_scale=scale, v_scale=scale, max_q_len=w.max_q_len)
+    ours = jax.jit(functools.partial(pk.paged_attention, backend="pallas", interpret=interpret, **kw))
+    fns = {"pallas": (ours, args)}
+    if nbytes * 3 <= XLA_MAX_BYTES or interpret:
+        fns["xla"] = (jax.jit(functools.partial(pk.paged_attention, backend="xla", **kw)), args)
+    if w.kind == "decode" and w.cache_dtype == "bfloat16":
+        fn, jargs = jax_builtin(q, cache, seq_lens, tables, sm_scale=sm_scale, interpret=interpret)
+        jax.block_until_ready(jargs)
+        fns["jax-pallas-paged"] = (fn, jargs)
+    rows, outs = [], {}
+    for name, (fn, a) in fns.items():
+        t = time_fn(fn, *a, repeats=repeats)
+        outs[name] = fn(*a)
+        rows.append({"workload": w.name, "kind": w.kind, "backend": name,
+                     "cache_dtype": w.cache_dtype, "batch": w.num_seqs, "context": w.context,
+                     "tokens": int(q.shape[0]), "us": t["median_s"] * 1e6,
+                     "min_us": t["min_s"] * 1e6, "GB/s": nbytes / t["median_s"] / 1e9,
+                     "compile+first_s": t["first_call_s"], "bytes": nbytes})
+    base = rows[0]["us"]
+    for r in rows:
+        r["x_vs_pallas"] = r["us"] / base
+        other = outs[r["backend"]]
+        r["max_abs_diff_vs_pallas"] = float(jnp.max(jnp.abs(
+            other.astype(jnp.float32) - outs["pallas"].astype(jnp.float32))))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", nargs="?", default=None)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=240.0)
+    a = p.parse_args(argv)
+    interpret = jax.default_backend() != "gpu"
+    if interpret and not a.smoke:
+        print("no GPU: use --smoke (interpret mode, tiny shapes)", file=sys.stderr)
+        return 2
+    env = environment()
+    print(f"# jaxkv GPU kernels on {env['device_kind']} ({env['backend']}); jax {env['jax']}")
+    rows, start, skipped = [], time.perf_counter(), []
+    for w in workloads(a.smoke):
+        if time.perf_counter() - start > a.budget_s:
+            skipped.append(w.name)
+            continue
+        print(f"# {w.name}", flush=True)
+        try:
+            rows += run(w, repeats=2 if a.smoke else a.repeats, interpret=interpret)
+        except Exception as e:  # keep the table going; the error is part of the record
+            rows.append({"workload": w.name, "backend": "ERROR", "error": repr(e)[:300]})
+            print(f"# {w.name} failed: {e!r}"[:400], flush=True)
+    cols = ["workload", "backend", "cache_dtype", "tokens", "us", "GB/s", "x_vs_pallas",
+            "max_abs_diff_vs_pallas", "compile+first_s"]
+    table = markdown_table(rows, cols)
+    if skipped:
+        table += f"\n\nskipped (time budget): {', '.join(skipped)}"
+    print(table)
+    paths = write_results(out_dir(a.out), "kernels_gpu_smoke" if a.smoke else "kernels_gpu",
+                          {"environment": env, "rows": rows, "skipped": skipped}, table)
+    print("wrote", *paths)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Kernel check on one GPU (H200), < 8 minutes:
+#   1. tests/kernels compiled on the GPU (TestPallas picks interpret=False when a GPU is present),
+#   2. the microbenchmark table (benchmarks/_kernel_bench_gpu.py): decode + mixed batches,
+#      batch 1..256, context 512..32k, bfloat16 + fp8, vs jax's Pallas paged_attention and
+#      the XLA backend.
+# Usage: benchmarks/gpu_check.sh [OUT_DIR]   (default: $OUT, else benchmarks/results/)
+# Writes OUT_DIR/gpu_tests.log, gpu_bench.log, kernels_gpu.json, kernels_gpu.md, gpu_env.txt.
+# Exit status: non-zero if the tests failed or timed out, or the benchmark failed.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT_DIR="${1:-${OUT:-$REPO/benchmarks/results}}"
+mkdir -p "$OUT_DIR"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+cd "$REPO"
+if [[ -z "${VIRTUAL_ENV:-}" && -f .venv/bin/activate ]]; then
+  # shellcheck disable=SC1091
+  source .venv/bin/activate
+fi
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi unavailable"
+  timeout 60 python -c 'import jax; print("jax", jax.__version__, jax.default_backend(), jax.devices())'
+} | tee "$OUT_DIR/gpu_env.txt"
+
+if ! timeout 60 python -c 'import jax, sys; sys.exit(0 if jax.default_backend() == "gpu" else 1)'; then
+  echo "gpu_check: jax sees no GPU; nothing to check" >&2
+  exit 2
+fi
+
+tests_rc=0
+timeout --kill-after=10 210 python -m pytest tests/kernels -q -x -p no:cacheprovider \
+  --durations=10 > "$OUT_DIR/gpu_tests.log" 2>&1 || tests_rc=$?
+tail -n 30 "$OUT_DIR/gpu_tests.log"
+echo "gpu_check: kernel tests exit status $tests_rc (124 = timeout)"
+
+bench_rc=0
+timeout --kill-after=10 240 python benchmarks/_kernel_bench_gpu.py "$OUT_DIR" --budget-s 170 \
+  > "$OUT_DIR/gpu_bench.log" 2>&1 || bench_rc=$?
+tail -n 40 "$OUT_DIR/gpu_bench.log"
+echo "gpu_check: benchmark exit status $bench_rc (124 = timeout)"
+
+if [[ $tests_rc -ne 0 || $bench_rc -ne 0 ]]; then
+  exit 1
+fi

@@ -1,0 +1,115 @@
+"""CPU table: XLA backend vs interpret-mode Pallas vs jax's reference, decode and mixed batches.
+
+    python benchmarks/kernels.py [OUT_DIR] [--smoke] [--repeats N]
+
+OUT_DIR defaults to $OUT, then $JAXKV_BENCH_DIR, then benchmarks/results/. Writes
+kernels_cpu.json and kernels_cpu.md there and prints the table.
+
+jax's reference (jax.experimental.pallas.ops.gpu.paged_attention.paged_attention_reference) is
+decode-only and reads DENSE, contiguous [S, L, Hkv, D] K/V (materialised outside the timing), so
+it is the "no paging" baseline. Interpret-mode Pallas runs only on the smallest shapes: it
+executes the kernel grid program by program (~100x slower than XLA; not a GPU prediction).
+CPU numbers on shared, noisy cores: compare ratios within one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+import pallas_kernels as pk
+
+from _kernel_bench_common import (Workload, bytes_read, environment, make_inputs, markdown_table,
+                                  out_dir, time_fn, write_results)
+
+HEADS = dict(num_q_heads=32, num_kv_heads=8, head_size=64)   # Llama-3.2-1B-like attention
+
+
+def workloads(smoke: bool) -> list[Workload]:
+    if smoke:
+        return [Workload("decode-s4-c64", "decode", 4, 64, 1, 0, 4, 2, 64, 16),
+                Workload("mixed-s4-c64", "mixed", 4, 64, 16, 1, 4, 2, 64, 16)]
+    return [
+        Workload("decode-s8-c512", "decode", 8, 512, 1, 0, **HEADS),
+        Workload("decode-s32-c1024", "decode", 32, 1024, 1, 0, **HEADS),
+        Workload("decode-s64-c2048", "decode", 64, 2048, 1, 0, **HEADS),
+        Workload("decode-s32-c1024-fp8", "decode", 32, 1024, 1, 0, **HEADS, cache_dtype="fp8"),
+        Workload("mixed-1x128+15-c1024", "mixed", 16, 1024, 128, 1, **HEADS),
+        Workload("mixed-2x256+30-c2048", "mixed", 32, 2048, 256, 2, **HEADS),
+    ]
+
+
+def dense_kv(cache, tables, context):
+    """[S, L, Hkv, D] K and V from the paged cache (for jax's dense reference)."""
+    pages = cache[tables]                                            # [S, B, 2, Hkv, bs, D]
+    s, b, _, h, bs, d = pages.shape
+    kv = pages.transpose(2, 0, 1, 4, 3, 5).reshape(2, s, b * bs, h, d)[:, :, :context]
+    return kv[0].astype(jnp.bfloat16), kv[1].astype(jnp.bfloat16)
+
+
+def run(w: Workload, *, repeats: int, interpret_ok: bool) -> list[dict]:
+    args = make_inputs(w)
+    q, cache, seq_lens = args[0], args[1], args[2]
+    sm_scale = w.head_size ** -0.5
+    scale = 1.0 if w.cache_dtype == "fp8" else None
+    nbytes = bytes_read(w)
+    fns = {"xla": jax.jit(functools.partial(pk.paged_attention, sm_scale=sm_scale, k_scale=scale,
+                                            v_scale=scale, max_q_len=w.max_q_len, backend="xla"))}
+    if interpret_ok:
+        fns["pallas-interpret"] = jax.jit(functools.partial(
+            pk.paged_attention, sm_scale=sm_scale, k_scale=scale, v_scale=scale,
+            max_q_len=w.max_q_len, backend="pallas", interpret=True))
+    extra = {}
+    if w.kind == "decode":
+        k, v = dense_kv(cache, args[4], w.context)
+        jax.block_until_ready((k, v))
+        fns["jax-reference-dense"] = jax.jit(lambda q, k, v, l: jax_paged.paged_attention_reference(
+            q * jnp.asarray(sm_scale, q.dtype), k, v, l))
+        extra["jax-reference-dense"] = (q, k, v, seq_lens)
+    rows = []
+    for name, fn in fns.items():
+        reps = 1 if name == "pallas-interpret" else repeats
+        t = time_fn(fn, *extra.get(name, args), repeats=reps)
+        rows.append({"workload": w.name, "kind": w.kind, "backend": name,
+                     "cache_dtype": w.cache_dtype, "seqs": w.num_seqs, "context": w.context,
+                     "tokens": int(q.shape[0]), "ms": t["median_s"] * 1e3,
+                     "min_ms": t["min_s"] * 1e3, "compile+first_s": t["first_call_s"],
+                     "GB/s": nbytes / t["median_s"] / 1e9, "bytes": nbytes})
+    base = next(r["ms"] for r in rows if r["backend"] == "xla")
+    for r in rows:
+        r["x_vs_xla"] = r["ms"] / base
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", nargs="?", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (a test of this script)")
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    env = environment()
+    print(f"# jaxkv kernels on {env['backend']} ({env['cpu']}, {env['cores']} cores, load "
+          f"{env['load_avg']}); jax {env['jax']}")
+    rows = []
+    for i, w in enumerate(workloads(a.smoke)):
+        print(f"# {w}", flush=True)
+        rows += run(w, repeats=1 if a.smoke else a.repeats, interpret_ok=a.smoke or i in (0, 4))
+    cols = ["workload", "backend", "cache_dtype", "tokens", "ms", "min_ms", "GB/s", "x_vs_xla",
+            "compile+first_s"]
+    table = markdown_table(rows, cols)
+    print(table)
+    paths = write_results(out_dir(a.out), "kernels_cpu_smoke" if a.smoke else "kernels_cpu",
+                          {"environment": env, "rows": rows,
+                           "note": "2 shared noisy CPU cores; GB/s counts K/V+q bytes needed"},
+                          table)
+    print("wrote", *paths)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Engine behaviour: compiles, seeded sampling, device block tables, logprobs, stop strings, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.engine import LLMEngine
+from jaxkv.sampling_params import SamplingParams
+from models import dense_forward
+from tests.engine.helpers import make_llm, small_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return small_model("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return make_llm(model)
+
+
+def _prompt(seed, n):
+    return np.random.default_rng(seed).integers(3, 512, size=n).tolist()
+
+
+def test_steady_state_decode_does_not_compile(model):
+    llm = make_llm(model, max_num_seqs=4, max_model_len=128)
+    runner = llm.llm_engine.runner
+    runner.warmup(progress=False)
+    warm = runner.num_compiles
+    assert warm == len(runner.seq_buckets) * len(runner.width_buckets)
+    engine = llm.llm_engine
+    for i in range(4):
+        engine.add_request(f"d{i}", _prompt(i, 5 + i), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    engine.step()  # the prefill step compiles its mixed shape
+    after_prefill = runner.num_compiles
+    while engine.has_unfinished_requests():
+        engine.step()  # pure decode: contexts grow from ~9 to ~48 tokens (2 width buckets)
+    assert runner.num_compiles == after_prefill, runner.num_compiles - after_prefill
+    assert after_prefill - warm <= 1
+
+
+def test_seeded_sampling_same_alone_and_in_batch(llm):
+    params = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    p = _prompt(7, 11)
+    (alone,) = llm.generate([p], params, use_tqdm=False)
+    others = [SamplingParams(max_tokens=9, temperature=0.7, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)]
+    outs = llm.generate([_prompt(8, 20), p, _prompt(9, 3)], [others[0], params, others[1]],
+                        use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    # a different seed gives a different sequence (the test can fail)
+    (other,) = llm.generate([p], SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=99,
+                                                 ignore_eos=True), use_tqdm=False)
+    assert other.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_device_block_tables_match_scheduler(model):
+    """A long random run with preemption: after every step the device tables equal the
+    block ids the scheduler's KV-cache manager holds for each running request."""
+    llm = make_llm(model, num_gpu_blocks_override=14, max_num_seqs=6, max_num_batched_tokens=32)
+    engine = llm.llm_engine
+    rng = np.random.default_rng(5)
+    next_id = 0
+    for step in range(80):
+        if rng.random() < 0.5 and engine.get_num_unfinished_requests() < 10:
+            engine.add_request(f"q{next_id}", _prompt(100 + next_id, int(rng.integers(1, 60))),
+                               SamplingParams(max_tokens=int(rng.integers(1, 30)), temperature=0, ignore_eos=True))
+            next_id += 1
+        if rng.random() < 0.05 and engine.get_num_unfinished_requests():
+            engine.abort_request(next(iter(engine._parents)))
+        engine.step()
+        runner = engine.runner
+        tables = runner.device_block_tables()
+        kv = engine.scheduler.kv_cache_manager
+        running = {r.request_id for r in engine.scheduler.running}
+        for req_id in runner.input_batch.req_ids:
+            if req_id not in running:  # finished or preempted this step: the worker hears next step
+                continue
+            row = runner.row_of(req_id)
+            for g, ids in enumerate(kv.get_block_ids(req_id)):
+                assert tables[g][row, : len(ids)].tolist() == list(ids), (step, req_id, g)
+                assert not tables[g][row, len(ids):].any()
+        for row in range(runner.input_batch.num_reqs, runner.max_num_seqs):
+            assert all(not t[row].any() for t in tables)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats()["num_preemptions"] > 0
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_logprobs_and_prompt_logprobs_match_dense(llm, model):
+    p = _prompt(11, 9)
+    (out,) = llm.generate([p], SamplingParams(max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=1),
+                          use_tqdm=False)
+    c = out.outputs[0]
+    full = p + c.token_ids
+    logits = dense_forward(model, jnp.asarray([full]))[0]
+    lsm = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for i, tok in enumerate(c.token_ids):
+        pos = len(p) - 1 + i
+        entry = c.logprobs[i]
+        assert entry[tok].rank == 1
+        np.testing.assert_allclose(entry[tok].logprob, lsm[pos, tok], atol=1e-4)
+        top2 = np.argsort(-lsm[pos])[:2]
+        assert set(top2.tolist()) <= set(entry)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+    for pos in range(1, len(p)):
+        np.testing.assert_allclose(out.prompt_logprobs[pos][p[pos]].logprob, lsm[pos - 1, p[pos]], atol=1e-4)
+    np.testing.assert_allclose(c.cumulative_logprob, sum(lsm[len(p) - 1 + i, t] for i, t in enumerate(c.token_ids)),
+                               atol=1e-3)
+
+
+class _CharTokenizer:
+    """Token id i decodes to chr(ord('a') + i % 26): enough to test stop strings."""
+
+    eos_token_id = None
+    bos_token_id = None
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(ch) - ord("a") for ch in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_strings(model):
+    llm = make_llm(model, tokenizer=_CharTokenizer())
+    (free,) = llm.generate(["abcdefg"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                           use_tqdm=False)
+    text = free.outputs[0].text
+    stop = text[4:6]
+    (stopped,) = llm.generate(["abcdefg"], SamplingParams(max_tokens=12, temperature=0, stop=[stop]),
+                              use_tqdm=False)
+    c = stopped.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == text[: text.index(stop)]
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("prompt, params, exc, match", [
+    ([], None, ValueError, "empty"),
+    ([1, 2, 99999], None, ValueError, "outside the vocabulary"),
+    ([5] * 600, None, ValueError, "max_model_len"),
+    ([1.5, 2], None, TypeError, "ints"),
+    ("text", None, ValueError, "no tokenizer"),
+    ([1, 2], "greedy", TypeError, "SamplingParams"),
+])
+def test_bad_input_is_rejected_and_engine_keeps_serving(llm, model, prompt, params, exc, match):
+    engine = llm.llm_engine
+    engine.add_request("good", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    with pytest.raises(exc, match=match):
+        engine.add_request("bad", prompt, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outs] == ["good"]
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_invalid_sampling_params_and_ids(llm):
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    engine = llm.llm_engine
+    engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="unknown request ids"):
+        engine.abort_request(["dup", "nope"])
+    assert not engine.has_unfinished_requests()
+
+
+def test_kv_budget_too_small(model):
+    with pytest.raises(ValueError, match="largest max_model_len that fits"):
+        LLMEngine.from_config(model, kv_cache_memory_bytes=64 << 10, max_model_len=512,
+                              max_num_seqs=4, max_num_batched_tokens=64)
