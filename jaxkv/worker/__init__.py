@@ -1,1 +1,22 @@
-"""Device side: KV buffers, block tables, the jitted step, the sampler."""
+"""Device side: flat KV buffers, device block tables, the persistent batch, the jitted step, the sampler."""
+
+from jaxkv.worker.block_table import BlockTableOpsLayout, BlockTableStager, apply_block_table_ops
+from jaxkv.worker.input_batch import InputBatch
+from jaxkv.worker.kv_memory import (
+    allocate_kv_buffers,
+    page_size_bytes,
+    read_blocks,
+    write_blocks,
+    zero_blocks,
+)
+from jaxkv.worker.model_runner import ModelRunner, resolve_backend
+from jaxkv.worker.sampler import (
+    SamplerOutput,
+    SamplingMetadata,
+    build_sampling_metadata,
+    compute_logprobs,
+    make_request_key,
+    make_unseeded_request_key,
+    sample,
+)
+from jaxkv.worker.step import slot_mapping, token_positions
