@@ -95,6 +95,35 @@ def run(w: Workload, *, repeats: int, interpret: bool) -> list[dict]:
     return rows
 
 
+def view_copy_check(interpret: bool) -> list[dict]:
+    """Does ``kv_cache_view`` of a uint8 buffer feeding attention materialise the cache?
+
+    On XLA:CPU a size-changing bitcast (uint8 -> bf16) is expanded into an elementwise pass
+    that is only free when fused into a single gather. A custom call (the Pallas kernel) needs
+    its operand materialised: this records temp bytes vs cache bytes per backend (compile only).
+    """
+    bs, hkv, hq, d, s, b = 16, 8, 32, 128, 8, 64
+    rows = []
+    for dtype in ("bfloat16", "fp8"):
+        pb = pk.page_bytes(bs, hkv, d, dtype)
+        n = (256 << 20) // pb
+        view = functools.partial(pk.kv_cache_view, block_size=bs, num_kv_heads=hkv, head_size=d,
+                                 dtype=dtype)
+        for backend in ("pallas", "xla"):
+            def step(buf, q, sl, qsl, bt, ns, backend=backend):
+                return pk.paged_attention(q, view(buf), sl, qsl, bt, ns, sm_scale=0.1,
+                                          max_q_len=1, backend=backend,
+                                          interpret=interpret and backend == "pallas")
+            sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+            args = (sds((n * pb,), jnp.uint8), sds((s, hq, d), jnp.bfloat16), sds((s,), i32),
+                    sds((s + 1,), i32), sds((s, b), i32), sds((), i32))
+            mem = jax.jit(step).lower(*args).compile().memory_analysis()
+            rows.append({"check": "view->attention temp", "backend": backend, "cache_dtype": dtype,
+                         "cache_MiB": n * pb / 2**20, "temp_MiB": mem.temp_size_in_bytes / 2**20,
+                         "copies_cache": mem.temp_size_in_bytes >= 0.5 * n * pb})
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", nargs="?", default=None)
@@ -122,11 +151,18 @@ def main(argv=None) -> int:
     cols = ["workload", "backend", "cache_dtype", "tokens", "us", "GB/s", "x_vs_pallas",
             "max_abs_diff_vs_pallas", "compile+first_s"]
     table = markdown_table(rows, cols)
+    try:
+        copies = view_copy_check(interpret)
+        table += "\n\n" + markdown_table(copies, ["check", "backend", "cache_dtype", "cache_MiB",
+                                                     "temp_MiB", "copies_cache"])
+    except Exception as e:  # a record, not a failure of the benchmark
+        copies = [{"check": "view->attention temp", "error": repr(e)[:300]}]
     if skipped:
         table += f"\n\nskipped (time budget): {', '.join(skipped)}"
     print(table)
     paths = write_results(out_dir(a.out), "kernels_gpu_smoke" if a.smoke else "kernels_gpu",
-                          {"environment": env, "rows": rows, "skipped": skipped}, table)
+                          {"environment": env, "rows": rows, "skipped": skipped,
+                           "view_copy_check": copies}, table)
     print("wrote", *paths)
     return 0
 

@@ -33,7 +33,7 @@ if ! timeout 60 python -c 'import jax, sys; sys.exit(0 if jax.default_backend() 
 fi
 
 tests_rc=0
-timeout --kill-after=10 210 python -m pytest tests/kernels -q -x -p no:cacheprovider \
+timeout --kill-after=10 210 python -m pytest tests/kernels -q -p no:cacheprovider \
   --durations=10 > "$OUT_DIR/gpu_tests.log" 2>&1 || tests_rc=$?
 tail -n 30 "$OUT_DIR/gpu_tests.log"
 echo "gpu_check: kernel tests exit status $tests_rc (124 = timeout)"

@@ -7,7 +7,7 @@ kernels_cpu.json and kernels_cpu.md there and prints the table.
 
 jax's reference (jax.experimental.pallas.ops.gpu.paged_attention.paged_attention_reference) is
 decode-only and reads DENSE, contiguous [S, L, Hkv, D] K/V (materialised outside the timing), so
-it is the "no paging" baseline. Interpret-mode Pallas runs only on the smallest shapes: it
+it is the "no paging" baseline (for fp8 workloads it reads the bf16-widened K/V). Interpret-mode Pallas runs only on the smallest shapes: it
 executes the kernel grid program by program (~100x slower than XLA; not a GPU prediction).
 CPU numbers on shared, noisy cores: compare ratios within one run, not across runs.
 """

@@ -35,7 +35,7 @@ def paged_attention(
     sequence 0 (keys 0..5 and 0..6), rows 2..4 are positions 0..2 of sequence 1.
 
     Args:
-      max_q_len: static upper bound on any q_len (1 = pure decode); None = up to T.
+      max_q_len: static upper bound on any q_len (1 = pure decode); None or 0 = up to T.
       backend: "reference" (the spec, slow), "xla" (pure jnp, CPU default), "pallas"
         (Triton on GPU; ``interpret=True`` runs it anywhere).
       interpret: run the Pallas kernel in interpret mode (only with backend="pallas").
@@ -46,6 +46,8 @@ def paged_attention(
                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                             k_scale=k_scale, v_scale=v_scale, max_q_len=max_q_len,
                             interpret=interpret)
+    if max_q_len == 0:  # AttentionMetadata.max_q_len's "unknown"
+        max_q_len = None
     kw = dict(sm_scale=float(sm_scale), sliding_window=sliding_window,
               soft_cap=None if soft_cap is None else float(soft_cap), k_scale=k_scale, v_scale=v_scale)
     if backend == "reference":

@@ -119,3 +119,15 @@ def typed_to_bytes(x: jax.Array) -> jax.Array:
     if x.dtype.itemsize == 1:
         return b
     return b.reshape(*x.shape[:-1], x.shape[-1] * x.dtype.itemsize)
+
+
+def compute_dtype(q_dtype, cache_dtype):
+    """Dtype of the dots: the cache dtype when q matches it (bf16 x bf16 -> f32 accumulation is
+    faster than converting K/V to f32 on XLA:CPU); f32 when either side is f32; fp8 caches are
+    widened to q's 16-bit dtype (or f32)."""
+    q_dtype, cache_dtype = jnp.dtype(q_dtype), jnp.dtype(cache_dtype)
+    if jnp.float32 in (q_dtype, cache_dtype):
+        return jnp.dtype(jnp.float32)
+    if cache_dtype == jnp.float8_e4m3fn:
+        return q_dtype if q_dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
+    return cache_dtype if cache_dtype == q_dtype else jnp.dtype(jnp.float32)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from pallas_kernels import tiles as tiles_lib
 from pallas_kernels import triton_backend
 from pallas_kernels.metadata import NULL_BLOCK_ID
+from pallas_kernels.layout import compute_dtype as compute_dtype_for
 
 #: Query rows (tile_q x G) a prefill tile aims for, and keys per KV tile.
 TARGET_ROWS = 64
@@ -73,14 +74,19 @@ def _combine_splits(o, m, l):
     return out / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-def paged_attention_pallas(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs, *,
-                           sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
+def paged_attention_pallas(q,                # [T, Hq, D]
+                           kv_cache,         # [N, 2, Hkv, bs, D]
+                           seq_lens,         # [S] int32
+                           query_start_loc,  # [S + 1] int32
+                           block_tables,     # [S, B] int32
+                           num_seqs,         # [] int32
+                           *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
                            v_scale=None, max_q_len=None, interpret=False, kv_splits=None,
                            kv_tile_tokens=KV_TILE_TOKENS, target_rows=TARGET_ROWS):
-    """Arguments as ``paged_attention`` (validated there) plus tuning knobs.
+    """Arguments as ``paged_attention`` (validated there) plus tuning knobs; [T, Hq, D] q.dtype.
 
-    q: [T, Hq, D]; kv_cache: [N, 2, Hkv, bs, D]; seq_lens: [S]; query_start_loc: [S + 1];
-    block_tables: [S, B]; num_seqs: []. kv_splits: KV splits of decode tiles (None = pick).
+    kv_splits: KV splits of decode tiles (None = pick from the program count; 1 in interpret
+    mode). kv_tile_tokens: keys per inner-loop step. target_rows: query rows per prefill tile.
     """
     num_tokens, num_q_heads, head_size = q.shape
     _, _, num_kv_heads, block_size, _ = kv_cache.shape
@@ -98,11 +104,12 @@ def paged_attention_pallas(q, kv_cache, seq_lens, query_start_loc, block_tables,
         raise ValueError(f"kv_splits must be a power of two >= 1, got {kv_splits}")
     max_q = num_tokens if max_q_len is None else min(max_q_len, num_tokens)
 
-    compute_dtype = q.dtype if q.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+    compute_dtype = compute_dtype_for(q.dtype, kv_cache.dtype)
     scale = jnp.asarray(sm_scale, jnp.float32)
     if k_scale is not None:
         scale = scale * jnp.asarray(k_scale, jnp.float32)
-    qs = (q.astype(jnp.float32) * scale).astype(compute_dtype)
+    scale = scale.reshape(1)
+    qs = q.astype(compute_dtype)
     seq_lens = seq_lens.astype(jnp.int32)
     query_start_loc = query_start_loc.astype(jnp.int32)
     num_seqs = jnp.minimum(jnp.asarray(num_seqs, jnp.int32), num_seq_rows)
@@ -113,7 +120,7 @@ def paged_attention_pallas(q, kv_cache, seq_lens, query_start_loc, block_tables,
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, width - max_blocks)),
                      constant_values=NULL_BLOCK_ID)
     run = lambda t, rows, splits: triton_backend.attend_tiles(
-        _tile_meta(t, block_k=block_k, sliding_window=sliding_window), tables,
+        scale, _tile_meta(t, block_k=block_k, sliding_window=sliding_window), tables,
         _pack_q(qs, t, num_kv_heads, rows), kv_cache, group=group, pages_per_tile=pages_per_tile,
         num_splits=splits, sliding_window=sliding_window, soft_cap=soft_cap,
         compute_dtype=compute_dtype, interpret=interpret)

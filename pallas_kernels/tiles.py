@@ -8,6 +8,9 @@ are cut into "prefill tiles" of ``tile_q`` consecutive rows. So a pure-decode ba
 prefill tiles, and a mixed batch's prefill work is proportional to its prefill tokens, never
 to T x all-KV.
 
+A "sequence tile" (one per sequence row, all its rows) describes the union of keys a
+sequence needs; the XLA backend gathers K/V once per sequence with it.
+
 Example: query_start_loc = [0, 5, 6, 7], tile_q = 2 -> decode tiles take rows 4, 5, 6 and
 prefill tiles are seq 0 rows [0, 1] and [2, 3] (two tiles).
 """
@@ -52,6 +55,18 @@ def decode_tiles(seq_lens: jax.Array,         # [S] int32
                  row0=(query_start_loc[1:] - 1).astype(jnp.int32),
                  num_q=has, pos0=(seq_lens - 1).astype(jnp.int32),
                  seq_len=seq_lens.astype(jnp.int32), tile_q=1)
+
+
+def sequence_tiles(seq_lens: jax.Array,         # [S] int32
+                   query_start_loc: jax.Array,  # [S + 1] int32
+                   num_seqs: jax.Array, *, max_q_len: int) -> Tiles:
+    """One tile per sequence row holding all its query rows (tile_q = max_q_len, static)."""
+    num_seq_rows = seq_lens.shape[0]
+    q_len = jnp.minimum(_q_lens(query_start_loc, num_seqs, num_seq_rows), max_q_len)
+    return Tiles(seq=jnp.arange(num_seq_rows, dtype=jnp.int32),
+                 row0=query_start_loc[:-1].astype(jnp.int32), num_q=q_len.astype(jnp.int32),
+                 pos0=(seq_lens - q_len).astype(jnp.int32), seq_len=seq_lens.astype(jnp.int32),
+                 tile_q=max_q_len)
 
 
 def prefill_tile_counts(query_start_loc, num_seqs, tile_q: int):

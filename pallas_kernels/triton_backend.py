@@ -34,9 +34,10 @@ META_COLS = 8
 _MASK = -1e30  # finite "minus infinity": keeps exp(m_prev - m_new) well defined
 
 
-def _kernel(meta_ref,    # [NT, 8] int32 (whole array; scalar loads)
+def _kernel(scale_ref,   # [1] float32 sm_scale * k_scale (whole array)
+            meta_ref,    # [NT, 8] int32 (whole array; scalar loads)
             tables_ref,  # [S, Bp] int32 (whole array), Bp a multiple of pages_per_tile
-            q_ref,       # [M, D] this tile's rows for this KV head (scaled by sm_scale * k_scale)
+            q_ref,       # [M, D] this tile's rows for this KV head (unscaled)
             kv_ref,      # [N, 2, Hkv, bs, D] cache dtype (whole array)
             o_ref,       # [M, D] float32, normalised partial output of this split
             m_ref,       # [M] float32 running max of this split
@@ -58,6 +59,7 @@ def _kernel(meta_ref,    # [NT, 8] int32 (whole array; scalar loads)
     rows, head_size = q_ref.shape
     block_k = pages_per_tile * block_size
     q = q_ref[...].astype(compute_dtype)                                   # [M, D]
+    logit_scale = scale_ref[0]
     token = lax.div(lax.broadcasted_iota(jnp.int32, (rows,), 0), jnp.int32(group))
     q_pos = pos0 + token                                                    # [M]
     row_ok = token < num_q
@@ -75,7 +77,7 @@ def _kernel(meta_ref,    # [NT, 8] int32 (whole array; scalar loads)
         v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))
 
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)            # [M, BK]
+                            preferred_element_type=jnp.float32) * logit_scale  # [M, BK]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = row_ok[:, None] & key_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
@@ -98,7 +100,8 @@ def _kernel(meta_ref,    # [NT, 8] int32 (whole array; scalar loads)
     l_ref[...] = l
 
 
-def attend_tiles(meta,       # [NT, 8] int32, see the column names above
+def attend_tiles(logit_scale,  # [1] float32, sm_scale * k_scale (scaled in f32, after the dot)
+                 meta,       # [NT, 8] int32, see the column names above
                  tables,     # [S, Bp] int32, Bp a multiple of pages_per_tile
                  q_tiles,    # [NT, Hkv, M, D] compute dtype, M a power of two >= 16
                  kv_cache,   # [N, 2, Hkv, bs, D] cache dtype
@@ -122,6 +125,7 @@ def attend_tiles(meta,       # [NT, 8] int32, see the column names above
         kernel,
         grid=grid,
         in_specs=[
+            whole,                                                          # logit_scale
             whole,                                                          # meta
             whole,                                                          # tables
             pl.BlockSpec((None, None, rows, head_size), lambda i, h, s: (i, h, 0, 0)),
@@ -136,4 +140,4 @@ def attend_tiles(meta,       # [NT, 8] int32, see the column names above
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_m{rows}_bk{pages_per_tile * block_size}",
-    )(meta, tables, q_tiles, kv_cache)
+    )(logit_scale, meta, tables, q_tiles, kv_cache)

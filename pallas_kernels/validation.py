@@ -50,8 +50,9 @@ def validate_attention_args(q, kv_cache, seq_lens, query_start_loc, block_tables
                                  or not soft_cap > 0):
         raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
     check_scales(kv_cache.dtype, k_scale, v_scale)
-    if max_q_len is not None and (not _is_int(max_q_len) or max_q_len < 1):
-        raise ValueError(f"max_q_len must be None or an int >= 1, got {max_q_len!r}")
+    if max_q_len is not None and (not _is_int(max_q_len) or max_q_len < 0):
+        raise ValueError(f"max_q_len must be None, 0 (unknown, AttentionMetadata's default) or an "
+                         f"int >= 1, got {max_q_len!r}")
     if not isinstance(interpret, bool):
         raise ValueError(f"interpret must be a bool, got {interpret!r}")
     if num_tokens == 0:

@@ -95,7 +95,7 @@ class TestXla:
         self.check(scenario="decode", block_size=8, head_size=64, group=2, cache_dtype=cache_dtype,
                    sliding_window=sliding_window, fp8_scale=fp8_scale)
 
-    @pytest.mark.parametrize("max_q_len", [None, 64])
+    @pytest.mark.parametrize("max_q_len", [0, 64])
     def test_wide_table_and_loose_max_q_len(self, max_q_len):
         """Extra garbage table columns and a loose (or absent) max_q_len change nothing."""
         self.check(scenario="mixed", block_size=16, head_size=64, group=2, extra_table=3,
@@ -150,7 +150,7 @@ def test_invalid_args_raise_value_error():
         (dict(sliding_window=0), "sliding_window"),
         (dict(soft_cap=-1.0), "soft_cap"),
         (dict(k_scale=0.5), "k_scale"),
-        (dict(max_q_len=0), "max_q_len"),
+        (dict(max_q_len=-1), "max_q_len"),
         (dict(sm_scale=float("nan")), "sm_scale"),
     ]
     for kw, name in bad:
