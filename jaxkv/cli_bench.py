@@ -1,0 +1,55 @@
+"""``jaxkv bench``: runs ``benchmarks/throughput.py`` with the same arguments.
+
+``benchmarks/`` is not an installed package (it sits next to the packages in the repository,
+like vLLM's), so this command finds it from the checkout: ``$JAXKV_BENCHMARKS_DIR`` if set,
+else ``<repo>/benchmarks`` next to this installed ``jaxkv`` package (editable installs and
+``pip install -e .`` checkouts). The folder goes on ``sys.path`` because the benchmark scripts
+import their siblings (``bench_common``, ``naive_jax``) by file name, as they do when run as
+``python benchmarks/throughput.py``. From a wheel without the repository the command says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+
+def benchmarks_dir() -> pathlib.Path:
+    env = os.environ.get("JAXKV_BENCHMARKS_DIR")
+    return pathlib.Path(env) if env else pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_throughput():
+    """The ``throughput`` benchmark module, imported from the checkout's benchmarks folder."""
+    d = benchmarks_dir()
+    if not (d / "throughput.py").is_file():
+        raise FileNotFoundError(f"no benchmarks/throughput.py at {d}: `jaxkv bench` runs from a source "
+                                f"checkout (or set JAXKV_BENCHMARKS_DIR)")
+    if str(d) not in sys.path:
+        sys.path.insert(0, str(d))
+    import throughput
+
+    return throughput
+
+
+def cmd_bench(args) -> int:
+    try:
+        throughput = load_throughput()
+    except FileNotFoundError as e:
+        print(f"jaxkv bench: {e}", file=sys.stderr)
+        return 2
+    throughput.main(args.bench_args)
+    return 0
+
+
+def add_parser(sub) -> None:
+    # Every argument after `bench` is forwarded untouched. prefix_chars="+" makes this
+    # sub-parser treat "--quick" etc. as plain words for the REMAINDER positional (with "-" it
+    # would match REMAINDER against nothing and reject the options, an argparse quirk).
+    p = sub.add_parser("bench", help="offline throughput benchmark (benchmarks/throughput.py)",
+                       add_help=False, prefix_chars="+", description="Runs benchmarks/throughput.py; "
+                       "`jaxkv bench --help` lists its options.")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)

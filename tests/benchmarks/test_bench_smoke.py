@@ -1,0 +1,110 @@
+"""The throughput harness runs end to end on a very small model (not a timed test).
+
+Checks the JSON's fields, that the naive JAX baseline decodes the same greedy tokens as jaxkv
+on the same weights (so jaxkv / baseline compares equal work), and that ``jaxkv bench``
+forwards its arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+
+SMALL_MODEL = ("num_hidden_layers=2,hidden_size=64,intermediate_size=128,vocab_size=256,"
+               "num_attention_heads=4,num_key_value_heads=2,head_dim=16,max_position_embeddings=64")
+SIZES = ("fixed_n=4,fixed_prompt=4:20,fixed_out=4,mixed_n=5,mixed_prompt=4:24,mixed_out=2:6,"
+         "shared_n=3,shared_len=32,shared_private=3:8,shared_out=3,contexts=48,decode_batches=1:2,"
+         "decode_steps=2,kv_compare_context=48")
+ARGS = ["--model-config", SMALL_MODEL, "--sizes", SIZES, "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "32", "--kv-cache-memory", "2MiB", "--kv-compare", "1MiB,2MiB",
+        "--no-compile-cache", "--matmul-n", "256"]
+
+
+@pytest.fixture(scope="module")
+def throughput():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import throughput as module
+        yield module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def result(throughput, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "throughput.json"
+    throughput.main(ARGS + ["--workload", "all", "--json", str(path)])
+    return json.loads(path.read_text())
+
+
+def test_json_has_the_header_and_every_workload(result):
+    for key in ("cpu", "cores", "jax", "jaxlib", "flax", "numpy", "python", "platform", "time"):
+        assert key in result["env"], key
+    assert result["matmul"]["flops_per_s"] > 0
+    assert "model FLOPs" in result["flops_formula"]
+    assert set(result["results"]) == {"fixed", "mixed", "shared-prefix", "long-decode"}
+    for name in ("fixed", "mixed", "shared-prefix"):
+        res = result["results"][name]
+        jaxkv, base = res["rows"][0], res["rows"][-1]
+        assert (jaxkv["system"], base["system"]) == ("jaxkv", "naive-jax")
+        for key in ("req_per_s", "output_tok_per_s", "total_tok_per_s", "ttft_ms_mean", "ttft_ms_median",
+                    "ttft_ms_p99", "tpot_ms_mean", "tpot_ms_median", "tpot_ms_p99", "peak_kv_pct",
+                    "preemptions", "compiles", "mfu_pct_of_matmul", "host"):
+            assert jaxkv[key] is not None, (name, key)
+        assert jaxkv["compiles"] == 0, "the warm pass must leave nothing to compile in the timed pass"
+        assert res["jaxkv_over_baseline"] > 0
+    prefix = result["results"]["shared-prefix"]["prefix"]
+    assert prefix["prefix_hit_tokens"] > 0
+    assert prefix["prefill_tokens_computed_on"] < prefix["prefill_tokens_computed_off"]
+    assert prefix["tokens_equal_on_off"]
+    ld = result["results"]["long-decode"]
+    assert [(r["context"], r["batch"]) for r in ld["rows"]] == [(48, 1), (48, 2)]
+    assert all(r["jaxkv_step_ms"] and r["naive_step_ms"] for r in ld["rows"])
+    assert ld["kv_size_compare"]["large_over_small"] > 0
+    assert {t["target"].split(":")[0] for t in result["targets"]} >= {"fixed", "mixed", "shared-prefix"}
+
+
+def test_naive_baseline_tokens_equal_jaxkv(result):
+    for name in ("fixed", "mixed", "shared-prefix"):
+        equal, total = result["results"][name]["baseline_tokens_equal"].split("/")
+        assert equal == total, name
+
+
+def test_naive_baseline_greedy_matches_engine_on_short_prompts(throughput):
+    """Direct check: same weights, left padding, row-chunked prefill, one batch and two."""
+    from naive_jax import NaiveJaxLlama
+
+    import engine_harness as eh
+
+    model, tok = throughput.load_model("tiny-llama", 0, overrides=throughput._kv_pairs(SMALL_MODEL))
+    prompts = [[5, 7, 9, 11, 13], [100, 3, 4], list(range(20, 45))]
+    max_tokens = [6, 9, 4]
+    naive = NaiveJaxLlama(model, batch_size=2, prefill_tokens=8)
+    got = naive.generate(prompts, max_tokens)["tokens"]
+    engine, timer = eh.build_engine(model, tok, max_num_seqs=4, max_num_batched_tokens=32,
+                                    kv_cache_memory_bytes=1 << 20)
+    want = eh.run_workload(engine, timer, prompts, max_tokens, warm_pass=False)["tokens"]
+    assert got == want
+    assert [len(t) for t in got] == max_tokens
+
+
+def test_jaxkv_bench_forwards_arguments(monkeypatch):
+    from jaxkv import cli, cli_bench
+
+    seen = {}
+
+    class Fake:
+        @staticmethod
+        def main(argv):
+            seen["argv"] = argv
+
+    monkeypatch.setattr(cli_bench, "load_throughput", lambda: Fake)
+    monkeypatch.setenv("JAXKV_NO_COMPILE_CACHE", "1")
+    assert cli.main(["bench", "--quick", "--workload", "fixed", "--no-baseline"]) == 0
+    assert seen["argv"] == ["--quick", "--workload", "fixed", "--no-baseline"]
+    assert (cli_bench.benchmarks_dir() / "throughput.py").is_file()
