@@ -14,7 +14,7 @@ from flax import nnx
 
 from models.config import KVCacheBinding, ModelConfig
 from models.layers import RMSNorm, apply_rope, linear, rope_inv_freq
-from pallas_kernels import AttentionMetadata, kv_cache_view, paged_attention, write_kv
+from pallas_kernels import AttentionMetadata, kv_cache_byte_view, paged_attention, write_kv
 
 
 class Attention(nnx.Module):
@@ -68,12 +68,16 @@ class Attention(nnx.Module):
         """Writes this step's K/V at ``md.slot_mapping``, then attends over the paged cache."""
         buffer = write_kv(buffer, k, v, md.slot_mapping, block_size=binding.block_size,
                           dtype=binding.cache_dtype, k_scale=binding.k_scale, v_scale=binding.v_scale)
-        view = kv_cache_view(buffer, block_size=binding.block_size, num_kv_heads=self.num_kv_heads,
-                             head_size=self.head_dim, dtype=binding.cache_dtype)
-        o = paged_attention(q, view, md.seq_lens, md.query_start_loc, md.block_tables, md.num_seqs,
+        # The byte view (a reshape): backends bitcast only what they read, so no whole-cache
+        # conversion (a full copy on XLA:CPU) ever happens.
+        pages = kv_cache_byte_view(buffer, block_size=binding.block_size,
+                                   num_kv_heads=self.num_kv_heads, head_size=self.head_dim,
+                                   dtype=binding.cache_dtype)
+        o = paged_attention(q, pages, md.seq_lens, md.query_start_loc, md.block_tables, md.num_seqs,
                             sm_scale=self.sm_scale, sliding_window=self.sliding_window,
                             soft_cap=self.soft_cap, k_scale=binding.k_scale, v_scale=binding.v_scale,
                             max_q_len=md.max_q_len or None, backend=binding.backend,
-                            interpret=binding.interpret)
+                            interpret=binding.interpret, kv_dtype=binding.cache_dtype,
+                            num_prefill_tiles=md.num_prefill_tiles)
         return o, buffer
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels.layout import resolve_kv_dtype, typed_view_of_bytes
 from pallas_kernels.reference import paged_attention_reference
 from pallas_kernels.validation import validate_attention_args
 from pallas_kernels.xla_backend import paged_attention_xla
@@ -20,7 +21,7 @@ def paged_attention(
     num_seqs: jax.Array,         # [] int32
     *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     k_scale=None, v_scale=None, max_q_len: int | None = None, backend: str = "xla",
-    interpret: bool = False,
+    interpret: bool = False, kv_dtype=None, num_prefill_tiles: int | None = None,
 ) -> jax.Array:                  # [T, Hq, D] q.dtype
     """Ragged paged attention over a packed batch of prefill chunks and decodes.
 
@@ -39,9 +40,20 @@ def paged_attention(
       backend: "reference" (the spec, slow), "xla" (pure jnp, CPU default), "pallas"
         (Triton on GPU; ``interpret=True`` runs it anywhere).
       interpret: run the Pallas kernel in interpret mode (only with backend="pallas").
+      kv_dtype: when set, ``kv_cache`` is the byte view ``[N, 2, Hkv, bs, D * itemsize]`` uint8
+        (``kv_cache_byte_view``) of a cache of this dtype. The XLA backend then gathers bytes
+        and bitcasts only what it gathered (a whole-buffer bitcast is a full copy on XLA:CPU).
+      num_prefill_tiles: static hint for the XLA backend, from ``plan_prefill_tiles`` (None:
+        the static upper bound).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    kv_bytes = None
+    if kv_dtype is not None:
+        kv_bytes, kv_dtype = kv_cache, resolve_kv_dtype(kv_dtype)
+        kv_cache = typed_view_of_bytes(kv_bytes, kv_dtype, abstract=True)
+    if num_prefill_tiles is not None and (not isinstance(num_prefill_tiles, int) or num_prefill_tiles < 0):
+        raise ValueError(f"num_prefill_tiles must be None or an int >= 0, got {num_prefill_tiles!r}")
     validate_attention_args(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs,
                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                             k_scale=k_scale, v_scale=v_scale, max_q_len=max_q_len,
@@ -50,12 +62,15 @@ def paged_attention(
         max_q_len = None
     kw = dict(sm_scale=float(sm_scale), sliding_window=sliding_window,
               soft_cap=None if soft_cap is None else float(soft_cap), k_scale=k_scale, v_scale=v_scale)
+    if backend == "xla":
+        return paged_attention_xla(q, kv_cache if kv_bytes is None else kv_bytes, seq_lens,
+                                   query_start_loc, block_tables, num_seqs, max_q_len=max_q_len,
+                                   kv_dtype=kv_dtype, num_prefill_tiles=num_prefill_tiles, **kw)
+    if kv_bytes is not None:
+        kv_cache = typed_view_of_bytes(kv_bytes, kv_dtype)
     if backend == "reference":
         return paged_attention_reference(q, kv_cache, seq_lens, query_start_loc, block_tables,
                                          num_seqs, **kw)  # validates again: cheap, shapes only
-    if backend == "xla":
-        return paged_attention_xla(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs,
-                                   max_q_len=max_q_len, **kw)
     from pallas_kernels.pallas_attention import paged_attention_pallas  # noqa: PLC0415
     return paged_attention_pallas(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs,
                                   max_q_len=max_q_len, interpret=interpret, **kw)

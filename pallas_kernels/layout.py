@@ -105,6 +105,30 @@ def kv_cache_view(buffer: jax.Array,  # [N * page_bytes] uint8
     return bytes_to_typed(buffer, dt).reshape(shape)
 
 
+def kv_cache_byte_view(buffer: jax.Array,  # [N * page_bytes] uint8
+                       *, block_size: int, num_kv_heads: int, head_size: int, dtype) -> jax.Array:
+    """The same pages as :func:`kv_cache_view`, still in bytes: ``[N, 2, Hkv, bs, D * itemsize]``
+    uint8 (a reshape only). Pass it with ``kv_dtype=dtype`` to ``paged_attention``."""
+    dt = resolve_kv_dtype(dtype)
+    pb = page_bytes(block_size, num_kv_heads, head_size, dt)
+    if buffer.ndim != 1 or buffer.dtype != jnp.uint8 or buffer.shape[0] % pb:
+        raise ValueError(f"KV buffer must be flat uint8 of whole {pb}-byte pages, got shape "
+                         f"{buffer.shape} dtype {buffer.dtype}")
+    return buffer.reshape(buffer.shape[0] // pb, 2, num_kv_heads, block_size, head_size * dt.itemsize)
+
+
+def typed_view_of_bytes(kv_bytes: jax.Array, dtype, *, abstract: bool = False):
+    """Typed ``[N, 2, Hkv, bs, D]`` of a byte view; ``abstract=True`` gives only its
+    ShapeDtypeStruct (for argument checks, no computation)."""
+    dt = resolve_kv_dtype(dtype)
+    if kv_bytes.dtype != jnp.uint8 or kv_bytes.ndim != 5 or kv_bytes.shape[-1] % dt.itemsize:
+        raise ValueError(f"with kv_dtype={dt.name} kv_cache must be the uint8 byte view "
+                         f"[N, 2, Hkv, bs, D * {dt.itemsize}], got {kv_bytes.dtype}{list(kv_bytes.shape)}")
+    if abstract:
+        return jax.ShapeDtypeStruct((*kv_bytes.shape[:-1], kv_bytes.shape[-1] // dt.itemsize), dt)
+    return bytes_to_typed(kv_bytes, dt)
+
+
 def bytes_to_typed(raw: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Bitcasts a uint8 array whose last dim is a multiple of itemsize to ``dtype`` (last dim / itemsize)."""
     isz = dtype.itemsize

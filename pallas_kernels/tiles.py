@@ -76,6 +76,27 @@ def prefill_tile_counts(query_start_loc, num_seqs, tile_q: int):
     return counts.astype(jnp.int32), jnp.sum(counts).astype(jnp.int32)
 
 
+def prefill_tile_q(max_q_len: int, max_tile_q: int) -> int:
+    """Rows per prefill tile: a power of two >= max_q_len - 1 (the rows besides the last),
+    at most ``max_tile_q``."""
+    return min(max_tile_q, 1 << max(0, (max_q_len - 2).bit_length()))
+
+
+def plan_prefill_tiles(q_lens, *, num_tokens: int, max_q_len: int, max_tile_q: int = 64) -> int:
+    """Host side: the number of prefill tiles a batch needs, rounded up to a power of two.
+
+    ``q_lens``: the real sequences' query lengths (a sequence of ints). A caller that passes
+    this as ``num_prefill_tiles`` gets exactly these tiles computed (no upper-bound padding).
+    Example: q_lens [1, 1, 100], max_q_len 100 -> tile_q 64 -> ceil(99 / 64) = 2 tiles.
+    """
+    max_q = min(max_q_len, num_tokens)
+    tile_q = prefill_tile_q(max_q, max_tile_q)
+    need = sum(-(-(max(int(n) - 1, 0)) // tile_q) for n in q_lens)
+    if need == 0:
+        return 0
+    return 1 << (need - 1).bit_length()
+
+
 def max_prefill_tiles(num_tokens: int, num_seq_rows: int, tile_q: int, max_q_len: int) -> int:
     """Static upper bound on the number of prefill tiles.
 

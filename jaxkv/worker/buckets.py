@@ -20,17 +20,6 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def pow4_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    """Like :func:`pow2_buckets` with a factor of 4: ``pow4_buckets(4, 100) == (4, 16, 64, 100)``."""
-    b = pow2_buckets(lo, lo)[0]
-    out = []
-    while b < hi:
-        out.append(b)
-        b *= 4
-    out.append(hi)
-    return tuple(out)
-
-
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
     """Smallest bucket >= n; ValueError if n exceeds the largest."""
     for b in buckets:

@@ -22,7 +22,7 @@ from jaxkv.core import ModelRunnerOutput, SchedulerOutput
 from jaxkv.kv_cache import KVCacheConfig, cdiv
 from jaxkv.worker import kv_memory
 from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops_jit
-from jaxkv.worker.buckets import pick_bucket, pow2_buckets, pow4_buckets
+from jaxkv.worker.buckets import pick_bucket, pow2_buckets
 from jaxkv.worker.input_batch import InputBatch
 from jaxkv.worker.packing import pack, unpack_host
 from jaxkv.worker.sampler import build_sampling_metadata
@@ -35,6 +35,7 @@ from jaxkv.worker.sampling_adapter import (
 )
 from jaxkv.worker.step import StepShape, build_step_fn
 from models.config import KVCacheBinding
+from pallas_kernels import plan_prefill_tiles
 
 BACKENDS = ("auto", "xla", "pallas", "reference")
 
@@ -90,7 +91,7 @@ class ModelRunner:
                  max_num_batched_tokens: int, max_model_len: int, attention_backend: str = "auto",
                  cache_dtype: str = "float32", seed: int = 0, eos_token_id: int | None = None, k_scale: float | None = None,
                  v_scale: float | None = None, min_token_bucket: int = 16, min_seq_bucket: int = 8,
-                 min_width_bucket: int = 4):
+                 ):
         self.config = kv_cache_config
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -117,9 +118,6 @@ class ModelRunner:
 
         self.token_buckets = pow2_buckets(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(min(min_seq_bucket, max_num_seqs), max_num_seqs)
-        # Block-table widths grow 4x per bucket: the XLA backend's gather is linear in the
-        # width, so padding costs at most 4x there, while the compile count stays small.
-        self.width_buckets = pow4_buckets(min(min_width_bucket, self.max_blocks_per_req), self.max_blocks_per_req)
         per_step = max_num_seqs * self.num_groups
         self._base_ops_layout = BlockTableOpsLayout(
             num_moves=max_num_seqs, num_clears=max_num_seqs, num_writes=per_step)
@@ -208,8 +206,6 @@ class ModelRunner:
         S = pick_bucket(n, self.seq_buckets)
         num_computed = np.zeros(S, np.int32)
         num_computed[:n] = batch.num_computed_tokens_cpu[:n]
-        widest = int((num_computed[:n] + q_lens).max())
-        width = pick_bucket(cdiv(widest, self.block_size), self.width_buckets)
         qsl = np.zeros(S + 1, np.int32)
         qsl[1 : n + 1] = np.cumsum(q_lens)
         qsl[n + 1 :] = total
@@ -225,9 +221,11 @@ class ModelRunner:
         extra = {}
         if k_prompt >= 0:
             extra["prompt_targets"] = self._prompt_targets(states, qsl, q_lens, T)
+        max_q_len = 1 if int(q_lens.max()) == 1 else T
         shape, packed = self._pack_step(
-            input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, width=width,
-            max_q_len=1 if int(q_lens.max()) == 1 else T,
+            input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra,
+            max_q_len=max_q_len,
+            num_prefill_tiles=plan_prefill_tiles(q_lens, num_tokens=T, max_q_len=max_q_len),
             prompt_logprobs=bucket_k(k_prompt) if k_prompt > 0 else k_prompt)
         results = self._run(shape, packed)
 
@@ -259,15 +257,17 @@ class ModelRunner:
                                  prompt_logprobs_dict=prompt_lp)
 
     def _pack_step(self, input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, *,
-                   width, max_q_len, prompt_logprobs) -> tuple[StepShape, np.ndarray]:
+                   max_q_len, prompt_logprobs, num_prefill_tiles=0) -> tuple[StepShape, np.ndarray]:
         leaves, treedef = jax.tree_util.tree_flatten(md)
         arrays = {"input_ids": input_ids, "query_start_loc": qsl, "num_computed": num_computed,
                   "num_seqs": np.array([n], np.int32), "block_ops": ops, "zero_blocks": zeros}
         arrays.update({f"sampling_{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)})
         arrays.update(extra)
         packed, spec = pack(arrays)
-        shape = StepShape(num_tokens=input_ids.shape[0], num_seqs=num_computed.shape[0], width=width,
-                          max_q_len=max_q_len, inputs=spec, ops=ops_layout, sampling_treedef=treedef,
+        shape = StepShape(num_tokens=input_ids.shape[0], num_seqs=num_computed.shape[0],
+                          width=self.max_blocks_per_req,
+                          max_q_len=max_q_len, num_prefill_tiles=num_prefill_tiles, inputs=spec,
+                          ops=ops_layout, sampling_treedef=treedef,
                           prompt_logprobs=prompt_logprobs)
         return shape, packed
 
@@ -281,18 +281,19 @@ class ModelRunner:
             num_writes=pick_bucket(writes, pow2_buckets(base.num_writes, max(base.num_writes, writes))))
 
     def warmup(self, *, progress: bool = True) -> None:
-        """Compiles the pure-decode step for every (request bucket, block-table width bucket)
-        with greedy sampling, so steady-state greedy decoding never compiles."""
-        combos = [(S, w) for S in self.seq_buckets for w in self.width_buckets]
+        """Compiles the pure-decode step for every request bucket with greedy sampling, so
+        steady-state greedy decoding never compiles (attention walks each sequence's own
+        blocks in a loop, so the context length is not part of the shape)."""
+        combos = list(self.seq_buckets)
         t0 = time.perf_counter()
-        for k, (S, width) in enumerate(combos):
+        for k, S in enumerate(combos):
             T = pick_bucket(S, self.token_buckets)
             md = build_sampling_metadata([], np.zeros((0, 2), np.uint32), [], [], [], num_rows=S)
             ops, layout = self.stager.encode(self._ops_layout(self.stager))
             zeros = np.full(self.zero_buckets[0], -1, np.int32)
             shape, packed = self._pack_step(
                 np.zeros(T, np.int32), np.zeros(S + 1, np.int32), np.zeros(S, np.int32), 0, ops,
-                layout, zeros, md, {}, width=width, max_q_len=1, prompt_logprobs=-1)
+                layout, zeros, md, {}, max_q_len=1, prompt_logprobs=-1)
             self._run(shape, packed)
             if progress:
                 print(f"\rjaxkv: compiling decode shapes {k + 1}/{len(combos)} "

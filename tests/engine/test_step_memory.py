@@ -20,7 +20,7 @@ def _compiled_memory(runner, *, max_q_len):
     zeros = np.full(runner.zero_buckets[0], -1, np.int32)
     shape, packed = runner._pack_step(
         np.zeros(T, np.int32), np.zeros(S + 1, np.int32), np.zeros(S, np.int32), 0, ops, layout,
-        zeros, md, {}, width=runner.width_buckets[-1], max_q_len=max_q_len or T, prompt_logprobs=-1)
+        zeros, md, {}, max_q_len=max_q_len or T, prompt_logprobs=-1)
     compiled = runner._step.lower(runner.state, runner.buffers, runner.tables, jnp.asarray(packed),
                                   shape=shape).compile()
     return compiled.memory_analysis()

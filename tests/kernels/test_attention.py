@@ -29,7 +29,7 @@ SCENARIOS = {
 
 def run_case(backend, interpret, *, scenario, block_size, head_size, group, num_kv_heads=2,
              cache_dtype="float32", q_dtype=jnp.float32, sliding_window=None, soft_cap=None,
-             fp8_scale=None, extra_table=0, seed=0, max_q_len="auto", pad=True):
+             fp8_scale=None, extra_table=0, seed=0, max_q_len="auto", pad=True, as_bytes=False):
     rng = np.random.default_rng(seed)
     q_lens, kv_lens = SCENARIOS[scenario](block_size)
     width = max(-(-kl // block_size) for kl in kv_lens) + extra_table
@@ -44,6 +44,11 @@ def run_case(backend, interpret, *, scenario, block_size, head_size, group, num_
     args = b.attention_args()
     want = jax.jit(functools.partial(pk.paged_attention, backend="reference", **kw))(*args)
     mq = b.max_q_len if max_q_len == "auto" else max_q_len
+    if as_bytes:  # the engine's form: the byte view plus kv_dtype, and the planned tile count
+        from pallas_kernels.layout import typed_to_bytes
+        args = (args[0], typed_to_bytes(args[1]), *args[2:])
+        kw.update(kv_dtype=cache_dtype, num_prefill_tiles=pk.plan_prefill_tiles(
+            q_lens, num_tokens=b.q.shape[0], max_q_len=mq or b.q.shape[0]))
     got = jax.jit(functools.partial(pk.paged_attention, backend=backend, interpret=interpret,
                                     max_q_len=mq, **kw))(*args)
     assert got.shape == b.q.shape and got.dtype == b.q.dtype
@@ -103,6 +108,13 @@ class TestXla:
 
     def test_no_padding(self):
         self.check(scenario="mixed", block_size=8, head_size=64, group=1, pad=False)
+
+
+class TestXlaBytes(TestXla):
+    """The XLA backend fed the byte view (``kv_dtype``) with an exact prefill-tile plan."""
+
+    def check(self, **kw):
+        run_case("xla", False, as_bytes=True, **kw)
 
 
 def _subset(cases, keep):
