@@ -87,8 +87,11 @@ def kv_cache_view(buffer: jax.Array,  # [N * page_bytes] uint8
                   *, block_size: int, num_kv_heads: int, head_size: int, dtype) -> jax.Array:
     """Typed view ``[N, 2, Hkv, bs, D]`` of a flat uint8 KV buffer: bitcast + reshape, no copy.
 
-    Inside ``jit`` this is a layout-only bitcast (XLA turns it into an aliasing bitcast), so
-    the view and the buffer share memory; outside ``jit`` an eager call materialises a new array.
+    Same-width bitcasts (fp8) alias the buffer. A size-changing one (uint8 -> bf16 / f32) is
+    expanded by XLA:CPU into an elementwise pass, which is free only when fused into a single
+    consumer; read inside a loop or by a custom call it is materialised (a full cache copy,
+    measured). Attention therefore takes :func:`kv_cache_byte_view` plus ``kv_dtype`` and
+    bitcasts only the pages it gathered; this typed view is for tests and small tools.
 
     Example: bs 16, Hkv 8, D 128, bfloat16 -> page_bytes = 2*16*8*128*2 = 65536; a buffer of
     1048576 bytes is 16 blocks and views as [16, 2, 8, 16, 128] bfloat16.

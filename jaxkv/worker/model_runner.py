@@ -22,7 +22,7 @@ from jaxkv.core import ModelRunnerOutput, SchedulerOutput
 from jaxkv.kv_cache import KVCacheConfig, cdiv
 from jaxkv.worker import kv_memory
 from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops_jit
-from jaxkv.worker.buckets import pick_bucket, pow2_buckets
+from jaxkv.worker.buckets import pick_bucket, pow2_buckets, token_buckets
 from jaxkv.worker.input_batch import InputBatch
 from jaxkv.worker.packing import pack, unpack_host
 from jaxkv.worker.sampler import build_sampling_metadata
@@ -116,7 +116,7 @@ class ModelRunner:
         self.tables = self.stager.device_tables()
         self.eos_token_id = eos_token_id
 
-        self.token_buckets = pow2_buckets(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens)
+        self.token_buckets = token_buckets(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(min(min_seq_bucket, max_num_seqs), max_num_seqs)
         per_step = max_num_seqs * self.num_groups
         self._base_ops_layout = BlockTableOpsLayout(
@@ -202,8 +202,9 @@ class ModelRunner:
         states = [self.requests[r] for r in req_ids]
         q_lens = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
         total = int(q_lens.sum())
-        T = pick_bucket(total, self.token_buckets)
         S = pick_bucket(n, self.seq_buckets)
+        # A pure-decode step has one token per row: T = S, so its shapes are the warmed ones.
+        T = S if total == n else pick_bucket(total, self.token_buckets)
         num_computed = np.zeros(S, np.int32)
         num_computed[:n] = batch.num_computed_tokens_cpu[:n]
         qsl = np.zeros(S + 1, np.int32)
@@ -287,7 +288,7 @@ class ModelRunner:
         combos = list(self.seq_buckets)
         t0 = time.perf_counter()
         for k, S in enumerate(combos):
-            T = pick_bucket(S, self.token_buckets)
+            T = S
             md = build_sampling_metadata([], np.zeros((0, 2), np.uint32), [], [], [], num_rows=S)
             ops, layout = self.stager.encode(self._ops_layout(self.stager))
             zeros = np.full(self.zero_buckets[0], -1, np.int32)

@@ -117,24 +117,26 @@ def test_write_is_in_place_on_a_donated_64mib_cache(dtype):
 
 @pytest.mark.parametrize("dtype,max_q_len", [("bfloat16", 1), ("float32", None), ("fp8", 2)])
 def test_view_write_attend_step_does_not_copy_the_cache(dtype, max_q_len):
-    """A jitted write + view + XLA attention over a donated 64 MiB buffer: no cache-sized temp.
+    """A jitted write + byte view + XLA attention over a donated 64 MiB buffer: no cache-sized
+    temp. This is the engine's form (models pass ``kv_cache_byte_view`` with ``kv_dtype``).
 
-    On XLA:CPU a size-changing bitcast (uint8 -> bf16/f32) is expanded into an elementwise pass:
-    it costs nothing only while a single gather consumes the view (see xla_backend).
+    On XLA:CPU a size-changing bitcast (uint8 -> bf16/f32) of the whole buffer is expanded into
+    an elementwise pass that is materialised when read inside the attention loop, so the
+    backend gathers bytes and bitcasts only the gathered chunk (see xla_backend).
     """
     bs, hkv, hq, d, s, b = 16, 4, 8, 64, 4, 8
     dt = resolve_kv_dtype(dtype)
     pb = pk.page_bytes(bs, hkv, d, dt)
     n = (64 << 20) // pb
     scale = 0.5 if dtype == "fp8" else None
-    view = functools.partial(pk.kv_cache_view, block_size=bs, num_kv_heads=hkv, head_size=d,
+    view = functools.partial(pk.kv_cache_byte_view, block_size=bs, num_kv_heads=hkv, head_size=d,
                              dtype=dtype)
 
     def step(buf, q, k, v, slots, seq_lens, qsl, tables, num_seqs):
         buf = pk.write_kv(buf, k, v, slots, block_size=bs, dtype=dtype, k_scale=scale,
                           v_scale=scale)
         out = pk.paged_attention(q, view(buf), seq_lens, qsl, tables, num_seqs, sm_scale=0.125,
-                                 k_scale=scale, v_scale=scale, max_q_len=max_q_len)
+                                 k_scale=scale, v_scale=scale, max_q_len=max_q_len, kv_dtype=dtype)
         return buf, out
 
     sds = jax.ShapeDtypeStruct
