@@ -93,6 +93,7 @@ class StepTimer:
 
 
 def build_engine(model, tokenizer, **kwargs) -> tuple[LLMEngine, StepTimer]:
+    kwargs.setdefault("warmup", False)  # the caller warms up and times it separately
     engine = LLMEngine.from_config(model, tokenizer=tokenizer, **kwargs)
     return engine, StepTimer(engine)
 

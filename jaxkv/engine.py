@@ -63,7 +63,7 @@ class LLMEngine:
     the requests that made progress.
     """
 
-    def __init__(self, model, model_config, tokenizer, config: EngineConfig):
+    def __init__(self, model, model_config, tokenizer, config: EngineConfig, *, verbose: bool = False):
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
@@ -74,6 +74,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, attention_backend=config.attention_backend,
             cache_dtype=config.cache_dtype, seed=config.seed, eos_token_id=self._eos_id())
+        if config.warmup:
+            self.runner.warmup(progress=verbose)
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
         self._counter = itertools.count()
@@ -88,7 +90,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, model: str = "tiny-llama", **kwargs) -> "LLMEngine":
         loaded, model_config, tokenizer, config = resolve_engine_config(model, **kwargs)
-        return cls(loaded, model_config, tokenizer, config)
+        return cls(loaded, model_config, tokenizer, config, verbose=kwargs.get("verbose", False))
 
     # ---- requests -----------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ class EngineConfig:
     cache_dtype: str
     attention_backend: str
     seed: int
+    warmup: bool
     kv_cache_config: KVCacheConfig
     scheduler_config: SchedulerConfig
 
@@ -57,9 +58,13 @@ def resolve_engine_config(
     dtype: str = "float32",
     seed: int = 0,
     tokenizer=None,
+    warmup: bool = True,
     verbose: bool = False,
 ):
     """Loads the model and plans the KV cache. Returns (model, model_config, tokenizer, EngineConfig).
+
+    ``warmup`` compiles the pure-decode step for every request bucket at start-up (a progress
+    line on stderr when ``verbose``), so steady-state decoding never compiles.
 
     ``model`` is a name or path for ``models.load_model``, or an already built NNX model
     (then ``tokenizer`` may be given).
@@ -121,5 +126,5 @@ def resolve_engine_config(
     config = EngineConfig(model_name=name, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                           cache_dtype=cache_dtype, attention_backend=attention_backend, seed=seed,
-                          kv_cache_config=kv_config, scheduler_config=sched)
+                          warmup=warmup, kv_cache_config=kv_config, scheduler_config=sched)
     return loaded, model_config, tokenizer, config

@@ -35,13 +35,26 @@ from pallas_kernels.metadata import NULL_BLOCK_ID
 
 #: Rows per prefill tile (upper bound; smaller when max_q_len is small).
 MAX_TILE_Q = 64
-#: Keys gathered per loop iteration (rounded to whole blocks): decode and prefill tiles.
-DECODE_CHUNK_KEYS = 32
-PREFILL_CHUNK_KEYS = 64
+#: Bytes of K/V one loop iteration gathers over all tiles. Fewer, bigger iterations amortise
+#: the loop's per-iteration cost (dominant for few long sequences); smaller chunks stay in cache
+#: (better for many sequences). Measured on 2 CPU cores (f32, Hkv 2, D 64, decode), 4 MiB vs
+#: 1 MiB per iteration: 1.26x faster at 1 row x 16k keys, 1.37x at 16 x 4k, 1.24x at 64 x 300;
+#: 8 MiB was no better.
+CHUNK_BYTES = 4 << 20
+MAX_CHUNK_KEYS = 1024
+
+
+def chunk_keys_for(num_tiles: int, num_kv_heads: int, head_size: int, itemsize: int,
+                   block_size: int) -> int:
+    """Keys per iteration: a power of two with ~CHUNK_BYTES gathered, in [block_size, 1024]."""
+    per_key = max(1, num_tiles * 2 * num_kv_heads * head_size * itemsize)
+    keys = max(1, CHUNK_BYTES // per_key)
+    keys = 1 << (keys.bit_length() - 1)
+    return max(block_size, min(MAX_CHUNK_KEYS, keys))
 
 
 def _attend_tiles(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_size, num_kv_heads,
-                  head_size, kv_dtype, chunk_keys, logit_scale, sliding_window, soft_cap, v_scale):
+                  head_size, kv_dtype, logit_scale, sliding_window, soft_cap, v_scale):
     """Attention of NT tiles of ``t.tile_q`` rows, each against its own sequence's keys.
 
     q: [T, Hq, D] unscaled; kv_rows: [N * 2 * Hkv, bs * D'] (typed rows, D' = D, or bytes,
@@ -55,7 +68,8 @@ def _attend_tiles(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_size, n
     m_rows = group * qt
     cache_dtype = kv_rows.dtype if kv_dtype is None else kv_dtype
     cdt = compute_dtype(q.dtype, cache_dtype)
-    chunk = max(1, chunk_keys // block_size)                              # C blocks / iteration
+    chunk = chunk_keys_for(nt, num_kv_heads, head_size, jnp.dtype(cache_dtype).itemsize,
+                           block_size) // block_size                      # C blocks / iteration
 
     rows = t.row0[:, None] + jnp.arange(qt, dtype=jnp.int32)[None, :]    # [NT, Qt]
     row_ok = jnp.arange(qt)[None, :] < t.num_q[:, None]
@@ -154,7 +168,7 @@ def paged_attention_xla(q,                # [T, Hq, D]
     out = jnp.zeros(q.shape, jnp.float32)
     dec = tiles_lib.decode_tiles(seq_lens, query_start_loc, num_seqs)
     out = tiles_lib.scatter_rows(
-        out, _attend_tiles(q, kv_rows, block_tables, dec, chunk_keys=DECODE_CHUNK_KEYS, **common), dec)
+        out, _attend_tiles(q, kv_rows, block_tables, dec, **common), dec)
 
     tile_q = tiles_lib.prefill_tile_q(max_q, MAX_TILE_Q)
     bound = tiles_lib.max_prefill_tiles(num_tokens, num_seq_rows, tile_q, max_q)
@@ -162,5 +176,5 @@ def paged_attention_xla(q,                # [T, Hq, D]
     if n > 0:
         t = tiles_lib.prefill_tiles(seq_lens, query_start_loc, num_seqs, tile_q=tile_q, num_tiles=n)
         out = tiles_lib.scatter_rows(
-            out, _attend_tiles(q, kv_rows, block_tables, t, chunk_keys=PREFILL_CHUNK_KEYS, **common), t)
+            out, _attend_tiles(q, kv_rows, block_tables, t, **common), t)
     return out.astype(q.dtype)

@@ -90,7 +90,7 @@ class ModelRunner:
     def __init__(self, model, kv_cache_config: KVCacheConfig, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, attention_backend: str = "auto",
                  cache_dtype: str = "float32", seed: int = 0, eos_token_id: int | None = None, k_scale: float | None = None,
-                 v_scale: float | None = None, min_token_bucket: int = 16, min_seq_bucket: int = 8,
+                 v_scale: float | None = None, min_token_bucket: int = 16, min_seq_bucket: int = 1,
                  ):
         self.config = kv_cache_config
         self.max_num_seqs = max_num_seqs

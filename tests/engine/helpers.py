@@ -26,6 +26,7 @@ def make_llm(model, **kwargs) -> LLM:
     kwargs.setdefault("max_num_seqs", 8)
     kwargs.setdefault("max_num_batched_tokens", 64)
     kwargs.setdefault("block_size", 16)
+    kwargs.setdefault("warmup", False)  # tests that count compiles warm up themselves
     llm = LLM.__new__(LLM)
     llm.llm_engine = LLMEngine.from_config(model, **kwargs)
     return llm

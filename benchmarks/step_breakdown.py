@@ -1,0 +1,105 @@
+"""Where a step's time goes on this machine: attention vs the rest, decode vs prefill, host vs device.
+
+Runs the `fixed`-like workload (64 requests, prompts U[32, 256], 40 greedy tokens) on tiny-llama
+three times in fresh processes: as is, with paged attention replaced by the identity (so the
+difference is attention), and with the KV write removed. Reports median device time of
+pure-decode steps at batch 64 and of full 2048-token prefill steps, plus the host share.
+
+    python benchmarks/step_breakdown.py [--json benchmarks/results/step_breakdown.json]
+
+The variants change the model's math, so only their times mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+VARIANTS = ("full", "no-attention", "no-kv-write")
+
+
+def _child(variant: str) -> dict:
+    import models.attention as attn
+
+    if variant == "no-attention":
+        attn.paged_attention = lambda q, *a, **k: q
+    elif variant == "no-kv-write":
+        attn.write_kv = lambda buf, *a, **k: buf
+    from jaxkv import LLM, SamplingParams
+
+    llm = LLM("tiny-llama", kv_cache_memory_bytes=256 << 20, max_num_seqs=64,
+              max_num_batched_tokens=2048, max_model_len=512)
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    records, run = [], runner._run
+
+    def timed(shape, packed):
+        t0 = time.perf_counter()
+        out = run(shape, packed)
+        records.append((shape.max_q_len, shape.num_tokens, time.perf_counter() - t0))
+        return out
+
+    runner._run = timed
+    for rep in range(2):  # pass 0 compiles; pass 1 is measured
+        records.clear()
+        for i in range(64):
+            engine.add_request(f"{rep}-{i}", rng.integers(3, 32000, size=int(rng.integers(32, 257))).tolist(), params)
+        step_s = []
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            step_s.append(time.perf_counter() - t0)
+    decode = [t for q, _, t in records if q == 1][3:]
+    prefill = [t for q, n, t in records if q > 1 and n == 2048]
+    device = sum(t for _, _, t in records)
+    return {"decode_device_ms": 1e3 * float(np.median(decode)),
+            "prefill_2048_device_ms": 1e3 * float(np.median(prefill)) if prefill else None,
+            "host_pct": 100 * (1 - device / sum(step_s))}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", default="benchmarks/results/step_breakdown.json")
+    p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(args.child)))
+        return 0
+    import jax
+
+    results = {}
+    for v in VARIANTS:
+        out = subprocess.run([sys.executable, __file__, "--child", v], capture_output=True, text=True,
+                             check=True, env=dict(os.environ, JAXKV_NO_COMPILE_CACHE="1"))
+        results[v] = json.loads(out.stdout.strip().splitlines()[-1])
+    full, noattn, nowrite = (results[v] for v in VARIANTS)
+    summary = {
+        "decode_step_ms": full["decode_device_ms"],
+        "decode_attention_ms": full["decode_device_ms"] - noattn["decode_device_ms"],
+        "decode_kv_write_ms": full["decode_device_ms"] - nowrite["decode_device_ms"],
+        "prefill_step_ms": full["prefill_2048_device_ms"],
+        "prefill_attention_ms": (full["prefill_2048_device_ms"] - noattn["prefill_2048_device_ms"])
+        if full["prefill_2048_device_ms"] and noattn["prefill_2048_device_ms"] else None,
+        "host_pct_of_step_time": full["host_pct"],
+    }
+    env = {"jax": jax.__version__, "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    print(f"# tiny-llama fp32, batch 64 decode / 2048-token prefill steps; {env}")
+    print("| quantity | ms (or %) |\n|---|---|")
+    for k, v in summary.items():
+        print(f"| {k} | {v:.1f} |" if v is not None else f"| {k} | - |")
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"env": env, "variants": results, "summary": summary}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
