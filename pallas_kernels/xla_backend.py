@@ -68,8 +68,6 @@ def _attend_tiles(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_size, n
     m_rows = group * qt
     cache_dtype = kv_rows.dtype if kv_dtype is None else kv_dtype
     cdt = compute_dtype(q.dtype, cache_dtype)
-    chunk = chunk_keys_for(nt, num_kv_heads, head_size, jnp.dtype(cache_dtype).itemsize,
-                           block_size) // block_size                      # C blocks / iteration
 
     rows = t.row0[:, None] + jnp.arange(qt, dtype=jnp.int32)[None, :]    # [NT, Qt]
     row_ok = jnp.arange(qt)[None, :] < t.num_q[:, None]
@@ -78,8 +76,11 @@ def _attend_tiles(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_size, n
     qg = q_rows.reshape(nt, qt, num_kv_heads, group, head_size).transpose(0, 2, 3, 1, 4)
     qg = qg.reshape(nt, num_kv_heads, m_rows, head_size).astype(cdt)      # [NT, Hkv, M, D]
 
-    first, end, _ = tiles_lib.kv_block_range(t, block_size=block_size, max_blocks=max_blocks,
-                                             sliding_window=sliding_window)
+    first, end, bound = tiles_lib.kv_block_range(t, block_size=block_size, max_blocks=max_blocks,
+                                                 sliding_window=sliding_window)
+    # C blocks per iteration: ~CHUNK_BYTES gathered, never more than a tile can need.
+    chunk = min(bound, chunk_keys_for(nt, num_kv_heads, head_size, jnp.dtype(cache_dtype).itemsize,
+                                      block_size) // block_size)
     key_hi = t.pos0 + t.num_q                                             # [NT] exclusive
     key_lo = (jnp.zeros_like(key_hi) if sliding_window is None
               else t.pos0 - sliding_window + 1)
