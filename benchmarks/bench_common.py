@@ -166,6 +166,11 @@ def plot_bars(path: str | pathlib.Path, title: str, groups: dict[str, dict[str, 
         ax.bar(xs, [groups[n].get(s, 0.0) or 0.0 for n in names], width, label=s)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
     ax.set_ylabel(ylabel)
+    return _finish(plt, fig, ax, title, path)
+
+
+def _finish(plt, fig, ax, title: str, path) -> pathlib.Path:
+    """Title, legend, layout, then the PNG at ``path`` (folders made as needed)."""
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -192,11 +197,4 @@ def plot_lines(path: str | pathlib.Path, title: str, series: dict[str, tuple[lis
     ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, ax, title, path)
