@@ -15,9 +15,8 @@ import itertools
 import time
 from collections.abc import Sequence
 
-import jax
 
-from jaxkv.core import EngineCoreOutput, Request, RequestStatus, Scheduler, SchedulerConfig
+from jaxkv.core import EngineCoreOutput, Request, RequestStatus, Scheduler
 from jaxkv.detokenizer import IncrementalDetokenizer
 from jaxkv.engine_config import EngineConfig, resolve_engine_config
 from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput

@@ -46,20 +46,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.worker.buckets import pow2_at_least
 from pallas_kernels.metadata import NULL_BLOCK_ID
 
 #: Row index of a padding entry in an encoded diff (moves, clears, writes). It writes nothing.
 PAD_ROW = -1
 _WRITE_FIELDS = 4  # (group, row, col, block_id)
 _MOVE_FIELDS = 2  # (src, dst)
-
-
-def _bucket(n: int, min_size: int) -> int:
-    """Smallest power of two >= max(n, min_size)."""
-    size = max(min_size, 1)
-    while size < n:
-        size *= 2
-    return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,9 +260,9 @@ class BlockTableStager:
 
         if layout is None:
             layout = BlockTableOpsLayout(
-                num_moves=_bucket(len(moves), self.min_bucket),
-                num_clears=_bucket(len(clears), self.min_bucket),
-                num_writes=_bucket(len(writes), self.min_bucket),
+                num_moves=pow2_at_least(len(moves), self.min_bucket),
+                num_clears=pow2_at_least(len(clears), self.min_bucket),
+                num_writes=pow2_at_least(len(writes), self.min_bucket),
             )
         elif len(moves) > layout.num_moves or len(clears) > layout.num_clears or len(writes) > layout.num_writes:
             raise ValueError(

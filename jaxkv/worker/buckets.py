@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 
+def pow2_at_least(n: int, min_size: int = 1) -> int:
+    """Doubles from ``max(min_size, 1)`` until it is >= n: ``pow2_at_least(5, 4) == 8``."""
+    size = max(min_size, 1)
+    while size < n:
+        size *= 2
+    return size
+
+
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     """Powers of two from ``lo`` up to ``hi``, plus ``hi`` itself when it is not one.
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.sampling_params import SAMPLING_EPS
+from jaxkv.worker.buckets import pow2_at_least
 
 #: PRNG implementation of the per-request key data ([2] uint32 per request).
 PRNG_IMPL = "threefry2x32"
@@ -302,13 +303,8 @@ def make_unseeded_request_key(engine_seed: int, req_id: str) -> np.ndarray:  # [
 
 
 def _pow2_bucket(n: int, min_size: int) -> int:
-    """0 for n == 0, else the smallest power of two >= max(n, min_size)."""
-    if n == 0:
-        return 0
-    size = max(min_size, 1)
-    while size < n:
-        size *= 2
-    return size
+    """0 for n == 0, else :func:`pow2_at_least` (n, min_size)."""
+    return 0 if n == 0 else pow2_at_least(n, min_size)
 
 
 def _pad_lists(lists: Sequence[Sequence[int]], num_rows: int, width: int) -> np.ndarray:

@@ -7,8 +7,8 @@ them on the device and turn the fetched rows into ``TokenLogprobs`` on the host.
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
+from jaxkv.worker.buckets import pow2_at_least
 from jaxkv.worker.sampler import compute_logprobs, sample
 
 
@@ -47,4 +47,4 @@ def prompt_row(results: dict, token: int, target: int, k: int) -> tuple[list[int
 
 def bucket_k(k: int) -> int:
     """Top-k sizes are rounded to powers of two (few compiles); rows keep their own first k."""
-    return 0 if k <= 0 else int(2 ** np.ceil(np.log2(k)))
+    return 0 if k <= 0 else pow2_at_least(k)

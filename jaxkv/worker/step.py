@@ -7,7 +7,6 @@ host needs comes back packed in one int32 array. KV buffers and block tables are
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
