@@ -4,6 +4,9 @@
 #   2. the microbenchmark table (benchmarks/_kernel_bench_gpu.py): decode + mixed batches,
 #      batch 1..256, context 512..32k, bfloat16 + fp8, vs jax's Pallas paged_attention and
 #      the XLA backend.
+# Step 1 also runs tests/kernels/test_kv_write_pallas.py (the Triton KV-write kernel compiled on
+# the GPU; its Mosaic variant is skipped) and test_mosaic_kernel.py, of which only the lowering
+# tests run on a GPU (seconds; the Mosaic kernel itself is checked in TPU interpret mode on CPU).
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]   (default: $OUT, else benchmarks/results/)
 # Writes OUT_DIR/gpu_tests.log, gpu_bench.log, kernels_gpu.json, kernels_gpu.md, gpu_env.txt.
 # Exit status: non-zero if the tests failed or timed out, or the benchmark failed.

@@ -77,7 +77,6 @@ class Attention(nnx.Module):
                             sm_scale=self.sm_scale, sliding_window=self.sliding_window,
                             soft_cap=self.soft_cap, k_scale=binding.k_scale, v_scale=binding.v_scale,
                             max_q_len=md.max_q_len or None, backend=binding.backend,
-                            interpret=binding.interpret, kv_dtype=binding.cache_dtype,
-                            num_prefill_tiles=md.num_prefill_tiles)
+                            interpret=binding.interpret, kv_dtype=binding.cache_dtype)
         return o, buffer
 

@@ -6,7 +6,7 @@ import jax
 
 from pallas_kernels.layout import resolve_kv_dtype, typed_view_of_bytes
 from pallas_kernels.reference import paged_attention_reference
-from pallas_kernels.validation import validate_attention_args
+from pallas_kernels.validation import validate_attention_args, validate_lowering
 from pallas_kernels.xla_backend import paged_attention_xla
 
 BACKENDS = ("reference", "xla", "pallas")
@@ -21,7 +21,8 @@ def paged_attention(
     num_seqs: jax.Array,         # [] int32
     *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
     k_scale=None, v_scale=None, max_q_len: int | None = None, backend: str = "xla",
-    interpret: bool = False, kv_dtype=None, num_prefill_tiles: int | None = None,
+    interpret: bool = False, kv_dtype=None,
+    lowering: str | None = None,
 ) -> jax.Array:                  # [T, Hq, D] q.dtype
     """Ragged paged attention over a packed batch of prefill chunks and decodes.
 
@@ -38,22 +39,22 @@ def paged_attention(
     Args:
       max_q_len: static upper bound on any q_len (1 = pure decode); None or 0 = up to T.
       backend: "reference" (the spec, slow), "xla" (pure jnp, CPU default), "pallas"
-        (Triton on GPU; ``interpret=True`` runs it anywhere).
-      interpret: run the Pallas kernel in interpret mode (only with backend="pallas").
+        (Triton on GPU, Mosaic on TPU; ``interpret=True`` runs it anywhere).
+      interpret: run the Pallas kernel in interpret mode (only with backend="pallas"); the
+        Mosaic kernel then runs in TPU interpret mode.
+      lowering: backend="pallas" only: "triton" | "mosaic" | None (by platform: Mosaic on TPU,
+        Triton elsewhere). Choosing the other platform's lowering needs ``interpret=True``.
       kv_dtype: when set, ``kv_cache`` is the byte view ``[N, 2, Hkv, bs, D * itemsize]`` uint8
         (``kv_cache_byte_view``) of a cache of this dtype. The XLA backend then gathers bytes
         and bitcasts only what it gathered (a whole-buffer bitcast is a full copy on XLA:CPU).
-      num_prefill_tiles: static hint for the XLA backend, from ``plan_prefill_tiles`` (None:
-        the static upper bound).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    validate_lowering(lowering, backend)
     kv_bytes = None
     if kv_dtype is not None:
         kv_bytes, kv_dtype = kv_cache, resolve_kv_dtype(kv_dtype)
         kv_cache = typed_view_of_bytes(kv_bytes, kv_dtype, abstract=True)
-    if num_prefill_tiles is not None and (not isinstance(num_prefill_tiles, int) or num_prefill_tiles < 0):
-        raise ValueError(f"num_prefill_tiles must be None or an int >= 0, got {num_prefill_tiles!r}")
     validate_attention_args(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs,
                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                             k_scale=k_scale, v_scale=v_scale, max_q_len=max_q_len,
@@ -65,7 +66,7 @@ def paged_attention(
     if backend == "xla":
         return paged_attention_xla(q, kv_cache if kv_bytes is None else kv_bytes, seq_lens,
                                    query_start_loc, block_tables, num_seqs, max_q_len=max_q_len,
-                                   kv_dtype=kv_dtype, num_prefill_tiles=num_prefill_tiles, **kw)
+                                   kv_dtype=kv_dtype, **kw)
     if kv_bytes is not None:
         kv_cache = typed_view_of_bytes(kv_bytes, kv_dtype)
     if backend == "reference":
@@ -73,4 +74,5 @@ def paged_attention(
                                          num_seqs, **kw)  # validates again: cheap, shapes only
     from pallas_kernels.pallas_attention import paged_attention_pallas  # noqa: PLC0415
     return paged_attention_pallas(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs,
-                                  max_q_len=max_q_len, interpret=interpret, **kw)
+                                  max_q_len=max_q_len, interpret=interpret, lowering=lowering,
+                                  **kw)

@@ -4,6 +4,9 @@ Why bytes: on XLA:CPU a typed ``.at[].set`` on a bitcast view upcast the whole c
 1 GiB temp for a 256 MiB bf16 cache, ~1.2 s a step). Converting only the new K/V to the cache
 dtype, bitcasting *them* to bytes and scattering rows of bytes into the donated uint8 buffer
 runs in place (temp ~ the size of the update).
+
+``backend="pallas"`` does the same byte scatter as a Pallas kernel (``kv_write_pallas.py``:
+Triton on GPU, Mosaic on TPU) with the buffer as an aliased output; ``"xla"`` is the default.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.layout import is_fp8, page_bytes, resolve_kv_dtype, typed_to_bytes
+
+#: Implementations of ``write_kv``.
+WRITE_BACKENDS = ("xla", "pallas")
 
 
 def quantize_to_cache(x: jax.Array,  # [..., D] model dtype
@@ -40,8 +46,13 @@ def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
              k: jax.Array,             # [T, Hkv, D] model dtype
              v: jax.Array,             # [T, Hkv, D] model dtype
              slot_mapping: jax.Array,  # [T] int32, block * bs + offset; < 0 (PAD_SLOT_ID) = no write
-             *, block_size: int, dtype, k_scale=None, v_scale=None) -> jax.Array:
+             *, block_size: int, dtype, k_scale=None, v_scale=None, backend: str = "xla",
+             interpret: bool = False, lowering: str | None = None) -> jax.Array:
     """Writes token t's K/V (every KV head) at slot ``slot_mapping[t]``; returns the new buffer.
+
+    backend: "xla" (a ``mode="drop"`` scatter on the bytes) or "pallas" (``kv_write_pallas``;
+    ``interpret=True`` runs it anywhere, ``lowering`` "triton" | "mosaic" | None = by platform).
+    Both write nothing for slots < 0 (PAD_SLOT_ID) or >= N * bs and give the same bytes.
 
     Donate ``buffer`` in the enclosing ``jit`` so the scatter is in place. Byte rows are
     ``D * itemsize`` long; the row of (block b, K|V c, head h, offset o) in the page-major layout
@@ -50,6 +61,12 @@ def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
     Example (bs 4, Hkv 2): slot 13 = block 3, offset 1 -> K head 1 is row ((3*2+0)*2+1)*4+1 = 29,
     V head 1 is row ((3*2+1)*2+1)*4+1 = 33.
     """
+    if backend not in WRITE_BACKENDS:
+        raise ValueError(f"backend must be one of {WRITE_BACKENDS}, got {backend!r}")
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a bool, got {interpret!r}")
+    if lowering is not None and backend != "pallas":
+        raise ValueError(f"lowering={lowering!r} applies to backend='pallas' only")
     dt = resolve_kv_dtype(dtype)
     check_scales(dt, k_scale, v_scale)
     if k.ndim != 3 or k.shape != v.shape:
@@ -68,9 +85,13 @@ def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
 
     kb = typed_to_bytes(quantize_to_cache(k, dt, k_scale))  # [T, Hkv, D * itemsize]
     vb = typed_to_bytes(quantize_to_cache(v, dt, v_scale))
+    slot = slot_mapping.astype(jnp.int32)
+    if backend == "pallas":
+        from pallas_kernels.kv_write_pallas import write_kv_pallas  # noqa: PLC0415
+        return write_kv_pallas(buffer, kb, vb, slot, block_size=block_size, interpret=interpret,
+                               lowering=lowering)
     updates = jnp.stack([kb, vb], axis=1).reshape(num_tokens * 2 * num_kv_heads, row_bytes)
 
-    slot = slot_mapping.astype(jnp.int32)
     block, offset = slot // block_size, slot % block_size
     c = jnp.arange(2, dtype=jnp.int32)[None, :, None]
     h = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, None, :]

@@ -42,7 +42,6 @@ class AttentionMetadata:
     slot_mapping: jax.Array     # [T] int32, block * bs + offset per token; PAD_SLOT_ID = no write
     num_seqs: jax.Array         # [] int32, real sequences (rows >= num_seqs are padding)
     max_q_len: int = 0          # static: an upper bound on any q_len this step (1 = pure decode); 0 = unknown (T)
-    num_prefill_tiles: int | None = None  # static: plan_prefill_tiles(...) of this step; None = upper bound
 
     @property
     def num_tokens(self) -> int:
@@ -52,5 +51,5 @@ class AttentionMetadata:
 jax.tree_util.register_dataclass(
     AttentionMetadata,
     data_fields=["seq_lens", "query_start_loc", "block_tables", "slot_mapping", "num_seqs"],
-    meta_fields=["max_q_len", "num_prefill_tiles"],
+    meta_fields=["max_q_len"],
 )

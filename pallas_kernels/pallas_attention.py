@@ -1,7 +1,9 @@
-"""``backend="pallas"``: tiles the ragged batch (``tiles.py``) and runs the GPU kernel.
+"""``backend="pallas"``: tiles the ragged batch (``tiles.py``) and runs the GPU or TPU kernel.
 
 Lowering-neutral glue: builds per-tile metadata, packs query rows into [NT, Hkv, M, D] tiles,
-combines KV splits and scatters rows back. The kernel itself lives in ``triton_backend.py``.
+combines KV splits and scatters rows back. The kernels live in ``triton_backend.py`` (GPU,
+``lowering="triton"``) and ``mosaic_backend.py`` (TPU, ``lowering="mosaic"``); ``lowering=None``
+picks by ``jax.default_backend()`` (Mosaic on TPU, else Triton).
 
 Decode tiles (the last row of each sequence) run with KV splits (flash-decoding) when there
 are too few (sequence, KV head) programs to fill the GPU; prefill tiles run with a static tile
@@ -13,10 +15,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import mosaic_backend, triton_backend
 from pallas_kernels import tiles as tiles_lib
-from pallas_kernels import triton_backend
-from pallas_kernels.metadata import NULL_BLOCK_ID
 from pallas_kernels.layout import compute_dtype as compute_dtype_for
+from pallas_kernels.metadata import NULL_BLOCK_ID
+from pallas_kernels.validation import resolve_lowering
 
 #: Query rows (tile_q x G) a prefill tile aims for, and keys per KV tile.
 TARGET_ROWS = 64
@@ -81,24 +84,30 @@ def paged_attention_pallas(q,                # [T, Hq, D]
                            block_tables,     # [S, B] int32
                            num_seqs,         # [] int32
                            *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                           v_scale=None, max_q_len=None, interpret=False, kv_splits=None,
-                           kv_tile_tokens=KV_TILE_TOKENS, target_rows=TARGET_ROWS):
+                           v_scale=None, max_q_len=None, interpret=False, lowering=None,
+                           kv_splits=None, kv_tile_tokens=None, target_rows=TARGET_ROWS):
     """Arguments as ``paged_attention`` (validated there) plus tuning knobs; [T, Hq, D] q.dtype.
 
-    kv_splits: KV splits of decode tiles (None = pick from the program count; 1 in interpret
-    mode). kv_tile_tokens: keys per inner-loop step. target_rows: query rows per prefill tile.
+    lowering: "triton" | "mosaic" | None (by platform). kv_splits: KV splits of decode tiles
+    (None = pick from the program count; 1 in interpret mode; Triton only). kv_tile_tokens: keys
+    per inner-loop step (None: 64 Triton, 128 Mosaic). target_rows: query rows per prefill tile.
     """
     num_tokens, num_q_heads, head_size = q.shape
     _, _, num_kv_heads, block_size, _ = kv_cache.shape
     num_seq_rows, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
-    platform = jax.default_backend()
-    if not interpret and platform != "gpu":
-        raise ValueError(f"backend='pallas' compiles for GPU (Triton) only; platform is "
-                         f"{platform!r}: pass interpret=True or use backend='xla'")
+    mosaic = resolve_lowering(lowering, interpret) == "mosaic"
+    if kv_tile_tokens is None:
+        kv_tile_tokens = mosaic_backend.KV_TILE_TOKENS if mosaic else KV_TILE_TOKENS
+    if mosaic:
+        mosaic_backend.check_shapes(head_size=head_size, block_size=block_size)
+        if kv_splits not in (None, 1):
+            raise ValueError(f"kv_splits is a Triton (GPU) option; lowering='mosaic' runs "
+                             f"unsplit, got kv_splits={kv_splits}")
+        kv_splits = 1
     for name, n in (("head_size", head_size), ("block_size", block_size),
                     ("kv_tile_tokens", kv_tile_tokens)):
-        if n & (n - 1):
+        if not mosaic and n & (n - 1):
             raise ValueError(f"backend='pallas' needs a power-of-two {name} (Triton tiles), got {n}")
     if kv_splits is not None and (kv_splits < 1 or kv_splits & (kv_splits - 1)):
         raise ValueError(f"kv_splits must be a power of two >= 1, got {kv_splits}")
@@ -119,18 +128,27 @@ def paged_attention_pallas(q,                # [T, Hq, D]
     width = -(-max_blocks // pages_per_tile) * pages_per_tile
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, width - max_blocks)),
                      constant_values=NULL_BLOCK_ID)
-    run = lambda t, rows, splits: triton_backend.attend_tiles(
-        scale, _tile_meta(t, block_k=block_k, sliding_window=sliding_window), tables,
-        _pack_q(qs, t, num_kv_heads, rows), kv_cache, group=group, pages_per_tile=pages_per_tile,
-        num_splits=splits, sliding_window=sliding_window, soft_cap=soft_cap,
-        compute_dtype=compute_dtype, interpret=interpret)
+    kw = dict(group=group, pages_per_tile=pages_per_tile, sliding_window=sliding_window,
+              soft_cap=soft_cap, compute_dtype=compute_dtype, interpret=interpret)
+
+    def run(t, n_rows, splits):
+        """Output [NT, Hkv, M, D] float32 of tiles t with n_rows (token, head) rows each."""
+        meta = _tile_meta(t, block_k=block_k, sliding_window=sliding_window)
+        if mosaic:
+            return mosaic_backend.attend_tiles(
+                scale, meta, tables, _pack_q(qs, t, num_kv_heads,
+                                             mosaic_backend.tile_rows(n_rows, compute_dtype)),
+                kv_cache, **kw)
+        return _combine_splits(*triton_backend.attend_tiles(
+            scale, meta, tables, _pack_q(qs, t, num_kv_heads, _pow2_at_least(max(16, n_rows))),
+            kv_cache, num_splits=splits, **kw))
 
     out = jnp.zeros((num_tokens, num_q_heads, head_size), jnp.float32)
     dec = tiles_lib.decode_tiles(seq_lens, query_start_loc, num_seqs)
     if kv_splits is None:
         programs = num_seq_rows * num_kv_heads
         kv_splits = 1 if interpret else min(MAX_KV_SPLITS, _pow2_at_most(max(1, TARGET_PROGRAMS // programs)))
-    o = _combine_splits(*run(dec, _pow2_at_least(max(16, group)), kv_splits))
+    o = run(dec, group, kv_splits)
     out = tiles_lib.scatter_rows(out, _unpack_out(o, dec, num_q_heads), dec)
 
     if max_q > 1 and num_tokens > 1:
@@ -138,7 +156,7 @@ def paged_attention_pallas(q,                # [T, Hq, D]
         bound = tiles_lib.max_prefill_tiles(num_tokens, num_seq_rows, tile_q, max_q)
         pre = tiles_lib.prefill_tiles(seq_lens, query_start_loc, num_seqs, tile_q=tile_q,
                                       num_tiles=bound)
-        o = _combine_splits(*run(pre, _pow2_at_least(max(16, tile_q * group)), 1))
+        o = run(pre, tile_q * group, 1)
         out = tiles_lib.scatter_rows(out, _unpack_out(o, pre, num_q_heads), pre)
     if v_scale is not None:
         out = out * jnp.asarray(v_scale, jnp.float32)

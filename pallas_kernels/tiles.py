@@ -8,9 +8,6 @@ are cut into "prefill tiles" of ``tile_q`` consecutive rows. So a pure-decode ba
 prefill tiles, and a mixed batch's prefill work is proportional to its prefill tokens, never
 to T x all-KV.
 
-A "sequence tile" (one per sequence row, all its rows) describes the union of keys a
-sequence needs; the XLA backend gathers K/V once per sequence with it.
-
 Example: query_start_loc = [0, 5, 6, 7], tile_q = 2 -> decode tiles take rows 4, 5, 6 and
 prefill tiles are seq 0 rows [0, 1] and [2, 3] (two tiles).
 """
@@ -57,18 +54,6 @@ def decode_tiles(seq_lens: jax.Array,         # [S] int32
                  seq_len=seq_lens.astype(jnp.int32), tile_q=1)
 
 
-def sequence_tiles(seq_lens: jax.Array,         # [S] int32
-                   query_start_loc: jax.Array,  # [S + 1] int32
-                   num_seqs: jax.Array, *, max_q_len: int) -> Tiles:
-    """One tile per sequence row holding all its query rows (tile_q = max_q_len, static)."""
-    num_seq_rows = seq_lens.shape[0]
-    q_len = jnp.minimum(_q_lens(query_start_loc, num_seqs, num_seq_rows), max_q_len)
-    return Tiles(seq=jnp.arange(num_seq_rows, dtype=jnp.int32),
-                 row0=query_start_loc[:-1].astype(jnp.int32), num_q=q_len.astype(jnp.int32),
-                 pos0=(seq_lens - q_len).astype(jnp.int32), seq_len=seq_lens.astype(jnp.int32),
-                 tile_q=max_q_len)
-
-
 def prefill_tile_counts(query_start_loc, num_seqs, tile_q: int):
     """Per-sequence count of prefill tiles ([S] int32) and their total ([] int32)."""
     q_len = _q_lens(query_start_loc, num_seqs, query_start_loc.shape[0] - 1)
@@ -80,21 +65,6 @@ def prefill_tile_q(max_q_len: int, max_tile_q: int) -> int:
     """Rows per prefill tile: a power of two >= max_q_len - 1 (the rows besides the last),
     at most ``max_tile_q``."""
     return min(max_tile_q, 1 << max(0, (max_q_len - 2).bit_length()))
-
-
-def plan_prefill_tiles(q_lens, *, num_tokens: int, max_q_len: int, max_tile_q: int = 64) -> int:
-    """Host side: the number of prefill tiles a batch needs, rounded up to a power of two.
-
-    ``q_lens``: the real sequences' query lengths (a sequence of ints). A caller that passes
-    this as ``num_prefill_tiles`` gets exactly these tiles computed (no upper-bound padding).
-    Example: q_lens [1, 1, 100], max_q_len 100 -> tile_q 64 -> ceil(99 / 64) = 2 tiles.
-    """
-    max_q = min(max_q_len, num_tokens)
-    tile_q = prefill_tile_q(max_q, max_tile_q)
-    need = sum(-(-(max(int(n) - 1, 0)) // tile_q) for n in q_lens)
-    if need == 0:
-        return 0
-    return 1 << (need - 1).bit_length()
 
 
 def max_prefill_tiles(num_tokens: int, num_seq_rows: int, tile_q: int, max_q_len: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -12,6 +13,35 @@ from pallas_kernels.kv_write import check_scales
 
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+#: Values of ``lowering`` (backend="pallas" only; None picks by platform) -> the platform each
+#: compiles for.
+LOWERINGS = {"triton": "gpu", "mosaic": "tpu"}
+
+
+def validate_lowering(lowering, backend: str) -> None:
+    """``lowering`` must be None, "triton" or "mosaic", and only set with backend="pallas"."""
+    if lowering is not None and lowering not in tuple(LOWERINGS):
+        raise ValueError(f"lowering must be None or one of {tuple(LOWERINGS)}, got {lowering!r}")
+    if lowering is not None and backend != "pallas":
+        raise ValueError(f"lowering={lowering!r} applies to backend='pallas' only, got "
+                         f"backend={backend!r}")
+
+
+def resolve_lowering(lowering: str | None, interpret: bool) -> str:
+    """"triton" | "mosaic" for ``lowering`` (None = by platform: Mosaic on TPU, else Triton).
+    Compiling (``interpret=False``) needs the lowering's own platform."""
+    platform = jax.default_backend()
+    if lowering is None:
+        lowering = "mosaic" if platform == "tpu" else "triton"
+    if lowering not in tuple(LOWERINGS):
+        raise ValueError(f"lowering must be None or one of {tuple(LOWERINGS)}, got {lowering!r}")
+    if not interpret and platform != LOWERINGS[lowering]:
+        raise ValueError(f"backend='pallas' with lowering={lowering!r} compiles for "
+                         f"{LOWERINGS[lowering].upper()} only; platform is {platform!r}: pass "
+                         f"interpret=True or use backend='xla'")
+    return lowering
 
 
 def validate_attention_args(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs, *,

@@ -35,21 +35,29 @@ from jaxkv.worker.sampling_adapter import (
 )
 from jaxkv.worker.step import StepShape, build_step_fn
 from models.config import KVCacheBinding
-from pallas_kernels import plan_prefill_tiles
 
 BACKENDS = ("auto", "xla", "pallas", "reference")
 
 
-def resolve_backend(name: str, platform: str | None = None) -> tuple[str, bool]:
+def resolve_backend(name: str, platform: str | None = None, *, head_size: int | None = None,
+                    block_size: int | None = None) -> tuple[str, bool]:
     """("auto" | "xla" | "pallas" | "reference") -> (backend, interpret).
 
     "auto" is Pallas on GPU/TPU and the XLA backend on CPU, where Pallas only runs in
-    interpret mode (~100x slower than XLA, measured). "pallas" on CPU means interpret mode.
+    interpret mode (~100x slower than XLA, measured). On TPU "auto" keeps the XLA backend for
+    shapes the Mosaic kernel refuses (head_size not a multiple of 128, block_size not a multiple
+    of 8); an explicit "pallas" raises there instead. "pallas" on CPU means interpret mode.
     """
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     platform = platform or jax.default_backend()
     if name == "auto":
+        if platform == "tpu" and head_size is not None and block_size is not None:
+            from pallas_kernels.mosaic_backend import check_shapes  # noqa: PLC0415
+            try:
+                check_shapes(head_size=head_size, block_size=block_size)
+            except ValueError:
+                return "xla", False
         return ("pallas", False) if platform in ("gpu", "cuda", "rocm", "tpu") else ("xla", False)
     return name, (name == "pallas" and platform == "cpu")
 
@@ -99,7 +107,8 @@ class ModelRunner:
         self.block_size = kv_cache_config.block_size
         self.num_groups = len(kv_cache_config.kv_cache_groups)
         self.vocab_size = model.config.vocab_size
-        backend, interpret = resolve_backend(attention_backend)
+        backend, interpret = resolve_backend(attention_backend, head_size=model.config.head_dim,
+                                             block_size=self.block_size)
         self.backend = backend
         self.binding = KVCacheBinding(
             layers=tuple((name, g, t) for name, (g, t) in kv_cache_config.layer_binding().items()),
@@ -226,7 +235,6 @@ class ModelRunner:
         shape, packed = self._pack_step(
             input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra,
             max_q_len=max_q_len,
-            num_prefill_tiles=plan_prefill_tiles(q_lens, num_tokens=T, max_q_len=max_q_len),
             prompt_logprobs=bucket_k(k_prompt) if k_prompt > 0 else k_prompt)
         results = self._run(shape, packed)
 
@@ -258,7 +266,7 @@ class ModelRunner:
                                  prompt_logprobs_dict=prompt_lp)
 
     def _pack_step(self, input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, *,
-                   max_q_len, prompt_logprobs, num_prefill_tiles=0) -> tuple[StepShape, np.ndarray]:
+                   max_q_len, prompt_logprobs) -> tuple[StepShape, np.ndarray]:
         leaves, treedef = jax.tree_util.tree_flatten(md)
         arrays = {"input_ids": input_ids, "query_start_loc": qsl, "num_computed": num_computed,
                   "num_seqs": np.array([n], np.int32), "block_ops": ops, "zero_blocks": zeros}
@@ -267,7 +275,7 @@ class ModelRunner:
         packed, spec = pack(arrays)
         shape = StepShape(num_tokens=input_ids.shape[0], num_seqs=num_computed.shape[0],
                           width=self.max_blocks_per_req,
-                          max_q_len=max_q_len, num_prefill_tiles=num_prefill_tiles, inputs=spec,
+                          max_q_len=max_q_len, inputs=spec,
                           ops=ops_layout, sampling_treedef=treedef,
                           prompt_logprobs=prompt_logprobs)
         return shape, packed

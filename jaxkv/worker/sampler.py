@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from jaxkv.sampling_params import SAMPLING_EPS
@@ -217,6 +218,18 @@ def apply_top_k_top_p(
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
+def argmax(x: jax.Array) -> jax.Array:  # [..., V] -> [...] int32
+    """``jnp.argmax(x, axis=-1)`` (first maximum; first NaN if any) as two plain reductions.
+
+    XLA:CPU lowers jnp.argmax to a variadic (value, index) reduce that does not vectorise:
+    4.5 ms of a 67 ms decode step for [64, 32000] logits; max-then-first-index took ~1/4 of it.
+    """
+    m = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == m) | jnp.isnan(x)
+    iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
+
+
 def _request_keys(
     key_data: jax.Array,           # [S, 2] uint32
     num_output_tokens: jax.Array,  # [S] int32
@@ -234,7 +247,7 @@ def random_sample(
     keys = _request_keys(key_data, num_output_tokens)
     vocab = logits.shape[1]
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)  # [S, V]
-    return jnp.argmax(logits + gumbel, axis=-1).astype(jnp.int32)
+    return argmax(logits + gumbel)
 
 
 # ---- the sampler ---------------------------------------------------------------------------
@@ -254,7 +267,7 @@ def sample(
             logits, md.prompt_token_ids, md.output_token_ids,
             md.presence_penalty, md.frequency_penalty, md.repetition_penalty,
         )
-    token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # greedy: exact argmax
+    token_ids = argmax(logits)  # greedy: exact argmax
 
     if not md.all_greedy:
         is_greedy = md.temperature < SAMPLING_EPS

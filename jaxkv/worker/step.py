@@ -26,7 +26,6 @@ class StepShape:
     num_seqs: int            # S
     width: int               # B: block-table columns (the full width; attention loops to seq_len)
     max_q_len: int           # 1 for a pure-decode step, else T
-    num_prefill_tiles: int   # pallas_kernels.plan_prefill_tiles of the step (0 for decode)
     inputs: PackSpec         # layout of the packed host->device buffer
     ops: BlockTableOpsLayout # layout of the block-table diff inside it
     sampling_treedef: object # pytree structure of the sampling metadata (its static flags)
@@ -85,8 +84,7 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
             mds.append(AttentionMetadata(
                 seq_lens=seq_lens, query_start_loc=qsl, block_tables=bt,
                 slot_mapping=slot_mapping(bt, seq, positions, valid, binding.block_size),
-                num_seqs=num_seqs, max_q_len=shape.max_q_len,
-                num_prefill_tiles=shape.num_prefill_tiles))
+                num_seqs=num_seqs, max_q_len=shape.max_q_len))
         model = nnx.merge(graphdef, state)
         hidden, buffers = model(x["input_ids"], positions, tuple(buffers), tuple(mds), binding)
         last = jnp.maximum(qsl[1:] - 1, 0)                # [S] last scheduled token of each seq

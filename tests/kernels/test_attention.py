@@ -44,11 +44,10 @@ def run_case(backend, interpret, *, scenario, block_size, head_size, group, num_
     args = b.attention_args()
     want = jax.jit(functools.partial(pk.paged_attention, backend="reference", **kw))(*args)
     mq = b.max_q_len if max_q_len == "auto" else max_q_len
-    if as_bytes:  # the engine's form: the byte view plus kv_dtype, and the planned tile count
+    if as_bytes:  # the engine's form: the byte view plus kv_dtype
         from pallas_kernels.layout import typed_to_bytes
         args = (args[0], typed_to_bytes(args[1]), *args[2:])
-        kw.update(kv_dtype=cache_dtype, num_prefill_tiles=pk.plan_prefill_tiles(
-            q_lens, num_tokens=b.q.shape[0], max_q_len=mq or b.q.shape[0]))
+        kw.update(kv_dtype=cache_dtype)
     got = jax.jit(functools.partial(pk.paged_attention, backend=backend, interpret=interpret,
                                     max_q_len=mq, **kw))(*args)
     assert got.shape == b.q.shape and got.dtype == b.q.dtype

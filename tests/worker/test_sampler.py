@@ -8,6 +8,7 @@ import pytest
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.sampler import (
     apply_min_p,
+    argmax,
     apply_penalties,
     apply_top_k_top_p,
     build_sampling_metadata,
@@ -34,6 +35,18 @@ def _md(params, *, steps=None, prompts=None, outputs=None, num_rows=None, seeds=
 
 def _logits(rows, seed=0):
     return np.asarray(jax.random.normal(jax.random.PRNGKey(seed), (rows, V)) * 3, np.float32)
+
+
+def test_argmax_equals_numpy_first_max_with_ties_inf_and_nan():
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, size=(64, 40)).astype(np.float32)  # many ties
+    x[1] = -np.inf                                             # all -inf -> 0
+    x[2, [5, 9]] = np.nan                                      # first NaN wins (numpy rule)
+    x[3, [7, 30]] = np.inf
+    got = np.asarray(jax.jit(argmax)(x))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got[1] == 0 and got[2] == 5 and got[3] == 7
+    assert got.dtype == np.int32
 
 
 def test_greedy_is_argmax_also_in_mixed_batch():

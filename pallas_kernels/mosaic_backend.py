@@ -1,0 +1,213 @@
+"""Paged-attention kernel for TPU through Pallas' Mosaic lowering (everything Mosaic-specific).
+
+Same contract as ``triton_backend.attend_tiles`` (query tiles of ``M`` rows = ``tile_q`` tokens
+x ``G`` query heads of one KV head, row r = token r // G, per-tile metadata from
+``pallas_attention._tile_meta``), written the way a TPU kernel is:
+
+* Scalar prefetch (``pltpu.PrefetchScalarGridSpec``): the tile metadata ``[NT * 8]`` and the
+  block tables ``[S * Bp]`` (both flattened: 2-D SMEM arrays pad their minor dim) are copied
+  to SMEM before the grid runs, so block ids are scalar reads.
+* The KV cache stays in HBM (``memory_space=pl.ANY``). One program per (query tile, KV head)
+  loops over KV tiles of ``block_k = pages_per_tile * bs`` keys; each KV tile is
+  ``2 * pages_per_tile`` async DMAs (``pltpu.make_async_copy``: K and V ``[bs, D]`` runs of one
+  page and head, contiguous in the ``[N, 2, Hkv, bs, D]`` layout) into a double-buffered VMEM
+  scratch ``[2, block_k, D]``; tile j + 1 is in flight while tile j is computed.
+* Online softmax with VMEM scratch accumulators (m, l: ``[M, 1]``; acc: ``[M, D]`` float32),
+  reset per program. No KV splits: a TPU core runs the grid sequentially, so splitting a
+  sequence's keys only adds a combine pass (flash-decoding is a GPU occupancy trick).
+
+Never-read guarantee (as in the Triton kernel): KV tiles outside [key_lo, key_hi) are never
+visited, pages of a visited tile that hold no needed key are fetched from NULL_BLOCK_ID
+instead of their (possibly garbage) table entry, logits outside the range are masked and V
+rows outside it are zeroed before the P @ V dot (0 * NaN = NaN).
+
+Sizes: ``head_size`` must be a multiple of 128 (the lane width: q, K, V and the output are
+``[rows, D]`` tiles) and ``block_size`` a multiple of 8 (a page is whole sublane rows of the
+VMEM buffer); :func:`check_shapes` raises ValueError otherwise, before tracing.
+
+Caveat: only checked in TPU interpret mode on CPU (``interpret=pltpu.InterpretParams()``) and by
+lowering to Mosaic MLIR; not yet run on TPU hardware. For 16-bit caches with ``bs < 16`` and
+fp8 caches with ``bs < 32`` a page's DMA lands at a sublane offset inside a packed VMEM tile,
+which Mosaic may reject at compile time on some chips.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.metadata import NULL_BLOCK_ID
+
+#: Columns of the per-tile metadata (same order as triton_backend / pallas_attention._tile_meta).
+SEQ, POS0, NUM_Q, KV_LO, KV_HI, KV_T0, KV_T1, _PAD = range(8)
+META_COLS = 8
+#: Keys per KV tile by default: a full MXU/lane width of logits per step.
+KV_TILE_TOKENS = 128
+LANES = 128
+_MASK = -1e30  # finite "minus infinity": keeps exp(m_prev - m_new) well defined
+
+
+def check_shapes(*, head_size: int, block_size: int) -> None:
+    """Raises ValueError for sizes the Mosaic kernel does not support (before tracing)."""
+    if head_size % LANES:
+        raise ValueError(f"lowering='mosaic' needs head_size to be a multiple of {LANES} "
+                         f"(TPU lane width), got {head_size}")
+    if block_size % 8:
+        raise ValueError(f"lowering='mosaic' needs block_size to be a multiple of 8 (TPU "
+                         f"sublanes), got {block_size}")
+
+
+def tile_rows(n: int, compute_dtype) -> int:
+    """Rows of a query tile holding ``n`` (token, head) rows: whole sublane tiles (8 rows of
+    32-bit, 16 of 16-bit values)."""
+    sub = 8 * (4 // jnp.dtype(compute_dtype).itemsize)
+    return -(-max(n, 1) // sub) * sub
+
+
+def interpret_params(interpret: bool):
+    """The ``interpret`` argument of a Mosaic ``pallas_call``: TPU interpret mode (simulated
+    DMAs, semaphores and SMEM) when asked for, else compile for TPU."""
+    return pltpu.InterpretParams() if interpret else False
+
+
+def _kernel(meta_ref,    # [NT * 8] int32 SMEM (scalar prefetch), see the column names
+            tables_ref,  # [S * Bp] int32 SMEM (scalar prefetch), row-major block tables
+            scale_ref,   # [1] float32 SMEM, sm_scale * k_scale
+            q_ref,       # [M, D] VMEM, this tile's rows for this KV head (unscaled)
+            kv_hbm,      # [N, 2, Hkv, bs, D] cache dtype, left in HBM
+            o_ref,       # [M, D] float32 VMEM, normalised output
+            k_buf,       # [2, BK, D] cache dtype VMEM scratch (double buffer)
+            v_buf,       # [2, BK, D] cache dtype VMEM scratch
+            sems,        # [2] DMA semaphores, one per buffer slot
+            m_ref,       # [M, 1] float32 VMEM scratch, running max
+            l_ref,       # [M, 1] float32 VMEM scratch, softmax denominator
+            acc_ref,     # [M, D] float32 VMEM scratch, unnormalised output
+            *, width, group, block_size, pages_per_tile, sliding_window, soft_cap,
+            compute_dtype):
+    tile, head = pl.program_id(0), pl.program_id(1)
+    base = tile * META_COLS
+    seq = meta_ref[base + SEQ]
+    pos0 = meta_ref[base + POS0]
+    num_q = meta_ref[base + NUM_Q]
+    key_lo = meta_ref[base + KV_LO]   # first needed key position of the tile
+    key_hi = meta_ref[base + KV_HI]   # one past the last needed key position
+    t0 = meta_ref[base + KV_T0]       # KV tiles [t0, t1) hold every needed key
+    t1 = meta_ref[base + KV_T1]
+    rows, head_size = q_ref.shape
+    block_k = pages_per_tile * block_size
+
+    def tile_copies(j, slot):
+        """The 2 * pages_per_tile DMAs of KV tile j into buffer ``slot`` (same list to wait)."""
+        copies = []
+        for p in range(pages_per_tile):
+            col = j * pages_per_tile + p
+            used = ((col + 1) * block_size > key_lo) & (col * block_size < key_hi)
+            block = jnp.where(used, tables_ref[seq * width + col], NULL_BLOCK_ID)
+            for kv, buf in ((0, k_buf), (1, v_buf)):
+                copies.append(pltpu.make_async_copy(
+                    kv_hbm.at[block, kv, head], buf.at[slot, pl.ds(p * block_size, block_size)],
+                    sems.at[slot]))
+        return copies
+
+    m_ref[...] = jnp.full(m_ref.shape, _MASK, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(t0 < t1)
+    def _():
+        for c in tile_copies(t0, 0):
+            c.start()
+
+    q = q_ref[...].astype(compute_dtype)                                   # [M, D]
+    logit_scale = scale_ref[0]
+    token = lax.div(lax.broadcasted_iota(jnp.int32, (rows, block_k), 0), jnp.int32(group))
+    q_pos = pos0 + token                                                    # [M, BK]
+    row_ok = token < num_q
+
+    def body(j, carry):
+        slot = lax.rem(j - t0, 2)
+
+        @pl.when(j + 1 < t1)
+        def _():
+            for c in tile_copies(j + 1, 1 - slot):
+                c.start()
+
+        for c in tile_copies(j, slot):
+            c.wait()
+        k = k_buf[slot].astype(compute_dtype)                              # [BK, D]
+        v = v_buf[slot].astype(compute_dtype)
+        v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_size), 0)
+        v = jnp.where((v_pos >= key_lo) & (v_pos < key_hi), v, jnp.zeros_like(v))
+
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * logit_scale  # [M, BK]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+        mask = row_ok & (k_pos >= key_lo) & (k_pos < key_hi) & (k_pos <= q_pos)
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        s = jnp.where(mask, s, _MASK)
+        m_prev = m_ref[...]                                                 # [M, 1]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)                       # [M, BK]
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)           # [M, D]
+        acc_ref[...] = alpha * acc_ref[...] + pv
+        m_ref[...] = m_new
+        return carry
+
+    lax.fori_loop(t0, t1, body, 0)
+    l = l_ref[...]
+    o_ref[...] = acc_ref[...] / jnp.where(l > 0, l, 1.0)
+
+
+def attend_tiles(logit_scale,  # [1] float32, sm_scale * k_scale (applied in f32 after the dot)
+                 meta,       # [NT, 8] int32, see the column names above
+                 tables,     # [S, Bp] int32, Bp a multiple of pages_per_tile
+                 q_tiles,    # [NT, Hkv, M, D] compute dtype, M from tile_rows
+                 kv_cache,   # [N, 2, Hkv, bs, D] cache dtype
+                 *, group: int, pages_per_tile: int, sliding_window, soft_cap, compute_dtype,
+                 interpret: bool):
+    """Runs the kernel; returns o [NT, Hkv, M, D] float32 (rows normalised; empty rows 0)."""
+    nt, num_kv_heads, rows, head_size = q_tiles.shape
+    width = tables.shape[1]
+    block_size = kv_cache.shape[3]
+    check_shapes(head_size=head_size, block_size=block_size)
+    block_k = pages_per_tile * block_size
+    kernel = functools.partial(
+        _kernel, width=width, group=group, block_size=block_size, pages_per_tile=pages_per_tile,
+        sliding_window=sliding_window, soft_cap=soft_cap, compute_dtype=compute_dtype)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,  # meta, tables
+        grid=(nt, num_kv_heads),
+        in_specs=[
+            pl.BlockSpec(memory_space=pltpu.SMEM),                          # logit_scale
+            pl.BlockSpec((None, None, rows, head_size), lambda i, h, *_: (i, h, 0, 0)),
+            pl.BlockSpec(memory_space=pl.ANY),                              # kv_cache (HBM)
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, head_size), lambda i, h, *_: (i, h, 0, 0)),
+        scratch_shapes=[
+            pltpu.VMEM((2, block_k, head_size), kv_cache.dtype),
+            pltpu.VMEM((2, block_k, head_size), kv_cache.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.VMEM((rows, 1), jnp.float32),
+            pltpu.VMEM((rows, 1), jnp.float32),
+            pltpu.VMEM((rows, head_size), jnp.float32),
+        ],
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((nt, num_kv_heads, rows, head_size), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret_params(interpret),
+        name=f"ragged_paged_attention_mosaic_m{rows}_bk{block_k}",
+    )(meta.reshape(-1), tables.reshape(-1), logit_scale, q_tiles, kv_cache)

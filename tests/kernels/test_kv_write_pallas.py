@@ -1,0 +1,116 @@
+"""write_kv(backend="pallas") (kv_write_pallas.py) against the XLA byte scatter, bit for bit.
+
+On CPU both kernels run in interpret mode (Triton: Pallas' generic interpreter; Mosaic: TPU
+interpret mode). On a GPU the Triton kernel is compiled (the Mosaic one is skipped), on a TPU
+the Mosaic kernel. Lowering tests build the real Triton / Mosaic custom calls on any host.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels.kv_write_pallas import write_kv_pallas
+from pallas_kernels.layout import resolve_kv_dtype
+
+PLATFORM = jax.default_backend()
+NATIVE = {"gpu": "triton", "tpu": "mosaic"}.get(PLATFORM)
+INTERPRET = NATIVE is None
+
+
+def _lowerings():
+    return [pytest.param(low, marks=pytest.mark.skipif(
+        NATIVE not in (None, low), reason=f"{low} kernels do not run on {PLATFORM}"))
+        for low in ("triton", "mosaic")]
+
+
+def _case(rng, dtype, *, num_tokens, bs=8, hkv=2, d=64, n=5):
+    """Random buffer bytes, new K/V and slots: distinct real slots (incl. the first and last
+    slot), PAD_SLOT_ID, another negative slot and two past the end."""
+    pb = pk.page_bytes(bs, hkv, d, dtype)
+    buf = jnp.asarray(rng.integers(0, 256, n * pb), jnp.uint8)
+    k = jnp.asarray(rng.standard_normal((num_tokens, hkv, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((num_tokens, hkv, d)), jnp.float32)
+    special = [0, n * bs - 1, pk.PAD_SLOT_ID, -5, n * bs, n * bs + 3]
+    real = rng.permutation(np.arange(1, n * bs - 1))[:num_tokens - len(special)]
+    slots = jnp.asarray(rng.permutation(np.concatenate([special, real])), jnp.int32)
+    return buf, k, v, slots
+
+
+@pytest.mark.parametrize("lowering", _lowerings())
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8"])
+def test_equals_xla_scatter_bit_for_bit(dtype, lowering):
+    scale = 0.5 if dtype == "fp8" else None
+    buf, k, v, slots = _case(np.random.default_rng(1), dtype, num_tokens=21)
+    write = lambda **kw: jax.jit(functools.partial(
+        pk.write_kv, block_size=8, dtype=dtype, k_scale=scale, v_scale=scale, **kw))(
+            buf, k, v, slots)
+    want = np.asarray(write())
+    got = np.asarray(write(backend="pallas", interpret=INTERPRET, lowering=lowering))
+    np.testing.assert_array_equal(got, want)
+    assert (want != np.asarray(buf)).any()
+
+
+@pytest.mark.parametrize("lowering", _lowerings())
+def test_token_blocks_and_padding_write_nothing(lowering):
+    """Several token blocks (the last one partial); padding / out-of-range slots leave every
+    byte alone, in particular the last slot's, where a wrapped -1 would land."""
+    dtype, bs, hkv, d, n = "bfloat16", 8, 2, 64, 4
+    rng = np.random.default_rng(2)
+    buf, k, v, _ = _case(rng, dtype, num_tokens=11, bs=bs, hkv=hkv, d=d, n=n)
+    slots = jnp.asarray([pk.PAD_SLOT_ID] * 5 + [n * bs, 7, 9, -2, pk.PAD_SLOT_ID, 12], jnp.int32)
+    row = d * resolve_kv_dtype(dtype).itemsize
+    kb = jax.lax.bitcast_convert_type(k.astype(jnp.bfloat16), jnp.uint8).reshape(11, hkv, row)
+    vb = jax.lax.bitcast_convert_type(v.astype(jnp.bfloat16), jnp.uint8).reshape(11, hkv, row)
+    got = np.asarray(jax.jit(functools.partial(
+        write_kv_pallas, block_size=bs, interpret=INTERPRET, lowering=lowering,
+        block_tokens=4))(buf, kb, vb, slots))
+    want = np.asarray(pk.write_kv(buf, k, v, slots, block_size=bs, dtype=dtype))
+    np.testing.assert_array_equal(got, want)
+    view = got.reshape(n, 2, hkv, bs, row)
+    orig = np.asarray(buf).reshape(n, 2, hkv, bs, row)
+    written = np.zeros((n, bs), bool)
+    for slot in (7, 9, 12):
+        written[slot // bs, slot % bs] = True
+    keep = ~written[:, None, None, :, None].repeat(2, 1).repeat(hkv, 2).repeat(row, 4)
+    assert (view[keep] == orig[keep]).all()
+    assert (view[-1, :, :, -1] == orig[-1, :, :, -1]).all()
+
+
+@pytest.mark.parametrize("lowering,platform", [("triton", "cuda"), ("mosaic", "tpu")])
+def test_lowers_with_the_cache_aliased(lowering, platform, monkeypatch):
+    """Builds the real custom call (no device needed): the buffer is aliased to the output."""
+    monkeypatch.setattr(jax, "default_backend", lambda: {"cuda": "gpu"}.get(platform, platform))
+    bs, hkv, d, t = 16, 2, 128, 24
+    sds = jax.ShapeDtypeStruct
+    args = (sds((6 * pk.page_bytes(bs, hkv, d, "bfloat16"),), jnp.uint8),
+            sds((t, hkv, d), jnp.bfloat16), sds((t, hkv, d), jnp.bfloat16), sds((t,), jnp.int32))
+    f = jax.jit(functools.partial(pk.write_kv, block_size=bs, dtype="bfloat16", backend="pallas"),
+                donate_argnums=0)
+    text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert ("triton" if lowering == "triton" else "tpu_custom_call") in text
+    assert "output_operand_aliases" in text
+
+
+def test_write_kv_argument_errors():
+    buf, k, v, slots = _case(np.random.default_rng(0), "float32", num_tokens=8)
+    kw = dict(block_size=8, dtype="float32")
+    with pytest.raises(ValueError, match="'triton_gpu'"):
+        pk.write_kv(buf, k, v, slots, backend="triton_gpu", **kw)
+    with pytest.raises(ValueError, match="backend='pallas' only"):
+        pk.write_kv(buf, k, v, slots, lowering="mosaic", **kw)
+    with pytest.raises(ValueError, match="'cuda'"):
+        pk.write_kv(buf, k, v, slots, backend="pallas", interpret=True, lowering="cuda", **kw)
+    with pytest.raises(ValueError, match="interpret must be a bool"):
+        pk.write_kv(buf, k, v, slots, backend="pallas", interpret=1, **kw)
+    if INTERPRET:
+        with pytest.raises(ValueError, match="interpret=True"):
+            pk.write_kv(buf, k, v, slots, backend="pallas", **kw)
+    pb = pk.page_bytes(8, 2, 48, "float32")  # rows of 192 bytes: not a Triton tile
+    k48 = jnp.zeros((8, 2, 48), jnp.float32)
+    with pytest.raises(ValueError, match="power-of-two row"):
+        pk.write_kv(jnp.zeros(4 * pb, jnp.uint8), k48, k48, slots, backend="pallas",
+                    interpret=True, lowering="triton", **kw)
