@@ -47,6 +47,9 @@ def paged_attention(
       kv_dtype: when set, ``kv_cache`` is the byte view ``[N, 2, Hkv, bs, D * itemsize]`` uint8
         (``kv_cache_byte_view``) of a cache of this dtype. The XLA backend then gathers bytes
         and bitcasts only what it gathered (a whole-buffer bitcast is a full copy on XLA:CPU).
+        Use it for bf16/fp16/fp8 caches on CPU: with the typed view XLA:CPU moves the widening
+        convert out of the page loop and converts the whole cache each call (measured: bf16,
+        64 MiB cache, 137 MiB temp and 50 ms vs 7 MiB and 9 ms with the byte view).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

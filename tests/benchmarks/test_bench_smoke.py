@@ -38,7 +38,7 @@ def throughput():
 @pytest.fixture(scope="module")
 def result(throughput, tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "throughput.json"
-    throughput.main(ARGS + ["--workload", "all", "--json", str(path)])
+    throughput.main(ARGS + ["--workload", "all", "--repeats", "2", "--json", str(path)])
     return json.loads(path.read_text())
 
 
@@ -57,6 +57,7 @@ def test_json_has_the_header_and_every_workload(result):
                     "preemptions", "compiles", "mfu_pct_of_matmul", "host"):
             assert jaxkv[key] is not None, (name, key)
         assert jaxkv["compiles"] == 0, "the warm pass must leave nothing to compile in the timed pass"
+        assert len(jaxkv["elapsed_all_s"]) == 2 and len(base["elapsed_all_s"]) == 2  # --repeats 2
         assert res["jaxkv_over_baseline"] > 0
     prefix = result["results"]["shared-prefix"]["prefix"]
     assert prefix["prefix_hit_tokens"] > 0

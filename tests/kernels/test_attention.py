@@ -24,6 +24,8 @@ SCENARIOS = {
     # mixed: a chunk in the middle of a sequence, a whole prompt at the table's max length,
     # a 2-token chunk and two decodes.
     "mixed": lambda bs: ([5, 4 * bs, 2, 1, 1], [bs + 7, 4 * bs, 3, 1, 2 * bs]),
+    # one long decode: the XLA backend splits its 37 blocks into 16 uneven parts (split-K).
+    "single": lambda bs: ([1], [37 * bs - 5]),
 }
 
 
@@ -107,6 +109,12 @@ class TestXla:
 
     def test_no_padding(self):
         self.check(scenario="mixed", block_size=8, head_size=64, group=1, pad=False)
+
+    @pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (45, 20.0)])
+    def test_single_long_decode(self, sliding_window, soft_cap):
+        """Few rows: keys split into parts merged by log-sum-exp (window cuts some parts empty)."""
+        self.check(scenario="single", block_size=8, head_size=64, group=4,
+                   sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 class TestXlaBytes(TestXla):
