@@ -97,6 +97,21 @@ def _page_rows(ids,            # [..., C] int32 block ids
     return (ids[None, ..., None, :] * 2 + c[..., None]) * num_kv_heads + h
 
 
+def _chunk_rows(tables,      # [R, B] int32 block-table rows
+                first, end,  # [R] int32 block range [first, end) of each row
+                num_chunks: int, chunk: int, num_kv_heads: int):
+    """Gather rows of every chunk of C blocks, computed once before the loop: [n, 2, R, Hkv, C].
+
+    Columns past ``end`` (or past the table) read NULL_BLOCK_ID, never a garbage entry.
+    """
+    num_rows, max_blocks = tables.shape
+    cols = first[:, None] + jnp.arange(num_chunks * chunk, dtype=jnp.int32)[None, :]  # [R, n*C]
+    ids = jnp.where(cols < end[:, None],
+                    jnp.take_along_axis(tables, jnp.minimum(cols, max_blocks - 1), axis=1),
+                    NULL_BLOCK_ID).reshape(num_rows, num_chunks, chunk)
+    return _page_rows(ids, num_kv_heads).transpose(2, 0, 1, 3, 4)
+
+
 def _gather_kv(kv_rows,   # [N * 2 * Hkv, bs * D'] typed or uint8
                rows,      # [2, ..., Hkv, C] int32
                kv_dtype, block_size: int):
@@ -118,8 +133,9 @@ def _q_tile(q, rows, *, num_kv_heads, cdt):
     return x.transpose(perm).astype(cdt)
 
 
-def _softmax_step(carry, logits, v, ok, *, logit_scale, soft_cap, cdt, spec_pv):
-    """One online-softmax update. logits [..., L] f32 (unscaled); ``ok`` masks keys."""
+def _softmax_step(carry, logits, ok, pv_of, *, logit_scale, soft_cap):
+    """One online-softmax update. logits [..., L] f32 (unscaled); ``ok`` masks keys;
+    ``pv_of(p)`` is p [..., L] times this chunk's V (whose masked rows are zero)."""
     m, l, acc = carry
     logits = logits * logit_scale
     if soft_cap is not None:
@@ -129,9 +145,7 @@ def _softmax_step(carry, logits, v, ok, *, logit_scale, soft_cap, cdt, spec_pv):
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     p = jnp.exp(logits - m_safe[..., None])                               # masked -> 0
     corr = jnp.exp(m - m_safe)
-    l = l * corr + jnp.sum(p, axis=-1)
-    pv = jnp.einsum(spec_pv, p.astype(cdt), v, preferred_element_type=jnp.float32)
-    return m_new, l, acc * corr[..., None] + pv
+    return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv_of(p)
 
 
 def _decode_attention(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_size, num_kv_heads,
@@ -171,33 +185,22 @@ def _decode_attention(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_siz
                                       block_size) // block_size)
     n_static = -(-bound // chunk)
     lk = chunk * block_size
-    # Every chunk's gather rows, computed once: [n, 2, rows, Hkv, C].
-    cols = first[:, None] + jnp.arange(n_static * chunk, dtype=jnp.int32)[None, :]   # [rows, n*C]
-    ids = jnp.where(cols < end[:, None],
-                    jnp.take_along_axis(block_tables[seq], jnp.minimum(cols, max_blocks - 1), axis=1),
-                    NULL_BLOCK_ID).reshape(rows, n_static, chunk)
-    rows_all = _page_rows(ids, num_kv_heads).transpose(2, 0, 1, 3, 4)  # [n, 2, rows, Hkv, C]
+    rows_all = _chunk_rows(block_tables[seq], first, end, n_static, chunk,
+                           num_kv_heads)                                  # [n, 2, rows, Hkv, C]
     iota = jnp.arange(lk, dtype=jnp.int32)
 
     def body(j, carry):
-        m, l, acc = carry
-        kp = ((first + j * chunk) * block_size)[:, None] + iota[None, :]  # [S, L] contiguous
+        kp = ((first + j * chunk) * block_size)[:, None] + iota[None, :]  # [rows, L] contiguous
         ok = (kp < key_hi[:, None]) & (kp >= key_lo[:, None])
         # K and V are gathered separately and reduced with multiply + sum (no dots), so each
         # gather fuses into its reduction and the pages are read once, straight from the cache.
         k = _gather_kv(kv_rows, rows_all[j, 0], kv_dtype, block_size).astype(jnp.float32)
         v = _gather_kv(kv_rows, rows_all[j, 1], kv_dtype, block_size).astype(jnp.float32)
-        logits = jnp.sum(k[:, :, None] * qg[:, :, :, None, :], axis=-1) * logit_scale  # [S, Hkv, G, L]
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        logits = jnp.where(ok[:, None, None, :], logits, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(logits - m_safe[..., None])                           # masked -> 0
-        corr = jnp.exp(m - m_safe)
-        v = jnp.where(ok[:, None, :, None], v, 0.0)                      # [S, Hkv, L, D]
-        pv = jnp.sum(p[..., None] * v[:, :, None], axis=3)               # [S, Hkv, G, D]
-        return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
+        logits = jnp.sum(k[:, :, None] * qg[:, :, :, None, :], axis=-1)  # [rows, Hkv, G, L]
+        v = jnp.where(ok[:, None, :, None], v, 0.0)                      # [rows, Hkv, L, D]
+        return _softmax_step(carry, logits, ok[:, None, None, :],
+                             lambda p: jnp.sum(p[..., None] * v[:, :, None], axis=3),
+                             logit_scale=logit_scale, soft_cap=soft_cap)  # pv: [rows, Hkv, G, D]
 
     init = (jnp.full((rows, num_kv_heads, group), -jnp.inf, jnp.float32),
             jnp.zeros((rows, num_kv_heads, group), jnp.float32),
@@ -237,10 +240,8 @@ def _prefill_attention(out,  # [T + Qt, Hq, D] f32 (rows past T absorb a tile's 
         row_ok = (qoff < nq)[:, None]
         key_hi = jnp.minimum(pos0 + nq, e * block_size)
         n_tile = (e - f + chunk - 1) // chunk
-        cols = f + jnp.arange(-(-bound // chunk) * chunk, dtype=jnp.int32)
-        ids = jnp.where(cols < e, block_tables[t.seq[i]][jnp.minimum(cols, max_blocks - 1)],
-                        NULL_BLOCK_ID)
-        rows_all = _page_rows(ids.reshape(-1, chunk), num_kv_heads).transpose(1, 0, 2, 3)  # [n, 2, Hkv, C]
+        rows_all = _chunk_rows(block_tables[t.seq[i]][None], f[None], e[None], -(-bound // chunk),
+                               chunk, num_kv_heads)[:, :, 0]              # [n, 2, Hkv, C]
 
         def body(j, carry):
             kv = _gather_kv(kv_rows, rows_all[j], kv_dtype, block_size)   # [2, Hkv, L, D]
@@ -252,8 +253,11 @@ def _prefill_attention(out,  # [T + Qt, Hq, D] f32 (rows past T absorb a tile's 
             k = kv[0].astype(cdt)
             v = jnp.where(key_ok[None, :, None], kv[1].astype(cdt), jnp.zeros((), cdt))
             logits = jnp.einsum("kgqd,ksd->kgqs", qg, k, preferred_element_type=jnp.float32)
-            return _softmax_step(carry, logits, v, ok, logit_scale=logit_scale, soft_cap=soft_cap,
-                                 cdt=cdt, spec_pv="kgqs,ksd->kgqd")
+            return _softmax_step(
+                carry, logits, ok,
+                lambda p: jnp.einsum("kgqs,ksd->kgqd", p.astype(cdt), v,
+                                     preferred_element_type=jnp.float32),
+                logit_scale=logit_scale, soft_cap=soft_cap)
 
         init = (jnp.full((num_kv_heads, group, qt), -jnp.inf, jnp.float32),
                 jnp.zeros((num_kv_heads, group, qt), jnp.float32),
