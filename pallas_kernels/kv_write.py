@@ -14,7 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.layout import is_fp8, page_bytes, resolve_kv_dtype, typed_to_bytes
+from pallas_kernels.layout import page_bytes, resolve_kv_dtype, typed_to_bytes
+from pallas_kernels.validation import check_scales, validate_lowering
 
 #: Implementations of ``write_kv``.
 WRITE_BACKENDS = ("xla", "pallas")
@@ -30,16 +31,6 @@ def quantize_to_cache(x: jax.Array,  # [..., D] model dtype
             y = y / jnp.asarray(scale, jnp.float32)
         return jnp.clip(y, float(fi.min), float(fi.max)).astype(dtype)
     return x.astype(dtype)
-
-
-def check_scales(dtype, k_scale, v_scale) -> None:
-    """Scales are only meaningful for fp8 caches; anything else is an error, not a silent no-op."""
-    if not is_fp8(dtype) and (k_scale is not None or v_scale is not None):
-        raise ValueError(f"k_scale/v_scale are only supported for an fp8 KV cache, got dtype "
-                         f"{resolve_kv_dtype(dtype).name} with k_scale={k_scale!r}, v_scale={v_scale!r}")
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is not None and jnp.ndim(s) != 0:
-            raise ValueError(f"{name} must be a scalar (per-tensor scale), got shape {jnp.shape(s)}")
 
 
 def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
@@ -65,8 +56,7 @@ def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
         raise ValueError(f"backend must be one of {WRITE_BACKENDS}, got {backend!r}")
     if not isinstance(interpret, bool):
         raise ValueError(f"interpret must be a bool, got {interpret!r}")
-    if lowering is not None and backend != "pallas":
-        raise ValueError(f"lowering={lowering!r} applies to backend='pallas' only")
+    validate_lowering(lowering, backend)
     dt = resolve_kv_dtype(dtype)
     check_scales(dt, k_scale, v_scale)
     if k.ndim != 3 or k.shape != v.shape:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kv_write import check_scales
+from pallas_kernels.layout import is_fp8, resolve_kv_dtype
 
 
 def _is_int(x) -> bool:
@@ -18,6 +18,16 @@ def _is_int(x) -> bool:
 #: Values of ``lowering`` (backend="pallas" only; None picks by platform) -> the platform each
 #: compiles for.
 LOWERINGS = {"triton": "gpu", "mosaic": "tpu"}
+
+
+def check_scales(dtype, k_scale, v_scale) -> None:
+    """Scales are only meaningful for fp8 caches; anything else is an error, not a silent no-op."""
+    if not is_fp8(dtype) and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"k_scale/v_scale are only supported for an fp8 KV cache, got dtype "
+                         f"{resolve_kv_dtype(dtype).name} with k_scale={k_scale!r}, v_scale={v_scale!r}")
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is not None and jnp.ndim(s) != 0:
+            raise ValueError(f"{name} must be a scalar (per-tensor scale), got shape {jnp.shape(s)}")
 
 
 def validate_lowering(lowering, backend: str) -> None:
