@@ -24,8 +24,10 @@ SCENARIOS = {
     # mixed: a chunk in the middle of a sequence, a whole prompt at the table's max length,
     # a 2-token chunk and two decodes.
     "mixed": lambda bs: ([5, 4 * bs, 2, 1, 1], [bs + 7, 4 * bs, 3, 1, 2 * bs]),
-    # one long decode: the XLA backend splits its 37 blocks into 16 uneven parts (split-K).
+    # one long decode: the XLA backend spreads its 37 blocks over several work items.
     "single": lambda bs: ([1], [37 * bs - 5]),
+    # ragged decodes (1 key .. 37 blocks) for the XLA backend's decode work items.
+    "ragged": lambda bs: ([1] * 7, [1, 37 * bs - 5, 2 * bs, 3, 9 * bs + 1, bs, 5 * bs]),
 }
 
 
@@ -112,9 +114,25 @@ class TestXla:
 
     @pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (45, 20.0)])
     def test_single_long_decode(self, sliding_window, soft_cap):
-        """Few rows: keys split into parts merged by log-sum-exp (window cuts some parts empty)."""
+        """One row over many work items merged by their maxima (the window empties some)."""
         self.check(scenario="single", block_size=8, head_size=64, group=4,
                    sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("as_bytes,sliding_window,soft_cap", [(False, None, None),
+                                                               (True, 20, 30.0)])
+def test_xla_decode_items_across_iterations(monkeypatch, as_bytes, sliding_window, soft_cap):
+    """Decode work items of 1 block, 3 per iteration: a row's items span several iterations,
+    one iteration holds items of several rows (and several of one row), padding rows have none."""
+    from pallas_kernels import xla_backend
+
+    per_block = 8 * 2 * 2 * 64 * 4                       # bs 8, K+V, Hkv 2, D 64, f32
+    monkeypatch.setattr(xla_backend, "ITEM_KEYS", 8)
+    monkeypatch.setattr(xla_backend, "CHUNK_BYTES", 3 * per_block)
+    assert xla_backend.decode_items(2, 64, 4, 8, bound_blocks=37, num_rows=9) == (1, 3)
+    assert xla_backend.decode_items(2, 64, 4, 8, bound_blocks=2, num_rows=1) == (1, 1)
+    run_case("xla", False, scenario="ragged", block_size=8, head_size=64, group=4,
+             sliding_window=sliding_window, soft_cap=soft_cap, as_bytes=as_bytes)
 
 
 class TestXlaBytes(TestXla):
