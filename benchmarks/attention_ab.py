@@ -32,8 +32,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-#: name -> (kind, rows, low, high): decode rows with contexts U[low, high); prefill: prompts
-#: U[low, high) packed to 2048 tokens, no earlier context.
+#: name -> (kind, rows, low, high): decode rows with contexts U[low, high); "shared": decode rows
+#: whose block tables all point at row 0's pages (one common prefix, as with prefix caching);
+#: prefill: prompts U[low, high) packed to 2048 tokens, no earlier context.
 CASES = {
     "decode-64xU64..320": ("decode", 64, 64, 320),
     "decode-64x192": ("decode", 64, 191, 193),
@@ -41,6 +42,7 @@ CASES = {
     "decode-16x4k": ("decode", 16, 4000, 4096),
     "decode-1x16k": ("decode", 1, 16000, 16384),
     "decode-8xU16..512": ("decode", 8, 16, 512),
+    "decode-16x8k-shared": ("shared", 16, 8192, 8193),
     "prefill-2048xU32..256": ("prefill", 64, 32, 257),
 }
 
@@ -65,7 +67,7 @@ def make_case(kind: str, rows: int, low: int, high: int):
     from pallas_kernels.testing import make_batch
 
     rng = np.random.default_rng(0)
-    if kind == "decode":
+    if kind in ("decode", "shared"):
         kv = rng.integers(low, high, size=rows).tolist()
         q_lens, tokens, max_q = [1] * rows, rows, 1
     else:
@@ -81,6 +83,8 @@ def make_case(kind: str, rows: int, low: int, high: int):
                    extra_blocks=2000 if sum(kv) < 200_000 else 10, fill=0.0)
     args = list(b.attention_args())
     args[1] = typed_to_bytes(args[1])
+    if kind == "shared":
+        args[4] = jnp.broadcast_to(args[4][:1], args[4].shape)       # every row reads row 0's pages
     return args, max_q
 
 
