@@ -82,6 +82,14 @@ def _page_rows(ids,            # [..., C] int32 block ids
     return (ids[None, ..., None, :] * 2 + c[..., None]) * num_kv_heads + h
 
 
+def _table_ids(tables,  # [R, B] int32 block tables
+               rows,    # [...] int32 table row of each entry
+               cols,    # [...] int32 table column (may be past the table)
+               ok):     # [...] bool: the entry is one of its row's blocks
+    """Block ids at (rows, cols): NULL_BLOCK_ID where not ``ok``, never a garbage entry."""
+    return jnp.where(ok, tables[rows, jnp.minimum(cols, tables.shape[1] - 1)], NULL_BLOCK_ID)
+
+
 def _chunk_rows(tables,      # [R, B] int32 block-table rows
                 first, end,  # [R] int32 block range [first, end) of each row
                 num_chunks: int, chunk: int, num_kv_heads: int):
@@ -89,11 +97,10 @@ def _chunk_rows(tables,      # [R, B] int32 block-table rows
 
     Columns past ``end`` (or past the table) read NULL_BLOCK_ID, never a garbage entry.
     """
-    num_rows, max_blocks = tables.shape
+    num_rows = tables.shape[0]
     cols = first[:, None] + jnp.arange(num_chunks * chunk, dtype=jnp.int32)[None, :]  # [R, n*C]
-    ids = jnp.where(cols < end[:, None],
-                    jnp.take_along_axis(tables, jnp.minimum(cols, max_blocks - 1), axis=1),
-                    NULL_BLOCK_ID).reshape(num_rows, num_chunks, chunk)
+    ids = _table_ids(tables, jnp.arange(num_rows, dtype=jnp.int32)[:, None], cols,
+                     cols < end[:, None]).reshape(num_rows, num_chunks, chunk)
     return _page_rows(ids, num_kv_heads).transpose(2, 0, 1, 3, 4)
 
 
@@ -185,18 +192,18 @@ def _decode_attention(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_siz
     item = jnp.arange(n_static * w, dtype=jnp.int32)                      # [I]
     level = jnp.clip(jnp.searchsorted(starts, item, side="right") - 1, 0, levels - 1)
     r = perm[jnp.clip(item - starts[level], 0, nt - 1)]                   # [I] its row
-    rid = jnp.where(item < total, r, nt).astype(jnp.int32)                # S past the total
+    valid = item < total
     blk0 = first[r] + level * c                                           # [I] first block
     cols = blk0[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]       # [I, C]
-    ids = jnp.where((item < total)[:, None] & (cols < end[r][:, None]),
-                    block_tables[t.seq[r][:, None], jnp.minimum(cols, max_blocks - 1)],
-                    NULL_BLOCK_ID)
+    ids = _table_ids(block_tables, t.seq[r][:, None], cols,
+                     valid[:, None] & (cols < end[r][:, None]))           # [I, C]
     rows_all = _page_rows(ids.reshape(n_static, w, c), num_kv_heads)      # [2, n, W, Hkv, C]
     rows_all = rows_all.transpose(1, 0, 2, 3, 4)                          # [n, 2, W, Hkv, C]
     kp0 = (blk0 * block_size).reshape(n_static, w)                        # [n, W]
-    hi = jnp.where(item < total, key_hi[r], 0).reshape(n_static, w)       # [n, W]
+    hi = jnp.where(valid, key_hi[r], 0).reshape(n_static, w)              # [n, W]
     lo = key_lo[r].reshape(n_static, w)
-    rid = rid.reshape(n_static, w)
+    row = r.reshape(n_static, w)                                          # [n, W] for q and m
+    rid = jnp.where(valid, r, nt).reshape(n_static, w)                    # [n, W] S: dropped
     iota = jnp.arange(c * block_size, dtype=jnp.int32)
 
     def body(j, carry):
@@ -207,7 +214,7 @@ def _decode_attention(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_siz
         # gather fuses into its reduction and the pages are read once, straight from the cache.
         k = _gather_kv(kv_rows, rows_all[j, 0], kv_dtype, block_size).astype(jnp.float32)
         v = _gather_kv(kv_rows, rows_all[j, 1], kv_dtype, block_size).astype(jnp.float32)
-        rj = jnp.minimum(rid[j], nt - 1)
+        rj = row[j]
         logits = jnp.sum(k[:, :, None] * qg[rj][:, :, :, None, :], axis=-1)  # [W, Hkv, G, L]
         v = jnp.where(ok[:, None, :, None], v, 0.0)                       # [W, Hkv, L, D]
         empty = (jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32),
