@@ -1,6 +1,6 @@
 """A/B of the XLA attention backend: this checkout against another git revision, in ONE process.
 
-    python benchmarks/attention_ab.py [--rev REV] [--cases a,b] [--rounds N] [--json PATH]
+    python benchmarks/attention_ab.py [--rev REV] [--new xla|cpu] [--cases a,b] [--rounds N] [--json PATH]
 
 On shared, noisy cores two separate runs can differ by 20-40%, so the two versions are compiled
 side by side and timed in alternating rounds; min and median over the rounds are printed, with
@@ -88,13 +88,13 @@ def make_case(kind: str, rows: int, low: int, high: int):
     return args, max_q
 
 
-def layered(backend_mod, layers: int, max_q: int):
+def layered(attention_fn, layers: int, max_q: int):
     """jit of ``layers`` chained calls; call it as f(q, caches, *rest) with one cache per layer
     (distinct buffers, as in the engine: a shared one lets XLA hoist work across layers)."""
     import jax
     import jax.numpy as jnp
 
-    attend = functools.partial(backend_mod.paged_attention_xla, sm_scale=0.125, max_q_len=max_q,
+    attend = functools.partial(attention_fn, sm_scale=0.125, max_q_len=max_q,
                                kv_dtype=jnp.dtype("float32"))
 
     def run(q, caches, *rest):  # q [T, Hq, D]; each "layer" sees a slightly different q
@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rev", default="HEAD", help="git revision of the old backend (default HEAD)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)}")
+    p.add_argument("--new", default="xla", choices=("xla", "cpu"),
+                   help="this checkout's side: the XLA backend, or the cpu backend (C++ decode)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--json", default=None)
@@ -119,16 +121,25 @@ def main(argv=None) -> int:
     from pallas_kernels import xla_backend as new_mod
 
     old_mod = load_old(args.rev)
+    new_fn = new_mod.paged_attention_xla
+    if args.new == "cpu":
+        from pallas_kernels import cpu_backend
+
+        if not cpu_backend.available():
+            p.error(f"--new cpu: the CPU decode kernel is unavailable: {cpu_backend.build_error()}")
+        new_fn = cpu_backend.paged_attention_cpu
     env = {"jax": jax.__version__, "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
-           "rev": args.rev, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "layers": args.layers}
-    print(f"# XLA attention A/B: {args.rev} (old) vs this checkout (new); {env}")
+           "new": args.new, "rev": args.rev, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "layers": args.layers}
+    print(f"# attention A/B: XLA backend at {args.rev} (old) vs this checkout's {args.new} backend "
+          f"(new); {env}")
     print("| case | old min / median ms | new min / median ms | old / new (min) | max abs diff |")
     print("|---|---|---|---|---|")
     rows = []
     for name in args.cases.split(","):
         inputs, max_q = make_case(*CASES[name])
         inputs = [inputs[0], [inputs[1] + np.uint8(i) * 0 for i in range(args.layers)], *inputs[2:]]
-        fns = {"old": layered(old_mod, args.layers, max_q), "new": layered(new_mod, args.layers, max_q)}
+        fns = {"old": layered(old_mod.paged_attention_xla, args.layers, max_q),
+               "new": layered(new_fn, args.layers, max_q)}
         outs = {k: np.asarray(f(*inputs)) for k, f in fns.items()}   # compiles
         times = {k: [] for k in fns}
         for _ in range(args.rounds):

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
                    help="KV cache budget, e.g. 256MiB (default: 512MiB on CPU, 90%% of free memory on GPU)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--attention-backend", default="auto", help="auto | xla | pallas | reference")
+    p.add_argument("--attention-backend", default="auto", help="auto | xla | cpu | pallas | reference")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.set_defaults(func=cmd_generate)
 

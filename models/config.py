@@ -22,7 +22,7 @@ HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 DTYPES = ("float32", "bfloat16")
 ROPE_TYPES = ("default", "linear", "llama3")
 CACHE_DTYPES = ("float32", "bfloat16", "float16", "fp8")
-BACKENDS = ("xla", "pallas", "reference")
+BACKENDS = ("xla", "cpu", "pallas", "reference")
 
 
 @dataclasses.dataclass(frozen=True)

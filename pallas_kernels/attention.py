@@ -1,15 +1,17 @@
-"""``paged_attention``: argument checks and the choice of backend ("reference" | "xla" | "pallas")."""
+"""``paged_attention``: argument checks and the choice of backend
+("reference" | "xla" | "cpu" | "pallas")."""
 
 from __future__ import annotations
 
 import jax
 
+from pallas_kernels.cpu_backend import paged_attention_cpu
 from pallas_kernels.layout import resolve_kv_dtype, typed_view_of_bytes
 from pallas_kernels.reference import paged_attention_reference
 from pallas_kernels.validation import validate_attention_args, validate_lowering
 from pallas_kernels.xla_backend import paged_attention_xla
 
-BACKENDS = ("reference", "xla", "pallas")
+BACKENDS = ("reference", "xla", "cpu", "pallas")
 
 
 def paged_attention(
@@ -38,8 +40,9 @@ def paged_attention(
 
     Args:
       max_q_len: static upper bound on any q_len (1 = pure decode); None or 0 = up to T.
-      backend: "reference" (the spec, slow), "xla" (pure jnp, CPU default), "pallas"
-        (Triton on GPU, Mosaic on TPU; ``interpret=True`` runs it anywhere).
+      backend: "reference" (the spec, slow), "xla" (pure jnp), "cpu" (the XLA backend with
+        decode rows on a C++ FFI kernel, ``cpu_backend``; CPU only), "pallas" (Triton on GPU,
+        Mosaic on TPU; ``interpret=True`` runs it anywhere).
       interpret: run the Pallas kernel in interpret mode (only with backend="pallas"); the
         Mosaic kernel then runs in TPU interpret mode.
       lowering: backend="pallas" only: "triton" | "mosaic" | None (by platform: Mosaic on TPU,
@@ -66,10 +69,10 @@ def paged_attention(
         max_q_len = None
     kw = dict(sm_scale=float(sm_scale), sliding_window=sliding_window,
               soft_cap=None if soft_cap is None else float(soft_cap), k_scale=k_scale, v_scale=v_scale)
-    if backend == "xla":
-        return paged_attention_xla(q, kv_cache if kv_bytes is None else kv_bytes, seq_lens,
-                                   query_start_loc, block_tables, num_seqs, max_q_len=max_q_len,
-                                   kv_dtype=kv_dtype, **kw)
+    if backend in ("xla", "cpu"):
+        fn = paged_attention_xla if backend == "xla" else paged_attention_cpu
+        return fn(q, kv_cache if kv_bytes is None else kv_bytes, seq_lens, query_start_loc,
+                  block_tables, num_seqs, max_q_len=max_q_len, kv_dtype=kv_dtype, **kw)
     if kv_bytes is not None:
         kv_cache = typed_view_of_bytes(kv_bytes, kv_dtype)
     if backend == "reference":

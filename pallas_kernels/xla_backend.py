@@ -303,12 +303,13 @@ def paged_attention_xla(q,                # [T, Hq, D]
                         block_tables,     # [S, B] int32
                         num_seqs,         # [] int32
                         *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                        v_scale=None, max_q_len=None, kv_dtype=None):
+                        v_scale=None, max_q_len=None, kv_dtype=None, decode_attention=None):
     """Ragged paged attention with XLA ops. Arguments as ``paged_attention`` (validated there).
 
     Prefill tiles run in a loop over the real ones, so their static bound (from T, S and
     max_q_len) costs only their metadata: no per-step tile count is needed (or compiled for).
-    Returns [T, Hq, D] in q.dtype.
+    ``decode_attention`` replaces ``_decode_attention`` (same arguments and result; the "cpu"
+    backend passes its C++ kernel). Returns [T, Hq, D] in q.dtype.
     """
     num_tokens, num_q_heads, head_size = q.shape
     num_blocks, _, num_kv_heads, block_size, row_width = kv_cache.shape
@@ -334,7 +335,8 @@ def paged_attention_xla(q,                # [T, Hq, D]
                                     num_tiles=bound)
         out = _prefill_attention(out, q, kv_rows, block_tables, t, **common)
     dec = tiles_lib.decode_tiles(seq_lens, query_start_loc, num_seqs)
-    res = _decode_attention(q, kv_rows, block_tables, dec, **common)      # [S, Hkv, G, D]
+    decode = _decode_attention if decode_attention is None else decode_attention
+    res = decode(q, kv_rows, block_tables, dec, **common)                 # [S, Hkv, G, D]
     out = tiles_lib.scatter_rows(out, res.reshape(num_seq_rows, 1, num_q_heads, head_size), dec)
     out = out[:num_tokens]
     if v_scale is not None:

@@ -36,17 +36,19 @@ from jaxkv.worker.sampling_adapter import (
 from jaxkv.worker.step import StepShape, build_step_fn
 from models.config import KVCacheBinding
 
-BACKENDS = ("auto", "xla", "pallas", "reference")
+BACKENDS = ("auto", "xla", "cpu", "pallas", "reference")
 
 
 def resolve_backend(name: str, platform: str | None = None, *, head_size: int | None = None,
                     block_size: int | None = None) -> tuple[str, bool]:
-    """("auto" | "xla" | "pallas" | "reference") -> (backend, interpret).
+    """("auto" | "xla" | "cpu" | "pallas" | "reference") -> (backend, interpret).
 
-    "auto" is Pallas on GPU/TPU and the XLA backend on CPU, where Pallas only runs in
-    interpret mode (~100x slower than XLA, measured). On TPU "auto" keeps the XLA backend for
+    "auto" is Pallas on GPU/TPU and, on CPU (where Pallas only runs in interpret mode, ~100x
+    slower than XLA, measured), the "cpu" backend (XLA prefill + the C++ decode kernel) when
+    that kernel builds here, else the pure-XLA backend. On TPU "auto" keeps the XLA backend for
     shapes the Mosaic kernel refuses (head_size not a multiple of 128, block_size not a multiple
     of 8); an explicit "pallas" raises there instead. "pallas" on CPU means interpret mode.
+    An explicit "cpu" off the CPU platform raises.
     """
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
@@ -58,7 +60,12 @@ def resolve_backend(name: str, platform: str | None = None, *, head_size: int | 
                 check_shapes(head_size=head_size, block_size=block_size)
             except ValueError:
                 return "xla", False
-        return ("pallas", False) if platform in ("gpu", "cuda", "rocm", "tpu") else ("xla", False)
+        if platform in ("gpu", "cuda", "rocm", "tpu"):
+            return "pallas", False
+        from pallas_kernels import cpu_backend  # noqa: PLC0415
+        return ("cpu" if cpu_backend.available() else "xla"), False
+    if name == "cpu" and platform != "cpu":
+        raise ValueError(f"attention_backend='cpu' runs on the CPU platform only, not {platform!r}")
     return name, (name == "pallas" and platform == "cpu")
 
 
@@ -90,7 +97,7 @@ class ModelRunner:
       model: an NNX model with the ``models`` paged-forward interface.
       kv_cache_config: the plan; buffers are allocated here.
       max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits.
-      attention_backend: "auto" | "xla" | "pallas" | "reference".
+      attention_backend: "auto" | "xla" | "cpu" | "pallas" | "reference".
       cache_dtype: KV-cache dtype name ("float32", "bfloat16", "float16", "fp8").
       seed: engine seed for requests without their own.
     """

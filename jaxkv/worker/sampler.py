@@ -218,16 +218,53 @@ def apply_top_k_top_p(
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
-def argmax(x: jax.Array) -> jax.Array:  # [..., V] -> [...] int32
-    """``jnp.argmax(x, axis=-1)`` (first maximum; first NaN if any) as two plain reductions.
+def _argmax_chunk(vocab: int) -> int | None:
+    """Chunk width for ``argmax``: a divisor of ``vocab`` in [64, 512] nearest 256, else None."""
+    divisors = [c for c in range(64, 513) if vocab % c == 0 and vocab // c > 1]
+    return min(divisors, key=lambda c: abs(c - 256)) if divisors else None
 
-    XLA:CPU lowers jnp.argmax to a variadic (value, index) reduce that does not vectorise:
-    4.5 ms of a 67 ms decode step for [64, 32000] logits; max-then-first-index took ~1/4 of it.
+
+def _first_true(hit: jax.Array, axis: int) -> jax.Array:  # bool -> int32, ``axis`` removed
+    """Index of the first True along ``axis`` (its length where there is none)."""
+    iota = lax.broadcasted_iota(jnp.int32, hit.shape, axis)
+    return jnp.min(jnp.where(hit, iota, hit.shape[axis]), axis=axis)
+
+
+def _argmax_exact(x: jax.Array, axis: int) -> jax.Array:
+    """First NaN along ``axis`` if there is one, else the first maximum (max and NaN taken
+    apart: a vectorised max does not propagate NaN from every position)."""
+    nan = jnp.isnan(x)
+    m = jnp.max(jnp.where(nan, -jnp.inf, x), axis=axis, keepdims=True)
+    return _first_true(jnp.where(jnp.any(nan, axis=axis, keepdims=True), nan, x == m), axis)
+
+
+def argmax(x: jax.Array, axis: int = -1) -> jax.Array:  # [..., V] -> [...] int32 (V at ``axis``)
+    """``jnp.argmax(x, axis)`` (first maximum; first NaN if any) with plain reductions.
+
+    XLA:CPU lowers jnp.argmax to a variadic (value, index) reduce that does not vectorise, and
+    "max, then first index of the max" over [S, V] takes several passes. So the vocabulary is
+    cut into chunks of c: one pass takes each chunk's max, the first chunk holding the overall
+    max is found among those, and only that chunk is searched. A batch with a NaN or inf
+    anywhere (a non-finite row sum) takes the exact multi-pass path instead. Measured after a
+    [64, 512] x [512, 32000] LM head (2 cores): +0.8 ms vs +2.9 ms for max-then-first-index.
     """
-    m = jnp.max(x, axis=-1, keepdims=True)
-    hit = (x == m) | jnp.isnan(x)
-    iota = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
+    axis = axis % x.ndim
+    vocab = x.shape[axis]
+    c = _argmax_chunk(vocab)
+    if c is None:
+        return _argmax_exact(x, axis)
+    n = vocab // c
+    y = x.reshape(x.shape[:axis] + (n, c) + x.shape[axis + 1:])            # V -> (n, c)
+    chunk_max = jnp.max(y, axis=axis + 1)                                   # n at ``axis``
+    m = jnp.max(chunk_max, axis=axis, keepdims=True)                        # 1 at ``axis``
+    ci = jnp.minimum(_first_true(chunk_max == m, axis), n - 1)              # ``axis`` removed
+    block = jnp.take_along_axis(y, jnp.expand_dims(ci, (axis, axis + 1)), axis=axis)
+    block = jnp.squeeze(block, axis)                                        # c at ``axis``
+    fast = ci * c + jnp.minimum(_first_true(block == m, axis), c - 1)
+    # A NaN or inf anywhere makes the sum non-finite (a sum, unlike a vectorised max, always
+    # propagates NaN); such batches take the exact path.
+    finite = jnp.all(jnp.isfinite(jnp.sum(y, axis=(axis, axis + 1))))
+    return lax.cond(finite, lambda _: fast, lambda v: _argmax_exact(v, axis), x)
 
 
 def _request_keys(

@@ -1,8 +1,8 @@
 """Backends equal the reference: block sizes, head dims, GQA ratios, decode / mixed / edge lengths,
 random block-table permutations, NaN in every page nobody may read, window, soft-cap, fp8.
 
-One test class per backend: ``TestXla`` runs the full grid; ``TestPallas`` (interpret mode on
-CPU, compiled on GPU) runs a representative subset.
+One test class per backend: ``TestXla`` and ``TestCpu`` (C++ decode kernel) run the full grid;
+``TestPallas`` (interpret mode on CPU, compiled on GPU) runs a representative subset.
 """
 
 import functools
@@ -140,6 +140,45 @@ class TestXlaBytes(TestXla):
 
     def check(self, **kw):
         run_case("xla", False, as_bytes=True, **kw)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the cpu backend's kernel is a CPU custom call")
+class TestCpu(TestXla):
+    """The "cpu" backend: XLA prefill tiles, decode rows on the C++ FFI kernel (f32 / bf16 /
+    f16 caches; fp8 decodes on the XLA path). Full grid, typed cache."""
+    backend, interpret = "cpu", False
+
+    def check(self, **kw):
+        from pallas_kernels import cpu_backend
+
+        if not cpu_backend.available():
+            pytest.skip(f"CPU decode kernel unavailable: {cpu_backend.build_error()}")
+        run_case(self.backend, self.interpret, **kw)
+
+    @pytest.mark.parametrize("cache_dtype,q_dtype", [("bfloat16", jnp.bfloat16), ("float16", jnp.float16)])
+    def test_half_caches_decode(self, cache_dtype, q_dtype):
+        self.check(scenario="ragged", block_size=16, head_size=64, group=4,
+                   cache_dtype=cache_dtype, q_dtype=q_dtype, soft_cap=20.0)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the cpu backend's kernel is a CPU custom call")
+class TestCpuBytes(TestCpu):
+    """The "cpu" backend on the byte view, as the engine calls it."""
+
+    def check(self, **kw):
+        super().check(as_bytes=True, **kw)
+
+
+def test_cpu_kernel_builds_where_a_compiler_exists():
+    """A compiler on PATH means the kernel must build: a silent fallback would hide a broken
+    build (CI machines have g++)."""
+    import shutil
+
+    from pallas_kernels import cpu_backend
+
+    if ON_GPU or not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        pytest.skip("no C++ compiler / not a CPU run")
+    assert cpu_backend.available(), cpu_backend.build_error()
 
 
 def _subset(cases, keep):

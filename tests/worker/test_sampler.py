@@ -49,6 +49,37 @@ def test_argmax_equals_numpy_first_max_with_ties_inf_and_nan():
     assert got.dtype == np.int32
 
 
+@pytest.mark.parametrize("vocab", [640, 1024, 32000])
+def test_chunked_argmax_equals_numpy_first_max(vocab):
+    """Vocabularies with a divisor in [64, 512] take the chunked path: the first chunk holding
+    the maximum (or a NaN) is searched, so ties across chunks and NaNs in later chunks count."""
+    from jaxkv.worker.sampler import _argmax_chunk
+
+    c = _argmax_chunk(vocab)
+    assert c is not None and vocab % c == 0 and vocab // c > 1
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-40, 3, size=(16, vocab)).astype(np.float32)   # ties within and across chunks
+    x[1] = -np.inf                                                   # all -inf -> 0
+    x[2, [vocab - 1, c + 3]] = np.nan                                # first NaN, not in chunk 0
+    x[3, [vocab - 2, 5]] = np.inf
+    x[4] = 0.0
+    x[4, [c - 1, c, vocab - 1]] = 1.0                                # tie at a chunk boundary
+    x[5, vocab - 1] = 9.0                                            # max in the last chunk
+    x[6] = rng.standard_normal(vocab)
+    x[6, 2 * c - 1] = np.nan                                         # NaN beats a larger max
+    x[6, 0] = 100.0
+    got = np.asarray(jax.jit(argmax)(x))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got[2] == c + 3 and got[4] == c - 1 and got[5] == vocab - 1 and got[6] == 2 * c - 1
+    # Along axis 0 ([V, S]) the same tokens, and the fast path agrees once no NaN / inf sends
+    # the batch to the exact path.
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: argmax(v, axis=0))(x.T)), got)
+    finite = np.nan_to_num(x, nan=0.0, posinf=50.0, neginf=-50.0)
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(finite)), np.argmax(finite, axis=-1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: argmax(v, axis=0))(finite.T)),
+                                  np.argmax(finite, axis=-1))
+
+
 def test_greedy_is_argmax_also_in_mixed_batch():
     logits = _logits(6)
     out = sample_jit(logits, _md([SamplingParams(temperature=0.0)] * 5, num_rows=6))
