@@ -64,11 +64,19 @@ def run(w: Workload, *, repeats: int, interpret_ok: bool) -> list[dict]:
     fns = {"xla": jax.jit(functools.partial(pk.paged_attention, sm_scale=sm_scale, k_scale=scale,
                                             v_scale=scale, max_q_len=w.max_q_len, backend="xla",
                                             kv_dtype=cache.dtype))}
+    from pallas_kernels import cpu_backend  # noqa: PLC0415
+
+    if jax.default_backend() == "cpu" and cpu_backend.available():
+        # The "cpu" backend (C++ decode kernel; fp8 caches decode on the XLA path), byte view.
+        fns["cpu"] = jax.jit(functools.partial(pk.paged_attention, sm_scale=sm_scale, k_scale=scale,
+                                               v_scale=scale, max_q_len=w.max_q_len, backend="cpu",
+                                               kv_dtype=cache.dtype))
     if interpret_ok:
         fns["pallas-interpret"] = jax.jit(functools.partial(
             pk.paged_attention, sm_scale=sm_scale, k_scale=scale, v_scale=scale,
             max_q_len=w.max_q_len, backend="pallas", interpret=True))
     extra = {"xla": (q, jax.block_until_ready(typed_to_bytes(cache)), *args[2:])}
+    extra["cpu"] = extra["xla"]
     if w.kind == "decode":
         k, v = dense_kv(cache, args[4], w.context)
         jax.block_until_ready((k, v))
