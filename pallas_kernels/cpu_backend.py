@@ -194,13 +194,13 @@ def paged_attention_cpu(q, kv_cache, seq_lens, query_start_loc, block_tables, nu
     """``paged_attention_xla`` with the decode rows on the C++ kernel (same arguments/result).
 
     Falls back to the pure-XLA decode when the kernel is unavailable or does not cover the
-    cache dtype / shapes, or when ``k_scale`` is traced (the kernel takes the scale as a
-    compile-time attribute).
+    cache dtype / shapes, when ``k_scale`` is traced (the kernel takes the scale as a
+    compile-time attribute), or off the CPU platform (the custom call is registered for CPU).
     """
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
     cache_dtype = kv_cache.dtype if kv_dtype is None else kv_dtype
     scale = _static_scale(sm_scale, k_scale)
-    use = (scale is not None and available()
+    use = (scale is not None and jax.default_backend() == "cpu" and available()
            and supports(head_size=q.shape[2], num_q_heads=q.shape[1], num_kv_heads=num_kv_heads,
                         block_size=block_size, cache_dtype=cache_dtype))
     decode = functools.partial(_decode_attention, kv_cache=kv_cache, scale=scale) if use else None
