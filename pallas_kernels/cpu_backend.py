@@ -168,12 +168,11 @@ def _decode_attention(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, kv_cache,
     layout and the logit scale as a Python float): [S, Hkv, G, D] f32."""
     del kv_rows, logit_scale  # the kernel reads [N, 2, Hkv, bs, D'] pages; scale is static
     num_q_heads, head_size = q.shape[1:]
-    first, end, _ = tiles_lib.kv_block_range(t, block_size=block_size,
-                                              max_blocks=block_tables.shape[1],
-                                              sliding_window=sliding_window)
-    hi = jnp.where(t.num_q > 0, jnp.minimum(t.pos0 + t.num_q, end * block_size), 0)
-    lo = (jnp.zeros_like(hi) if sliding_window is None
-          else jnp.maximum(t.pos0 - sliding_window + 1, 0))
+    _, end, _ = tiles_lib.kv_block_range(t, block_size=block_size,
+                                         max_blocks=block_tables.shape[1],
+                                         sliding_window=sliding_window)
+    lo, hi = tiles_lib.key_range(t, sliding_window=sliding_window)
+    hi = jnp.minimum(hi, end * block_size)  # the table's width; empty tiles: end = first, hi <= lo
     rows = q[jnp.clip(t.row0, 0, q.shape[0] - 1)]                          # [S, Hq, D]
     out = decode_rows(rows, kv_cache, block_tables[t.seq], lo, hi, scale=scale,
                       soft_cap=soft_cap, kv_dtype=kv_dtype)

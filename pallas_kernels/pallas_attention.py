@@ -39,9 +39,7 @@ def _pow2_at_most(n: int) -> int:
 
 def _tile_meta(t: tiles_lib.Tiles, *, block_k: int, sliding_window) -> jax.Array:
     """[NT, 8] int32 metadata (column order in triton_backend)."""
-    key_hi = t.pos0 + t.num_q
-    key_lo = jnp.zeros_like(key_hi) if sliding_window is None else \
-        jnp.maximum(t.pos0 - sliding_window + 1, 0)
+    key_lo, key_hi = tiles_lib.key_range(t, sliding_window=sliding_window)
     t0 = key_lo // block_k
     t1 = jnp.where(t.num_q > 0, (key_hi + block_k - 1) // block_k, t0)
     cols = [t.seq, t.pos0, t.num_q, key_lo, key_hi, t0, t1, jnp.zeros_like(t0)]

@@ -100,21 +100,25 @@ def prefill_tiles(seq_lens: jax.Array,         # [S] int32
                  seq_len=seq_lens[seq].astype(jnp.int32), tile_q=tile_q)
 
 
+def key_range(tiles: Tiles, *, sliding_window: int | None) -> tuple[jax.Array, jax.Array]:
+    """Keys a tile's rows need, [lo, hi) per tile ([NT] each): rows at positions
+    pos0 .. pos0 + num_q - 1 attend [max(0, pos0 - W + 1), pos0 + num_q)."""
+    hi = tiles.pos0 + tiles.num_q                                          # exclusive key end
+    lo = (jnp.zeros_like(hi) if sliding_window is None
+          else jnp.maximum(tiles.pos0 - sliding_window + 1, 0))
+    return lo, hi
+
+
 def kv_block_range(tiles: Tiles, *, block_size: int, max_blocks: int,
                    sliding_window: int | None) -> tuple[jax.Array, jax.Array, int]:
     """Blocks a tile needs: [first, end) per tile ([NT] int32 each) and a static count bound.
 
-    Keys needed by rows at positions pos0 .. pos0 + num_q - 1 are
-    [max(0, pos0 - W + 1), pos0 + num_q). Without a window the bound is the table width B;
+    The blocks holding ``key_range``'s keys. Without a window the bound is the table width B;
     with one it is min(B, ceil((W + tile_q - 2) / bs) + 1).
     """
-    hi = tiles.pos0 + tiles.num_q                                          # exclusive key end
-    if sliding_window is None:
-        lo = jnp.zeros_like(hi)
-        bound = max_blocks
-    else:
-        lo = jnp.maximum(tiles.pos0 - sliding_window + 1, 0)
-        bound = min(max_blocks, -(-(sliding_window + tiles.tile_q - 2) // block_size) + 1)
+    lo, hi = key_range(tiles, sliding_window=sliding_window)
+    bound = (max_blocks if sliding_window is None else
+             min(max_blocks, -(-(sliding_window + tiles.tile_q - 2) // block_size) + 1))
     first = lo // block_size
     end = jnp.where(tiles.num_q > 0, (hi + block_size - 1) // block_size, first)
     return first.astype(jnp.int32), jnp.minimum(end, max_blocks).astype(jnp.int32), bound

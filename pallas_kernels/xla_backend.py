@@ -13,9 +13,10 @@ XLA:CPU does well (numbers: 2 cores, f32, Hkv 2, G 4, D 64, measured with jax.pr
   in one process): 256 rows of U[16, 1024) keys 1.55x faster, 8 rows U[16, 512) 1.70x,
   16 x 4k 1.04x, 64 rows U[64, 320) and 1 x 16k the same, 16 rows on one shared 8k prefix
   0.92x (row-major items instead were 0.77x there: no page reuse across rows).
-  The cost is reading the pages, so q.k / p.v are multiply + sum reductions into which XLA
-  fuses the gathers (pages read once; as batched dots they went through a materialised gather
-  first: 1.15-1.3x slower).
+  q.k / p.v are multiply + sum reductions (as batched dots they were 1.15-1.3x slower when
+  XLA's loop fusions still fused the gathers into the reductions; on jax 0.10 they are YNNPACK
+  reductions over gathered pages at ~10-20 GFLOP/s, which is why the "cpu" backend runs
+  decode rows in C++, ``cpu_backend.py``).
 * Prefill tiles (up to ``MAX_TILE_Q`` rows of one sequence, M = G * tile_q) run ONE AFTER
   ANOTHER, each over its own keys in chunks (``prefill_keys_for``): the trip count of a tile is its
   own block count (the causal triangle, chunk-granular) and its [Hkv, G, Qt, L] logits stay in
@@ -161,8 +162,9 @@ def _decode_attention(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_siz
 
     Each row's keys are cut into work items of C blocks, processed W per iteration in
     chunk-major order (no row idles while a longer one finishes, one long row fills whole
-    iterations, and rows sharing prefix pages read them together). An item's softmax partials (max, sum, p.v) are merged into its
-    row's running state by scatter-max / scatter-add (items past the total are dropped).
+    iterations, and rows sharing prefix pages read them together). An item's softmax partials
+    (max, sum, p.v) are merged into its row's running state by scatter-max / scatter-add
+    (items past the total are dropped).
     """
     num_q_heads, head_size = q.shape[1:]
     group = num_q_heads // num_kv_heads
@@ -174,9 +176,8 @@ def _decode_attention(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_siz
 
     first, end, bound = tiles_lib.kv_block_range(t, block_size=block_size, max_blocks=max_blocks,
                                                  sliding_window=sliding_window)
-    key_hi = jnp.minimum(t.pos0 + t.num_q, end * block_size)             # [S] exclusive
-    key_lo = (jnp.zeros_like(key_hi) if sliding_window is None
-              else t.pos0 - sliding_window + 1)
+    key_lo, key_hi = tiles_lib.key_range(t, sliding_window=sliding_window)
+    key_hi = jnp.minimum(key_hi, end * block_size)                        # [S] exclusive
     c, w = decode_items(num_kv_heads, head_size, jnp.dtype(cache_dtype).itemsize, block_size,
                         bound_blocks=bound, num_rows=nt)
     n_items = (end - first + c - 1) // c                                  # [S] (0: empty tile)
@@ -210,8 +211,9 @@ def _decode_attention(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_siz
         m_run, l_run, acc_run = carry                                      # [S, Hkv, G(, D)]
         kp = kp0[j][:, None] + iota[None, :]                               # [W, L] contiguous
         ok = (kp < hi[j][:, None]) & (kp >= lo[j][:, None])
-        # K and V are gathered separately and reduced with multiply + sum (no dots), so each
-        # gather fuses into its reduction and the pages are read once, straight from the cache.
+        # K and V are gathered separately and reduced with multiply + sum (no dots): with
+        # XLA's loop fusions each gather fused into its reduction (1.15-1.3x vs dots, session
+        # 2); jax 0.10's YNNPACK reductions take the gathered pages as a separate fusion.
         k = _gather_kv(kv_rows, rows_all[j, 0], kv_dtype, block_size).astype(jnp.float32)
         v = _gather_kv(kv_rows, rows_all[j, 1], kv_dtype, block_size).astype(jnp.float32)
         rj = row[j]

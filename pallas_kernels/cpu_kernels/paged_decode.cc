@@ -103,7 +103,8 @@ struct Problem {
 };
 
 // Row s, KV head h: the G query heads of the group, over every page of the row's keys.
-void attend(const Problem& p, int64_t s, int h) {
+// `pages` holds 2 * bs * D floats (the widened K and V page of 16-bit caches).
+void attend(const Problem& p, int64_t s, int h, float* pages) {
   const int group = p.q_heads / p.kv_heads, d_n = p.head_size;
   float* out = p.out + (s * p.q_heads + h * group) * d_n;
   const int lo = std::max(p.lo[s], 0), hi = p.hi[s];
@@ -114,8 +115,8 @@ void attend(const Problem& p, int64_t s, int h) {
   alignas(64) float q[kMaxGroup][kMaxHeadSize];
   alignas(64) float acc[kMaxGroup][kMaxHeadSize];
   alignas(64) float logit[kMaxBlockSize];
-  alignas(64) float kbuf[kMaxBlockSize * kMaxHeadSize];
-  alignas(64) float vbuf[kMaxBlockSize * kMaxHeadSize];
+  float* kbuf = pages;
+  float* vbuf = pages + static_cast<int64_t>(p.block_size) * d_n;
   float m[kMaxGroup], l[kMaxGroup];
   const float* qs = p.q + (s * p.q_heads + h * group) * d_n;
   for (int g = 0; g < group; ++g) {
@@ -235,7 +236,10 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer kv, ffi::Buff
   auto run = [&](int w) {
     const int64_t c0 = cost[items] * w / threads, c1 = cost[items] * (w + 1) / threads;
     const int64_t first = std::lower_bound(cost.begin(), cost.end() - 1, c0) - cost.begin();
-    for (int64_t i = first; i < items && cost[i] < c1; ++i) attend(p, i / p.kv_heads, i % p.kv_heads);
+    // Page scratch on the heap, once per thread (up to 512 KiB: too much for small stacks).
+    std::vector<float> pages(2 * static_cast<size_t>(p.block_size) * p.head_size);
+    for (int64_t i = first; i < items && cost[i] < c1; ++i)
+      attend(p, i / p.kv_heads, i % p.kv_heads, pages.data());
   };
   std::vector<std::thread> pool;
   pool.reserve(threads - 1);
