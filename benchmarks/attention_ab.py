@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--rev", default="HEAD", help="git revision of the old backend (default HEAD)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)}")
     p.add_argument("--new", default="xla", choices=("xla", "cpu"),
-                   help="this checkout's side: the XLA backend, or the cpu backend (C++ decode)")
+                   help="this checkout's side: the XLA backend, or the cpu backend (C++ kernel)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--json", default=None)
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         from pallas_kernels import cpu_backend
 
         if not cpu_backend.available():
-            p.error(f"--new cpu: the CPU decode kernel is unavailable: {cpu_backend.build_error()}")
+            p.error(f"--new cpu: the CPU attention kernel is unavailable: {cpu_backend.build_error()}")
         new_fn = cpu_backend.paged_attention_cpu
     env = {"jax": jax.__version__, "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
            "new": args.new, "rev": args.rev, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "layers": args.layers}

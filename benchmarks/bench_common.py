@@ -78,6 +78,44 @@ def matmul_flops(n: int = 2048, repeats: int = 7, dtype=jnp.float32) -> dict:
             "flops_per_s": flops / min(times), "flops_per_s_median": flops / statistics.median(times)}
 
 
+def model_matmul_flops(cfg, rows: int, *, lm_head: bool, repeats: int = 7) -> dict:
+    """Best-of-``repeats`` FLOP/s of the model's own weight matmuls at ``rows`` tokens, in XLA.
+
+    One jitted chain per call: every layer's q/k/v/o and gate/up/down projections (random fp32
+    weights of ``cfg``'s shapes, a residual add in between, no norms, no attention, no cache),
+    plus the LM head when ``lm_head``. It is what XLA:CPU reaches on exactly the model's matmul
+    shapes, so it bounds any engine built on XLA's dots: a decode step at batch 64 is
+    ``rows=64, lm_head=True``; a 2048-token prefill step is ``rows=2048, lm_head=False``.
+    """
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qd, kd = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    shapes = [(h, qd), (h, kd), (h, kd), (qd, h), (h, inter), (h, inter), (inter, h)]
+    keys = iter(jax.random.split(jax.random.key(1), 8 * cfg.num_hidden_layers + 2))
+    layers = [[0.02 * jax.random.normal(next(keys), s, jnp.float32) for s in shapes]
+              for _ in range(cfg.num_hidden_layers)]
+    head = 0.02 * jax.random.normal(next(keys), (h, cfg.vocab_size), jnp.float32) if lm_head else None
+    x = jax.random.normal(next(keys), (rows, h), jnp.float32)
+
+    def chain(x, layers, head):
+        for wq, wk, wv, wo, wg, wu, wd in layers:
+            q, k, v = x @ wq, x @ wk, x @ wv
+            x = x + (q + jnp.tile(k + v, qd // kd)) @ wo
+            x = x + ((x @ wg) * (x @ wu)) @ wd
+        return x if head is None else x @ head
+
+    f = jax.jit(chain)
+    jax.block_until_ready(f(x, layers, head))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, layers, head))
+        times.append(time.perf_counter() - t0)
+    flops = 2.0 * rows * (cfg.num_hidden_layers * sum(a * b for a, b in shapes)
+                          + (h * cfg.vocab_size if lm_head else 0))
+    return {"rows": rows, "lm_head": lm_head, "best_s": min(times),
+            "flops_per_s": flops / min(times), "flops_per_s_median": flops / statistics.median(times)}
+
+
 # ---- statistics -------------------------------------------------------------------------------
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -67,7 +67,7 @@ def run(w: Workload, *, repeats: int, interpret_ok: bool) -> list[dict]:
     from pallas_kernels import cpu_backend  # noqa: PLC0415
 
     if jax.default_backend() == "cpu" and cpu_backend.available():
-        # The "cpu" backend (C++ decode kernel; fp8 caches decode on the XLA path), byte view.
+        # The "cpu" backend (C++ kernel; fp8 caches run the XLA backend), byte view.
         fns["cpu"] = jax.jit(functools.partial(pk.paged_attention, sm_scale=sm_scale, k_scale=scale,
                                                v_scale=scale, max_q_len=w.max_q_len, backend="cpu",
                                                kv_dtype=cache.dtype))

@@ -336,6 +336,20 @@ class Context:
         return engine, timer
 
 
+def _model_matmuls(cfg, decode_rows: int, prefill_rows: int | None, peak: float) -> dict | None:
+    """XLA's FLOP/s on the model's own matmul chain at a decode step's and a prefill step's
+    rows (``bench_common.model_matmul_flops``): the ceiling for MFU with XLA's dots here.
+    Skipped for models whose fp32 weights would not fit comfortably (> 2 GiB)."""
+    weight_bytes = 4 * (nonembed_params(cfg) + cfg.hidden_size * cfg.vocab_size)
+    if weight_bytes > 2 * 2**30 or not prefill_rows:
+        return None
+    out = {"decode": bc.model_matmul_flops(cfg, decode_rows, lm_head=True),
+           "prefill": bc.model_matmul_flops(cfg, prefill_rows, lm_head=False)}
+    for r in out.values():
+        r["pct_of_matmul_probe"] = 100.0 * r["flops_per_s"] / peak
+    return out
+
+
 def print_report(payload: dict) -> None:
     env = payload["env"]
     print("\n".join(bc.header_lines("jaxkv offline throughput", env, payload["config"])))
@@ -343,6 +357,13 @@ def print_report(payload: dict) -> None:
     print(f"# matmul probe: {mm['n']}x{mm['n']} fp32 jnp.dot, best of {mm['repeats']}: "
           f"{mm['flops_per_s'] / 1e9:.1f} GFLOP/s at the start, "
           f"{payload['matmul_end']['flops_per_s'] / 1e9:.1f} at the end; MFU uses the higher")
+    chain = payload.get("model_matmuls")
+    if chain:
+        d, p = chain["decode"], chain["prefill"]
+        print(f"# the model's own matmul chain in XLA (random fp32 weights, no attention / cache): "
+              f"{d['rows']} rows + LM head {d['flops_per_s'] / 1e9:.1f} GFLOP/s "
+              f"({d['pct_of_matmul_probe']:.0f}% of the probe), {p['rows']} rows "
+              f"{p['flops_per_s'] / 1e9:.1f} GFLOP/s ({p['pct_of_matmul_probe']:.0f}%)")
     print(f"# {FLOPS_FORMULA}")
     rows, lat, summary = [], [], []
     for name, res in payload["results"].items():
@@ -392,6 +413,11 @@ def targets(payload: dict) -> list[dict]:
     f = res.get("fixed", {}).get("rows", [{}])[0].get("mfu_pct_of_matmul")
     if f is not None:
         add("fixed: model FLOP/s >= 60% of matmul", f"{f:.1f}%", f >= 60)
+    chain = payload.get("model_matmuls")
+    if chain:
+        add("(context) XLA on the model's matmuls alone, decode / prefill rows",
+            f"{chain['decode']['pct_of_matmul_probe']:.0f}% / {chain['prefill']['pct_of_matmul_probe']:.0f}%"
+            " of matmul", None)
     sp = res.get("shared-prefix", {}).get("prefix")
     if sp:
         add("shared-prefix: prefill saved ~ shared fraction",
@@ -484,6 +510,7 @@ def main(argv=None) -> dict:
     payload["matmul_end"] = mm_end
     peak = max(mm["flops_per_s"], mm_end["flops_per_s"])
     payload["matmul_flops_per_s_used"] = peak
+    payload["model_matmuls"] = _model_matmuls(ctx.cfg, args.max_num_seqs, config["max_num_batched_tokens"], peak)
     for res in payload["results"].values():
         for r in res.get("rows", []):
             if "model_flops_per_s" in r:

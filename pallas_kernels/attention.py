@@ -40,8 +40,8 @@ def paged_attention(
 
     Args:
       max_q_len: static upper bound on any q_len (1 = pure decode); None or 0 = up to T.
-      backend: "reference" (the spec, slow), "xla" (pure jnp), "cpu" (the XLA backend with
-        decode rows on a C++ FFI kernel, ``cpu_backend``; CPU only), "pallas" (Triton on GPU,
+      backend: "reference" (the spec, slow), "xla" (pure jnp), "cpu" (one C++ FFI kernel for
+        prefill and decode rows, ``cpu_backend``; CPU only; fp8 caches run the XLA backend), "pallas" (Triton on GPU,
         Mosaic on TPU; ``interpret=True`` runs it anywhere).
       interpret: run the Pallas kernel in interpret mode (only with backend="pallas"); the
         Mosaic kernel then runs in TPU interpret mode.

@@ -1,12 +1,13 @@
-"""The "cpu" attention backend: the XLA backend's prefill tiles plus a C++ decode kernel.
+"""The "cpu" attention backend: ragged paged attention as one C++ XLA FFI call per layer.
 
-Decode rows (every sequence's last query row) go to ``cpu_kernels/paged_decode.cc``, an XLA FFI
-custom call that reads each page once, straight from the cache, and reduces it in registers;
-prefill tiles stay on the XLA path (big batched dots, which XLA:CPU runs near peak). On XLA:CPU
-the decode q.k / p.v of a small GQA group run as YNNPACK reductions at ~10-20 GFLOP/s after a
-gather of every page into a buffer; the kernel is 2-3x faster on the engine's decode shapes
-(``benchmarks/attention_ab.py``, numbers in benchmarks/RESULTS.md). vLLM's CPU backend has its
-own C++ paged attention for the same reason.
+``cpu_kernels/paged_attention.cc`` takes the packed batch as the engine gives it (queries,
+cache, seq_lens, query_start_loc, block tables, num_seqs) and reads each page once, straight
+from the cache: decode rows score 16 keys at a time with one transposing sum, prefill tiles of
+32 rows score 64-key chunks against a transposed K; online softmax in f32; work split over
+XLA's intra-op threads. On XLA:CPU the decode q.k / p.v of small GQA groups run as YNNPACK
+reductions at ~10-20 GFLOP/s after a gather of every page, and the prefill tiles compute whole
+causal squares (``benchmarks/attention_ab.py``, numbers in benchmarks/RESULTS.md). vLLM's CPU
+backend has its own C++ paged attention for the same reason.
 
 The kernel is compiled on first use with the system C++ compiler (``$CXX``, else ``c++`` /
 ``g++``; ``-O3 -march=native``) into ``$JAXKV_CACHE_DIR/cpu_kernels`` (default
@@ -15,7 +16,8 @@ registered with XLA once per process. Without a compiler (or with ``JAXKV_CPU_KE
 :func:`available` is False and "auto" keeps the pure-XLA backend; :func:`build_error` says why.
 
 Supported: f32 / bf16 / f16 caches (typed or as bytes), head_size <= 256, GQA group <= 16,
-block_size <= 256, sliding window, soft-cap. Anything else (fp8 caches) decodes on the XLA path.
+block_size <= 256, sliding window, soft-cap, a static k_scale. Anything else (fp8 caches, a
+traced k_scale) runs the XLA backend.
 """
 
 from __future__ import annotations
@@ -35,11 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import tiles as tiles_lib
 from pallas_kernels import xla_backend
 
-SOURCE = pathlib.Path(__file__).parent / "cpu_kernels" / "paged_decode.cc"
-TARGET = "jaxkv_paged_decode_cpu"
+SOURCE = pathlib.Path(__file__).parent / "cpu_kernels" / "paged_attention.cc"
+TARGET = "jaxkv_paged_attention_cpu"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only",
          "-std=c++17", "-shared", "-fPIC", "-pthread")
 #: Cache storage dtypes of the kernel (its ``storage`` attribute).
@@ -95,7 +96,7 @@ def _build() -> tuple[str | None, str | None]:
     key = hashlib.sha256("\n".join([
         SOURCE.read_text(), cxx, *version, " ".join(FLAGS), jax.__version__, _jaxlib_version(),
         include, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_decode_{key}.so"
+    out = _cache_dir() / f"paged_attention_{key}.so"
     if not out.exists():
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +112,7 @@ def _build() -> tuple[str | None, str | None]:
             return None, f"building {SOURCE.name} failed: {e}"
     try:
         lib = ctypes.CDLL(str(out))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxkvPagedDecodeCpu),
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxkvPagedAttentionCpu),
                                     platform="cpu")
     except (OSError, AttributeError, ValueError) as e:
         return None, f"loading {out} failed: {e}"
@@ -119,7 +120,7 @@ def _build() -> tuple[str | None, str | None]:
 
 
 def available() -> bool:
-    """True when the decode kernel is built and registered (builds it on the first call)."""
+    """True when the kernel is built and registered (builds it on the first call)."""
     return _build()[0] is not None
 
 
@@ -130,7 +131,7 @@ def build_error() -> str | None:
 
 def supports(*, head_size: int, num_q_heads: int, num_kv_heads: int, block_size: int,
              cache_dtype) -> bool:
-    """Whether the kernel covers these shapes and cache dtype (else decode stays on XLA)."""
+    """Whether the kernel covers these shapes and cache dtype (else the XLA backend runs)."""
     return (jnp.dtype(cache_dtype) in STORAGE and head_size <= MAX_HEAD_SIZE
             and num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads <= MAX_GROUP
             and block_size <= MAX_BLOCK_SIZE)
@@ -143,40 +144,28 @@ def _num_threads() -> int:
         return os.cpu_count() or 1
 
 
-def decode_rows(q_rows,        # [S, Hq, D] the rows' queries
-                kv_cache,      # [N, 2, Hkv, bs, D] typed, or [.., D * itemsize] uint8 bytes
-                block_tables,  # [S, B] int32
-                lo, hi,        # [S] int32 key range [lo, hi) of each row (hi <= lo: zeros)
-                *, scale, soft_cap=None, kv_dtype=None):
-    """The FFI decode: softmax(scale * q.k (soft-capped)) . v over each row's keys, [S, Hq, D] f32.
+def ragged_attention(q,                # [T, Hq, D]
+                     kv_cache,         # [N, 2, Hkv, bs, D] typed, or [.., D * itemsize] uint8
+                     seq_lens,         # [S] int32
+                     query_start_loc,  # [S + 1] int32
+                     block_tables,     # [S, B] int32
+                     num_seqs,         # [] int32
+                     *, scale: float, soft_cap=None, sliding_window=None, kv_dtype=None):
+    """The FFI call: [T, Hq, D] f32, ``softmax(scale * q.k (soft-capped)) . v`` per query row
+    over its causal (windowed) keys; rows past ``query_start_loc[num_seqs]`` are zero.
 
-    ``scale`` and ``soft_cap`` are compile-time attributes (Python floats).
+    ``scale``, ``soft_cap`` and ``sliding_window`` are compile-time attributes (Python numbers).
     """
     storage = STORAGE[jnp.dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)]
     if not available():
-        raise RuntimeError(f"the CPU decode kernel is unavailable: {build_error()}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_rows.shape, jnp.float32))
-    return call(q_rows.astype(jnp.float32), kv_cache, block_tables.astype(jnp.int32),
-                lo.astype(jnp.int32), hi.astype(jnp.int32), scale=np.float32(scale),
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {build_error()}")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q.astype(jnp.float32), kv_cache, seq_lens.astype(jnp.int32),
+                query_start_loc.astype(jnp.int32), block_tables.astype(jnp.int32),
+                jnp.asarray(num_seqs, jnp.int32), scale=np.float32(scale),
                 soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
+                sliding_window=np.int32(0 if sliding_window is None else sliding_window),
                 storage=np.int32(storage), num_threads=np.int32(_num_threads()))
-
-
-def _decode_attention(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, kv_cache, scale: float,
-                      block_size, num_kv_heads, kv_dtype, logit_scale, sliding_window, soft_cap):
-    """Drop-in for ``xla_backend._decode_attention`` (same arguments, plus the cache in its own
-    layout and the logit scale as a Python float): [S, Hkv, G, D] f32."""
-    del kv_rows, logit_scale  # the kernel reads [N, 2, Hkv, bs, D'] pages; scale is static
-    num_q_heads, head_size = q.shape[1:]
-    _, end, _ = tiles_lib.kv_block_range(t, block_size=block_size,
-                                         max_blocks=block_tables.shape[1],
-                                         sliding_window=sliding_window)
-    lo, hi = tiles_lib.key_range(t, sliding_window=sliding_window)
-    hi = jnp.minimum(hi, end * block_size)  # the table's width; empty tiles: end = first, hi <= lo
-    rows = q[jnp.clip(t.row0, 0, q.shape[0] - 1)]                          # [S, Hq, D]
-    out = decode_rows(rows, kv_cache, block_tables[t.seq], lo, hi, scale=scale,
-                      soft_cap=soft_cap, kv_dtype=kv_dtype)
-    return out.reshape(out.shape[0], num_kv_heads, num_q_heads // num_kv_heads, head_size)
 
 
 def _static_scale(sm_scale, k_scale) -> float | None:
@@ -190,9 +179,9 @@ def _static_scale(sm_scale, k_scale) -> float | None:
 def paged_attention_cpu(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs, *,
                         sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
                         max_q_len=None, kv_dtype=None):
-    """``paged_attention_xla`` with the decode rows on the C++ kernel (same arguments/result).
+    """``paged_attention`` on the C++ kernel (same arguments and result).
 
-    Falls back to the pure-XLA decode when the kernel is unavailable or does not cover the
+    Runs ``paged_attention_xla`` instead when the kernel is unavailable or does not cover the
     cache dtype / shapes, when ``k_scale`` is traced (the kernel takes the scale as a
     compile-time attribute), or off the CPU platform (the custom call is registered for CPU).
     """
@@ -202,8 +191,14 @@ def paged_attention_cpu(q, kv_cache, seq_lens, query_start_loc, block_tables, nu
     use = (scale is not None and jax.default_backend() == "cpu" and available()
            and supports(head_size=q.shape[2], num_q_heads=q.shape[1], num_kv_heads=num_kv_heads,
                         block_size=block_size, cache_dtype=cache_dtype))
-    decode = functools.partial(_decode_attention, kv_cache=kv_cache, scale=scale) if use else None
-    return xla_backend.paged_attention_xla(
-        q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
-        max_q_len=max_q_len, kv_dtype=kv_dtype, decode_attention=decode)
+    if not use:
+        return xla_backend.paged_attention_xla(
+            q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs, sm_scale=sm_scale,
+            sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+            max_q_len=max_q_len, kv_dtype=kv_dtype)
+    out = ragged_attention(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs,
+                           scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                           kv_dtype=kv_dtype)
+    if v_scale is not None:
+        out = out * jnp.asarray(v_scale, jnp.float32)
+    return out.astype(q.dtype)

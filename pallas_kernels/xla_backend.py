@@ -15,8 +15,8 @@ XLA:CPU does well (numbers: 2 cores, f32, Hkv 2, G 4, D 64, measured with jax.pr
   0.92x (row-major items instead were 0.77x there: no page reuse across rows).
   q.k / p.v are multiply + sum reductions (as batched dots they were 1.15-1.3x slower when
   XLA's loop fusions still fused the gathers into the reductions; on jax 0.10 they are YNNPACK
-  reductions over gathered pages at ~10-20 GFLOP/s, which is why the "cpu" backend runs
-  decode rows in C++, ``cpu_backend.py``).
+  reductions over gathered pages at ~10-20 GFLOP/s, which is one reason for the "cpu"
+  backend's C++ kernel, ``cpu_backend.py``).
 * Prefill tiles (up to ``MAX_TILE_Q`` rows of one sequence, M = G * tile_q) run ONE AFTER
   ANOTHER, each over its own keys in chunks (``prefill_keys_for``): the trip count of a tile is its
   own block count (the causal triangle, chunk-granular) and its [Hkv, G, Qt, L] logits stay in
@@ -305,13 +305,12 @@ def paged_attention_xla(q,                # [T, Hq, D]
                         block_tables,     # [S, B] int32
                         num_seqs,         # [] int32
                         *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                        v_scale=None, max_q_len=None, kv_dtype=None, decode_attention=None):
+                        v_scale=None, max_q_len=None, kv_dtype=None):
     """Ragged paged attention with XLA ops. Arguments as ``paged_attention`` (validated there).
 
     Prefill tiles run in a loop over the real ones, so their static bound (from T, S and
     max_q_len) costs only their metadata: no per-step tile count is needed (or compiled for).
-    ``decode_attention`` replaces ``_decode_attention`` (same arguments and result; the "cpu"
-    backend passes its C++ kernel). Returns [T, Hq, D] in q.dtype.
+    Returns [T, Hq, D] in q.dtype.
     """
     num_tokens, num_q_heads, head_size = q.shape
     num_blocks, _, num_kv_heads, block_size, row_width = kv_cache.shape
@@ -337,8 +336,7 @@ def paged_attention_xla(q,                # [T, Hq, D]
                                     num_tiles=bound)
         out = _prefill_attention(out, q, kv_rows, block_tables, t, **common)
     dec = tiles_lib.decode_tiles(seq_lens, query_start_loc, num_seqs)
-    decode = _decode_attention if decode_attention is None else decode_attention
-    res = decode(q, kv_rows, block_tables, dec, **common)                 # [S, Hkv, G, D]
+    res = _decode_attention(q, kv_rows, block_tables, dec, **common)      # [S, Hkv, G, D]
     out = tiles_lib.scatter_rows(out, res.reshape(num_seq_rows, 1, num_q_heads, head_size), dec)
     out = out[:num_tokens]
     if v_scale is not None:

@@ -44,8 +44,8 @@ def resolve_backend(name: str, platform: str | None = None, *, head_size: int | 
     """("auto" | "xla" | "cpu" | "pallas" | "reference") -> (backend, interpret).
 
     "auto" is Pallas on GPU/TPU and, on CPU (where Pallas only runs in interpret mode, ~100x
-    slower than XLA, measured), the "cpu" backend (XLA prefill + the C++ decode kernel) when
-    that kernel builds here, else the pure-XLA backend. On TPU "auto" keeps the XLA backend for
+    slower than XLA, measured), the "cpu" backend (the C++ paged-attention kernel) when that
+    kernel builds here, else the pure-XLA backend. On TPU "auto" keeps the XLA backend for
     shapes the Mosaic kernel refuses (head_size not a multiple of 128, block_size not a multiple
     of 8); an explicit "pallas" raises there instead. "pallas" on CPU means interpret mode.
     An explicit "cpu" off the CPU platform raises.

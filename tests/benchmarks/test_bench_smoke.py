@@ -46,6 +46,9 @@ def test_json_has_the_header_and_every_workload(result):
     for key in ("cpu", "cores", "jax", "jaxlib", "flax", "numpy", "python", "platform", "time"):
         assert key in result["env"], key
     assert result["matmul"]["flops_per_s"] > 0
+    chain = result["model_matmuls"]       # XLA on the model's own matmul shapes
+    assert chain["decode"]["lm_head"] and not chain["prefill"]["lm_head"]
+    assert chain["decode"]["flops_per_s"] > 0 and chain["prefill"]["rows"] > chain["decode"]["rows"]
     assert "model FLOPs" in result["flops_formula"]
     assert set(result["results"]) == {"fixed", "mixed", "shared-prefix", "long-decode"}
     for name in ("fixed", "mixed", "shared-prefix"):

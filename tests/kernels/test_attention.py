@@ -1,7 +1,7 @@
 """Backends equal the reference: block sizes, head dims, GQA ratios, decode / mixed / edge lengths,
 random block-table permutations, NaN in every page nobody may read, window, soft-cap, fp8.
 
-One test class per backend: ``TestXla`` and ``TestCpu`` (C++ decode kernel) run the full grid;
+One test class per backend: ``TestXla`` and ``TestCpu`` (C++ kernel) run the full grid;
 ``TestPallas`` (interpret mode on CPU, compiled on GPU) runs a representative subset.
 """
 
@@ -28,6 +28,11 @@ SCENARIOS = {
     "single": lambda bs: ([1], [37 * bs - 5]),
     # ragged decodes (1 key .. 37 blocks) for the XLA backend's decode work items.
     "ragged": lambda bs: ([1] * 7, [1, 37 * bs - 5, 2 * bs, 3, 9 * bs + 1, bs, 5 * bs]),
+    # 16 decodes of 11..70 blocks: enough keys for the C++ kernel to cut its work into parts.
+    "long": lambda bs: ([1] * 16, [(11 + 4 * i) * bs - i for i in range(16)]),
+    # prefill tiles: a 70-row chunk after 130 cached keys, a 33-row prompt (a tile of 32 + 1
+    # row), a decode, a 2-row chunk.
+    "chunked": lambda bs: ([70, 33, 1, 2], [200, 33, 90, 2 * bs + 1]),
 }
 
 
@@ -144,21 +149,45 @@ class TestXlaBytes(TestXla):
 
 @pytest.mark.skipif(ON_GPU, reason="the cpu backend's kernel is a CPU custom call")
 class TestCpu(TestXla):
-    """The "cpu" backend: XLA prefill tiles, decode rows on the C++ FFI kernel (f32 / bf16 /
-    f16 caches; fp8 decodes on the XLA path). Full grid, typed cache."""
+    """The "cpu" backend: prefill and decode rows on the C++ FFI kernel (f32 / bf16 / f16
+    caches; fp8 caches run the XLA backend). Full grid, typed cache."""
     backend, interpret = "cpu", False
 
     def check(self, **kw):
         from pallas_kernels import cpu_backend
 
         if not cpu_backend.available():
-            pytest.skip(f"CPU decode kernel unavailable: {cpu_backend.build_error()}")
+            pytest.skip(f"CPU attention kernel unavailable: {cpu_backend.build_error()}")
         run_case(self.backend, self.interpret, **kw)
 
     @pytest.mark.parametrize("cache_dtype,q_dtype", [("bfloat16", jnp.bfloat16), ("float16", jnp.float16)])
     def test_half_caches_decode(self, cache_dtype, q_dtype):
         self.check(scenario="ragged", block_size=16, head_size=64, group=4,
                    cache_dtype=cache_dtype, q_dtype=q_dtype, soft_cap=20.0)
+
+    @pytest.mark.parametrize("head_size,group,cache_dtype", [(40, 4, "float32"), (72, 2, "bfloat16"),
+                                                             (80, 4, "float32"), (256, 16, "float32")])
+    def test_head_sizes(self, head_size, group, cache_dtype):
+        """Head sizes off the vector kernels (40, 72: the portable loop), an odd multiple of 16
+        (80) and the largest head with the largest group (256, 16)."""
+        self.check(scenario="ragged", block_size=16, head_size=head_size, group=group,
+                   cache_dtype=cache_dtype, q_dtype=jnp.float32, sliding_window=70)
+
+    @pytest.mark.parametrize("group,sliding_window,soft_cap,cache_dtype,q_dtype", [
+        (1, None, None, "float32", jnp.float32), (4, 50, 20.0, "float32", jnp.float32),
+        (8, 7, None, "bfloat16", jnp.bfloat16), (4, None, None, "float16", jnp.float32)])
+    def test_prefill_tiles(self, group, sliding_window, soft_cap, cache_dtype, q_dtype):
+        """Chunks of several 32-row tiles (mid-sequence, windowed), a tile of one row, decodes."""
+        self.check(scenario="chunked", block_size=16, head_size=64, group=group,
+                   sliding_window=sliding_window, soft_cap=soft_cap, cache_dtype=cache_dtype,
+                   q_dtype=q_dtype)
+
+    @pytest.mark.parametrize("block_size,sliding_window,soft_cap", [(16, None, None), (32, 200, 30.0)])
+    def test_long_decodes_in_parts(self, block_size, sliding_window, soft_cap):
+        """~20k keys: the kernel splits its (row, head) items into parts taken by XLA's pool
+        threads and the caller; chunks of 64 keys cross page borders."""
+        self.check(scenario="long", block_size=block_size, head_size=64, group=4,
+                   sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the cpu backend's kernel is a CPU custom call")
