@@ -39,8 +39,13 @@ import numpy as np
 
 from pallas_kernels import xla_backend
 
-SOURCE = pathlib.Path(__file__).parent / "cpu_kernels" / "paged_attention.cc"
+#: C++ sources, built into one library; custom-call target -> exported handler symbol.
+SOURCES = tuple(pathlib.Path(__file__).parent / "cpu_kernels" / n for n in ("paged_attention.cc", "kv_write.cc"))
 TARGET = "jaxkv_paged_attention_cpu"
+WRITE_TARGET = "jaxkv_write_kv_cpu"
+ZERO_TARGET = "jaxkv_zero_pages_cpu"
+HANDLERS = {TARGET: "JaxkvPagedAttentionCpu", WRITE_TARGET: "JaxkvWriteKvCpu",
+            ZERO_TARGET: "JaxkvZeroPagesCpu"}
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only",
          "-std=c++17", "-shared", "-fPIC", "-pthread")
 #: Cache storage dtypes of the kernel (its ``storage`` attribute).
@@ -94,33 +99,34 @@ def _build() -> tuple[str | None, str | None]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cxx} --version failed: {e}"
     key = hashlib.sha256("\n".join([
-        SOURCE.read_text(), cxx, *version, " ".join(FLAGS), jax.__version__, _jaxlib_version(),
+        *(src.read_text() for src in SOURCES), cxx, *version, " ".join(FLAGS), jax.__version__, _jaxlib_version(),
         include, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_attention_{key}.so"
+    out = _cache_dir() / f"jaxkv_cpu_{key}.so"
     if not out.exists():
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
             os.close(fd)
-            res = subprocess.run([cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
+            res = subprocess.run([cxx, *FLAGS, f"-I{include}", *map(str, SOURCES), "-o", tmp],
                                  capture_output=True, text=True, timeout=300)
             if res.returncode != 0:
                 os.unlink(tmp)
-                return None, f"compiling {SOURCE.name} failed: {res.stderr.strip()[-2000:]}"
+                return None, f"compiling the CPU kernels failed: {res.stderr.strip()[-2000:]}"
             os.replace(tmp, out)  # atomic: concurrent builders write the same bytes
         except (OSError, subprocess.SubprocessError) as e:
-            return None, f"building {SOURCE.name} failed: {e}"
+            return None, f"building the CPU kernels failed: {e}"
     try:
         lib = ctypes.CDLL(str(out))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxkvPagedAttentionCpu),
-                                    platform="cpu")
+        for target, symbol in HANDLERS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform="cpu")
     except (OSError, AttributeError, ValueError) as e:
         return None, f"loading {out} failed: {e}"
     return str(out), None
 
 
 def available() -> bool:
-    """True when the kernel is built and registered (builds it on the first call)."""
+    """True when the kernels are built and registered (builds them on the first call)."""
     return _build()[0] is not None
 
 
@@ -168,6 +174,35 @@ def ragged_attention(q,                # [T, Hq, D]
                 storage=np.int32(storage), num_threads=np.int32(_num_threads()))
 
 
+def write_rows(buffer,        # [N * page_bytes] uint8
+               k, v,          # [T, Hkv, D] each, already in the cache dtype
+               slot_mapping,  # [T] int32; < 0 or >= N * bs: no write
+               *, block_size: int):
+    """The FFI KV write: token t's K / V rows copied to slot ``slot_mapping[t]`` of the
+    page-major cache, in place (the buffer is aliased to the result; donate it in the jit)."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are unavailable: {build_error()}")
+    call = jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+                            input_output_aliases={0: 0})
+    return call(buffer, k, v, slot_mapping.astype(jnp.int32), block_size=np.int32(block_size))
+
+
+def zero_pages(buffer,      # [N * page_bytes] uint8
+               page_ids,    # [K] int32; < 0 or >= N: skipped
+               *, page_bytes: int):
+    """The FFI page zeroing, in place (the buffer is aliased to the result)."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are unavailable: {build_error()}")
+    call = jax.ffi.ffi_call(ZERO_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+                            input_output_aliases={0: 0})
+    return call(buffer, page_ids.astype(jnp.int32), page_bytes=np.int64(page_bytes))
+
+
+def use_cpu_kernels() -> bool:
+    """Whether the C++ kernels run here: the default platform is CPU and they build."""
+    return jax.default_backend() == "cpu" and available()
+
+
 def _static_scale(sm_scale, k_scale) -> float | None:
     """sm_scale * k_scale as a Python float, or None when k_scale is traced."""
     try:
@@ -188,7 +223,7 @@ def paged_attention_cpu(q, kv_cache, seq_lens, query_start_loc, block_tables, nu
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
     cache_dtype = kv_cache.dtype if kv_dtype is None else kv_dtype
     scale = _static_scale(sm_scale, k_scale)
-    use = (scale is not None and jax.default_backend() == "cpu" and available()
+    use = (scale is not None and use_cpu_kernels()
            and supports(head_size=q.shape[2], num_q_heads=q.shape[1], num_kv_heads=num_kv_heads,
                         block_size=block_size, cache_dtype=cache_dtype))
     if not use:

@@ -18,7 +18,7 @@ from pallas_kernels.layout import page_bytes, resolve_kv_dtype, typed_to_bytes
 from pallas_kernels.validation import check_scales, validate_lowering
 
 #: Implementations of ``write_kv``.
-WRITE_BACKENDS = ("xla", "pallas")
+WRITE_BACKENDS = ("xla", "cpu", "pallas")
 
 
 def quantize_to_cache(x: jax.Array,  # [..., D] model dtype
@@ -41,9 +41,11 @@ def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
              interpret: bool = False, lowering: str | None = None) -> jax.Array:
     """Writes token t's K/V (every KV head) at slot ``slot_mapping[t]``; returns the new buffer.
 
-    backend: "xla" (a ``mode="drop"`` scatter on the bytes) or "pallas" (``kv_write_pallas``;
-    ``interpret=True`` runs it anywhere, ``lowering`` "triton" | "mosaic" | None = by platform).
-    Both write nothing for slots < 0 (PAD_SLOT_ID) or >= N * bs and give the same bytes.
+    backend: "xla" (a ``mode="drop"`` scatter on the bytes), "cpu" (a C++ FFI call that copies
+    the rows in place, ``cpu_backend.write_rows``; the "xla" scatter where the C++ kernels do not
+    run) or "pallas" (``kv_write_pallas``; ``interpret=True`` runs it anywhere, ``lowering``
+    "triton" | "mosaic" | None = by platform). All write nothing for slots < 0 (PAD_SLOT_ID) or
+    >= N * bs and give the same bytes.
 
     Donate ``buffer`` in the enclosing ``jit`` so the scatter is in place. Byte rows are
     ``D * itemsize`` long; the row of (block b, K|V c, head h, offset o) in the page-major layout
@@ -73,6 +75,14 @@ def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
     row_bytes = head_size * dt.itemsize
     num_rows = num_blocks * 2 * num_kv_heads * block_size
 
+    if backend == "cpu":
+        from pallas_kernels import cpu_backend  # noqa: PLC0415
+
+        if cpu_backend.use_cpu_kernels():   # the rows' bytes as they are: no byte view needed
+            return cpu_backend.write_rows(buffer, quantize_to_cache(k, dt, k_scale),
+                                          quantize_to_cache(v, dt, v_scale), slot_mapping,
+                                          block_size=block_size)
+        backend = "xla"
     kb = typed_to_bytes(quantize_to_cache(k, dt, k_scale))  # [T, Hkv, D * itemsize]
     vb = typed_to_bytes(quantize_to_cache(v, dt, v_scale))
     slot = slot_mapping.astype(jnp.int32)

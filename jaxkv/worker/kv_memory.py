@@ -68,15 +68,25 @@ def _safe_ids(block_ids: jax.Array, num_blocks: int) -> jax.Array:
     return jnp.where(block_ids < 0, num_blocks, block_ids)
 
 
-def zero_blocks(buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int) -> jax.Array:
+def zero_blocks(buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int,
+                cpu_kernel: bool = False) -> jax.Array:
     """Zeroes whole pages in place.
 
     Args:
       buffer: [N * page_bytes] uint8.
       block_ids: [K] int32; ids < 0 or >= N are padding and touch nothing.
+      cpu_kernel: use the C++ FFI call (``cpu_backend.zero_pages``) where the C++ kernels run:
+        the engine does with the "cpu" attention backend, whose KV write is a C++ call too (an
+        XLA scatter next to it made XLA copy the whole buffer).
     Returns:
       The updated buffer, [N * page_bytes] uint8.
     """
+    if cpu_kernel:
+        from pallas_kernels import cpu_backend  # noqa: PLC0415
+
+        if cpu_backend.use_cpu_kernels():
+            _paged(buffer, page_bytes)   # the shape checks
+            return cpu_backend.zero_pages(buffer, block_ids, page_bytes=page_bytes)
     pages = _paged(buffer, page_bytes)
     ids = _safe_ids(block_ids, pages.shape[0])
     return pages.at[ids].set(jnp.uint8(0), mode="drop").reshape(-1)

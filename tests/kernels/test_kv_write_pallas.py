@@ -1,4 +1,5 @@
-"""write_kv(backend="pallas") (kv_write_pallas.py) against the XLA byte scatter, bit for bit.
+"""write_kv(backend="pallas") (kv_write_pallas.py) and write_kv(backend="cpu") (the C++ FFI
+write, cpu_kernels/kv_write.cc) against the XLA byte scatter, bit for bit.
 
 On CPU both kernels run in interpret mode (Triton: Pallas' generic interpreter; Mosaic: TPU
 interpret mode). On a GPU the Triton kernel is compiled (the Mosaic one is skipped), on a TPU
@@ -78,6 +79,46 @@ def test_token_blocks_and_padding_write_nothing(lowering):
     keep = ~written[:, None, None, :, None].repeat(2, 1).repeat(hkv, 2).repeat(row, 4)
     assert (view[keep] == orig[keep]).all()
     assert (view[-1, :, :, -1] == orig[-1, :, :, -1]).all()
+
+
+def _cpu_kernels():
+    from pallas_kernels import cpu_backend
+
+    if not cpu_backend.use_cpu_kernels():
+        pytest.skip(f"the C++ kernels do not run here: {cpu_backend.build_error() or PLATFORM}")
+    return cpu_backend
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "fp8"])
+def test_cpu_write_equals_xla_scatter_bit_for_bit(dtype):
+    """Real slots incl. the first and last, PAD_SLOT_ID, negative and past-the-end slots."""
+    _cpu_kernels()
+    scale = 0.5 if dtype == "fp8" else None
+    buf, k, v, slots = _case(np.random.default_rng(3), dtype, num_tokens=21)
+    write = lambda backend: np.asarray(jax.jit(functools.partial(
+        pk.write_kv, block_size=8, dtype=dtype, k_scale=scale, v_scale=scale, backend=backend))(
+            buf, k, v, slots))
+    want = write("xla")
+    np.testing.assert_array_equal(write("cpu"), want)
+    assert (want != np.asarray(buf)).any()
+
+
+def test_cpu_write_in_place_when_donated():
+    """Donated, the cache is aliased to the result (no copy in temp memory); not donated, the
+    kernel copies first and the input stays as it was."""
+    cpu_backend = _cpu_kernels()
+    bs, hkv, d, n = 16, 2, 64, 64
+    buf, k, v, slots = _case(np.random.default_rng(4), "float32", num_tokens=30, bs=bs, hkv=hkv,
+                             d=d, n=n)
+    f = jax.jit(functools.partial(cpu_backend.write_rows, block_size=bs), donate_argnums=0)
+    compiled = f.lower(buf, k, v, slots).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < buf.nbytes // 8
+    want = np.asarray(pk.write_kv(buf, k, v, slots, block_size=bs, dtype="float32"))
+    before = np.asarray(buf).copy()
+    kept = jax.jit(functools.partial(cpu_backend.write_rows, block_size=bs))(buf, k, v, slots)
+    np.testing.assert_array_equal(np.asarray(kept), want)
+    np.testing.assert_array_equal(np.asarray(buf), before)
+    np.testing.assert_array_equal(np.asarray(f(buf, k, v, slots)), want)
 
 
 @pytest.mark.parametrize("lowering,platform", [("triton", "cuda"), ("mosaic", "tpu")])

@@ -36,11 +36,14 @@ def test_misaligned_page_is_rejected():
         allocate_kv_buffers(cfg)
 
 
-def test_page_ops_in_place_and_padding_ids_touch_nothing():
+@pytest.mark.parametrize("cpu_kernel", [False, True], ids=["xla", "cpu-kernel"])
+def test_page_ops_in_place_and_padding_ids_touch_nothing(cpu_kernel):
+    """cpu_kernel: the C++ FFI zeroing (where it runs; elsewhere the same XLA scatter)."""
     page = 256
     buf = jnp.arange(4 * page, dtype=jnp.uint32).astype(jnp.uint8)
     before = np.asarray(buf)
-    f = jax.jit(lambda b, ids: zero_blocks(b, ids, page_bytes=page), donate_argnums=0)
+    f = jax.jit(lambda b, ids: zero_blocks(b, ids, page_bytes=page, cpu_kernel=cpu_kernel),
+                donate_argnums=0)
     out = np.asarray(f(buf, jnp.array([2, -1, 7], jnp.int32)))  # -1 and 7 are padding
     expect = before.copy()
     expect[2 * page : 3 * page] = 0
