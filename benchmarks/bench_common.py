@@ -144,6 +144,8 @@ def fmt(v, digits: int = 4) -> str:
         if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
             return f"{v:.{digits - 1}e}"
         return f"{v:.{digits}g}"
+    if isinstance(v, (list, tuple)):
+        return " / ".join(fmt(x, digits) for x in v)
     return str(v)
 
 

@@ -25,6 +25,7 @@ import dataclasses
 import gc
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -61,6 +62,7 @@ QUICK = Sizes(fixed_n=32, fixed_prompt=(32, 128), fixed_out=32, mixed_n=64, mixe
               mixed_out=(8, 64), shared_n=16, shared_len=256, shared_private=(16, 64), shared_out=16,
               contexts=(1024, 2048), decode_steps=6, kv_compare_context=1024)
 WORKLOADS = ("fixed", "mixed", "shared-prefix", "long-decode")
+KV_COMPARE_ROUNDS = 3   # alternating small / large KV-cache measurements
 
 
 # ---- workloads and FLOPs ----------------------------------------------------------------------
@@ -245,24 +247,26 @@ def run_long_decode(ctx, sz: Sizes) -> dict:
             rows.append(row)
     cc = min(sz.kv_compare_context, max_ctx)
     bcmp = max(batches)
-    measure(engine, timer, cc, 1)                                  # primes the prefix
-    a1 = measure(engine, timer, cc, bcmp)
     compare = {"context": cc, "batch": bcmp, "small_MiB": small // 2**20, "large_MiB": large // 2**20,
-               "small_blocks": engine.kv_cache_config.num_blocks}
-    try:   # small, large, small again: the ratio uses the mean of the two small runs (drift)
+               "small_blocks": engine.kv_cache_config.num_blocks, "rounds": KV_COMPARE_ROUNDS}
+    try:   # small and large in alternating rounds (this VM's speed drifts by up to ~2x within a
+        # minute): the ratio of the two medians over the rounds, and the paired per-round ratios
         eng_l, timer_l = eh.build_engine(model, tok, kv_cache_memory_bytes=large, **kw)
-        measure(eng_l, timer_l, cc, 1)                             # primes the prefix
-        bl = measure(eng_l, timer_l, cc, bcmp)
-        compare.update(large_blocks=eng_l.kv_cache_config.num_blocks, large_step_ms=bl["step_ms_median"])
+        compare["large_blocks"] = eng_l.kv_cache_config.num_blocks
+        measure(engine, timer, cc, 1)                              # primes the prefixes
+        measure(eng_l, timer_l, cc, 1)
+        small_ms, large_ms = [], []
+        for _ in range(KV_COMPARE_ROUNDS):
+            small_ms.append(measure(engine, timer, cc, bcmp)["step_ms_median"])
+            large_ms.append(measure(eng_l, timer_l, cc, bcmp)["step_ms_median"])
         del eng_l, timer_l
         gc.collect()
+        compare.update(small_step_ms=small_ms, large_step_ms=large_ms)
+        if all(small_ms) and all(large_ms):
+            compare["large_over_small"] = statistics.median(large_ms) / statistics.median(small_ms)
+            compare["paired_ratios"] = [lg / sm for lg, sm in zip(large_ms, small_ms)]
     except (ValueError, MemoryError, RuntimeError) as e:  # noqa: PERF203
         compare["large_error"] = str(e)
-    a2 = measure(engine, timer, cc, bcmp)
-    smalls = [a["step_ms_median"] for a in (a1, a2) if a["step_ms_median"]]
-    compare.update(small_step_ms_before=a1["step_ms_median"], small_step_ms_after=a2["step_ms_median"])
-    if compare.get("large_step_ms") and smalls:
-        compare["large_over_small"] = compare["large_step_ms"] / (sum(smalls) / len(smalls))
     del engine, timer
     gc.collect()
     return {"workload": dict(contexts=list(contexts), batches=list(batches), decode_steps=steps,
