@@ -18,7 +18,6 @@ import pathlib
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 
 import jax
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from _kernel_bench_common import environment as _kernel_environment
+from _kernel_bench_common import time_fn
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -65,17 +65,11 @@ def matmul_flops(n: int = 2048, repeats: int = 7, dtype=jnp.float32) -> dict:
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (n, n), dtype)
     b = jax.random.normal(kb, (n, n), dtype)
-    f = jax.jit(jnp.dot)
-    jax.block_until_ready(f(a, b))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(a, b))
-        times.append(time.perf_counter() - t0)
+    t = time_fn(jax.jit(jnp.dot), a, b, repeats=repeats)
     flops = 2.0 * n ** 3
     return {"n": n, "dtype": jnp.dtype(dtype).name, "repeats": repeats,
-            "best_s": min(times), "median_s": statistics.median(times),
-            "flops_per_s": flops / min(times), "flops_per_s_median": flops / statistics.median(times)}
+            "best_s": t["min_s"], "median_s": t["median_s"],
+            "flops_per_s": flops / t["min_s"], "flops_per_s_median": flops / t["median_s"]}
 
 
 def model_matmul_flops(cfg, rows: int, *, lm_head: bool, repeats: int = 7) -> dict:
@@ -90,7 +84,7 @@ def model_matmul_flops(cfg, rows: int, *, lm_head: bool, repeats: int = 7) -> di
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     qd, kd = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes = [(h, qd), (h, kd), (h, kd), (qd, h), (h, inter), (h, inter), (inter, h)]
-    keys = iter(jax.random.split(jax.random.key(1), 8 * cfg.num_hidden_layers + 2))
+    keys = iter(jax.random.split(jax.random.key(1), len(shapes) * cfg.num_hidden_layers + 2))
     layers = [[0.02 * jax.random.normal(next(keys), s, jnp.float32) for s in shapes]
               for _ in range(cfg.num_hidden_layers)]
     head = 0.02 * jax.random.normal(next(keys), (h, cfg.vocab_size), jnp.float32) if lm_head else None
@@ -103,17 +97,11 @@ def model_matmul_flops(cfg, rows: int, *, lm_head: bool, repeats: int = 7) -> di
             x = x + ((x @ wg) * (x @ wu)) @ wd
         return x if head is None else x @ head
 
-    f = jax.jit(chain)
-    jax.block_until_ready(f(x, layers, head))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x, layers, head))
-        times.append(time.perf_counter() - t0)
+    t = time_fn(jax.jit(chain), x, layers, head, repeats=repeats)
     flops = 2.0 * rows * (cfg.num_hidden_layers * sum(a * b for a, b in shapes)
                           + (h * cfg.vocab_size if lm_head else 0))
-    return {"rows": rows, "lm_head": lm_head, "best_s": min(times),
-            "flops_per_s": flops / min(times), "flops_per_s_median": flops / statistics.median(times)}
+    return {"rows": rows, "lm_head": lm_head, "best_s": t["min_s"],
+            "flops_per_s": flops / t["min_s"], "flops_per_s_median": flops / t["median_s"]}
 
 
 # ---- statistics -------------------------------------------------------------------------------

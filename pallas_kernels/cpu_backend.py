@@ -150,6 +150,13 @@ def _num_threads() -> int:
         return os.cpu_count() or 1
 
 
+def _ffi_call(target: str, result: jax.ShapeDtypeStruct, **kw):
+    """``jax.ffi.ffi_call`` of one of this module's targets (building the library if needed)."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are unavailable: {build_error()}")
+    return jax.ffi.ffi_call(target, result, **kw)
+
+
 def ragged_attention(q,                # [T, Hq, D]
                      kv_cache,         # [N, 2, Hkv, bs, D] typed, or [.., D * itemsize] uint8
                      seq_lens,         # [S] int32
@@ -163,9 +170,7 @@ def ragged_attention(q,                # [T, Hq, D]
     ``scale``, ``soft_cap`` and ``sliding_window`` are compile-time attributes (Python numbers).
     """
     storage = STORAGE[jnp.dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)]
-    if not available():
-        raise RuntimeError(f"the CPU attention kernel is unavailable: {build_error()}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = _ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q.astype(jnp.float32), kv_cache, seq_lens.astype(jnp.int32),
                 query_start_loc.astype(jnp.int32), block_tables.astype(jnp.int32),
                 jnp.asarray(num_seqs, jnp.int32), scale=np.float32(scale),
@@ -180,10 +185,8 @@ def write_rows(buffer,        # [N * page_bytes] uint8
                *, block_size: int):
     """The FFI KV write: token t's K / V rows copied to slot ``slot_mapping[t]`` of the
     page-major cache, in place (the buffer is aliased to the result; donate it in the jit)."""
-    if not available():
-        raise RuntimeError(f"the CPU kernels are unavailable: {build_error()}")
-    call = jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
-                            input_output_aliases={0: 0})
+    call = _ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+                     input_output_aliases={0: 0})
     return call(buffer, k, v, slot_mapping.astype(jnp.int32), block_size=np.int32(block_size))
 
 
@@ -191,10 +194,8 @@ def zero_pages(buffer,      # [N * page_bytes] uint8
                page_ids,    # [K] int32; < 0 or >= N: skipped
                *, page_bytes: int):
     """The FFI page zeroing, in place (the buffer is aliased to the result)."""
-    if not available():
-        raise RuntimeError(f"the CPU kernels are unavailable: {build_error()}")
-    call = jax.ffi.ffi_call(ZERO_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
-                            input_output_aliases={0: 0})
+    call = _ffi_call(ZERO_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+                     input_output_aliases={0: 0})
     return call(buffer, page_ids.astype(jnp.int32), page_bytes=np.int64(page_bytes))
 
 

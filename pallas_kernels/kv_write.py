@@ -71,10 +71,6 @@ def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
     if buffer.ndim != 1 or buffer.dtype != jnp.uint8 or buffer.shape[0] % pb:
         raise ValueError(f"buffer must be flat uint8 with a multiple of page_bytes={pb} bytes, got "
                          f"shape {buffer.shape} dtype {buffer.dtype}")
-    num_blocks = buffer.shape[0] // pb
-    row_bytes = head_size * dt.itemsize
-    num_rows = num_blocks * 2 * num_kv_heads * block_size
-
     if backend == "cpu":
         from pallas_kernels import cpu_backend  # noqa: PLC0415
 
@@ -83,6 +79,10 @@ def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
                                           quantize_to_cache(v, dt, v_scale), slot_mapping,
                                           block_size=block_size)
         backend = "xla"
+    num_blocks = buffer.shape[0] // pb
+    row_bytes = head_size * dt.itemsize
+    num_rows = num_blocks * 2 * num_kv_heads * block_size
+
     kb = typed_to_bytes(quantize_to_cache(k, dt, k_scale))  # [T, Hkv, D * itemsize]
     vb = typed_to_bytes(quantize_to_cache(v, dt, v_scale))
     slot = slot_mapping.astype(jnp.int32)

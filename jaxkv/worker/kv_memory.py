@@ -81,13 +81,12 @@ def zero_blocks(buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int,
     Returns:
       The updated buffer, [N * page_bytes] uint8.
     """
+    pages = _paged(buffer, page_bytes)
     if cpu_kernel:
         from pallas_kernels import cpu_backend  # noqa: PLC0415
 
         if cpu_backend.use_cpu_kernels():
-            _paged(buffer, page_bytes)   # the shape checks
             return cpu_backend.zero_pages(buffer, block_ids, page_bytes=page_bytes)
-    pages = _paged(buffer, page_bytes)
     ids = _safe_ids(block_ids, pages.shape[0])
     return pages.at[ids].set(jnp.uint8(0), mode="drop").reshape(-1)
 

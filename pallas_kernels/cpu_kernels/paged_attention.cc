@@ -25,7 +25,6 @@
 #include <limits>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -420,12 +419,13 @@ struct Work {
   std::condition_variable all_done;
 
   void run_parts() {
-    Scratch scratch(p.head_size, p.q_heads / p.kv_heads);
+    std::unique_ptr<Scratch> scratch;   // allocated once this thread has a part
     const int64_t n = static_cast<int64_t>(items.size());
     for (int w; (w = next.fetch_add(1)) < parts;) {
+      if (!scratch) scratch = std::make_unique<Scratch>(p.head_size, p.q_heads / p.kv_heads);
       const int64_t c0 = cost[n] * w / parts, c1 = cost[n] * (w + 1) / parts;
       const int64_t first = std::lower_bound(cost.begin(), cost.end() - 1, c0) - cost.begin();
-      for (int64_t i = first; i < n && cost[i] < c1; ++i) run_item(p, items[i], scratch);
+      for (int64_t i = first; i < n && cost[i] < c1; ++i) run_item(p, items[i], *scratch);
       if (done.fetch_add(1) + 1 == parts) {
         std::lock_guard<std::mutex> lock(mu);
         all_done.notify_all();
