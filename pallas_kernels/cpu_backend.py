@@ -10,9 +10,9 @@ causal squares (``benchmarks/attention_ab.py``, numbers in benchmarks/RESULTS.md
 backend has its own C++ paged attention for the same reason.
 
 The kernel is compiled on first use with the system C++ compiler (``$CXX``, else ``c++`` /
-``g++``; ``-O3 -march=native``) into ``$JAXKV_CACHE_DIR/cpu_kernels`` (default
-``~/.cache/jaxkv``), keyed by the source, the compiler, jaxlib and this CPU's flags, and
-registered with XLA once per process. Without a compiler (or with ``JAXKV_CPU_KERNELS=0``)
+``g++``; ``-O3 -march=native``, or ``-mcpu=native`` / no arch flag where the compiler rejects
+it) into ``$JAXKV_CACHE_DIR/cpu_kernels`` (default ``~/.cache/jaxkv``), keyed by the source,
+the compiler, jaxlib and this CPU's flags, and registered with XLA once per process. Without a compiler (or with ``JAXKV_CPU_KERNELS=0``)
 :func:`available` is False and "auto" keeps the pure-XLA backend; :func:`build_error` says why.
 
 Supported: f32 / bf16 / f16 caches (typed or as bytes), head_size <= 256, GQA group <= 16,
@@ -46,8 +46,12 @@ WRITE_TARGET = "jaxkv_write_kv_cpu"
 ZERO_TARGET = "jaxkv_zero_pages_cpu"
 HANDLERS = {TARGET: "JaxkvPagedAttentionCpu", WRITE_TARGET: "JaxkvWriteKvCpu",
             ZERO_TARGET: "JaxkvZeroPagesCpu"}
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only",
-         "-std=c++17", "-shared", "-fPIC", "-pthread")
+#: Flags of every build, then the first of ARCH_FLAGS the compiler accepts: -march=native (GCC,
+#: Clang on x86), -mcpu=native (AArch64 compilers that reject -march=native), none (portable,
+#: slower); then -fopenmp-simd when accepted (it only enables ``#pragma omp simd``).
+FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC", "-pthread")
+ARCH_FLAGS = (("-march=native",), ("-mcpu=native",), ())
+SIMD_FLAGS = (("-fopenmp-simd",), ())
 #: Cache storage dtypes of the kernel (its ``storage`` attribute).
 STORAGE = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 2}
 MAX_HEAD_SIZE, MAX_GROUP, MAX_BLOCK_SIZE = 256, 16, 256
@@ -84,6 +88,32 @@ def _jaxlib_version() -> str:
         return ""
 
 
+def _flag_candidates() -> list[tuple[str, ...]]:
+    return [(*FLAGS, *arch, *simd) for arch in ARCH_FLAGS for simd in SIMD_FLAGS]
+
+
+def _compile(cxx: str, include: str, out: pathlib.Path) -> tuple[tuple[str, ...] | None, str]:
+    """Builds SOURCES into ``out`` with the first flag set ``cxx`` accepts (atomic replace).
+
+    Returns (the flags used, "") or (None, the last compiler error)."""
+    error = ""
+    for flags in _flag_candidates():
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            res = subprocess.run([cxx, *flags, f"-I{include}", *map(str, SOURCES), "-o", tmp],
+                                 capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            os.unlink(tmp)
+            return None, str(e)
+        if res.returncode == 0:
+            os.replace(tmp, out)  # atomic: concurrent builders write the same bytes
+            return flags, ""
+        os.unlink(tmp)
+        error = f"{' '.join(flags)}: {res.stderr.strip()[-1500:]}"
+    return None, error
+
+
 @functools.cache
 def _build() -> tuple[str | None, str | None]:
     """(path of the shared library, None) or (None, why it is unavailable). Once per process."""
@@ -99,22 +129,17 @@ def _build() -> tuple[str | None, str | None]:
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cxx} --version failed: {e}"
     key = hashlib.sha256("\n".join([
-        *(src.read_text() for src in SOURCES), cxx, *version, " ".join(FLAGS), jax.__version__, _jaxlib_version(),
-        include, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+        *(src.read_text() for src in SOURCES), cxx, *version, repr(_flag_candidates()), jax.__version__,
+        _jaxlib_version(), include, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"jaxkv_cpu_{key}.so"
     if not out.exists():
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-            os.close(fd)
-            res = subprocess.run([cxx, *FLAGS, f"-I{include}", *map(str, SOURCES), "-o", tmp],
-                                 capture_output=True, text=True, timeout=300)
-            if res.returncode != 0:
-                os.unlink(tmp)
-                return None, f"compiling the CPU kernels failed: {res.stderr.strip()[-2000:]}"
-            os.replace(tmp, out)  # atomic: concurrent builders write the same bytes
-        except (OSError, subprocess.SubprocessError) as e:
+        except OSError as e:
             return None, f"building the CPU kernels failed: {e}"
+        flags, error = _compile(cxx, include, out)
+        if flags is None:
+            return None, f"compiling the CPU kernels failed: {error}"
     try:
         lib = ctypes.CDLL(str(out))
         for target, symbol in HANDLERS.items():

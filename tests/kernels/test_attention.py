@@ -241,6 +241,41 @@ def test_cpu_kernel_builds_where_a_compiler_exists():
     assert cpu_backend.available(), cpu_backend.build_error()
 
 
+@pytest.mark.skipif(not any(__import__("shutil").which(c) for c in ("c++", "g++")),
+                    reason="needs a C++ compiler")
+def test_cpu_kernel_build_falls_back_to_flags_the_compiler_accepts(tmp_path, monkeypatch):
+    """A compiler that rejects -march=native (Apple clang on arm64 did) and -fopenmp-simd still
+    builds the kernels, with the next flag set; one that rejects everything reports its error."""
+    import shutil
+    import stat
+
+    import jax
+
+    from pallas_kernels import cpu_backend
+
+    real = shutil.which("c++") or shutil.which("g++")
+    picky = tmp_path / "picky-c++"
+    picky.write_text("#!/bin/sh\n"
+                     'for a in "$@"; do case "$a" in -march=native|-fopenmp-simd) '
+                     'echo "unsupported option $a" >&2; exit 1;; esac; done\n'
+                     f'exec {real} "$@"\n')
+    picky.chmod(picky.stat().st_mode | stat.S_IEXEC)
+    # The small source only: the flag logic is what is tested, not the attention kernel.
+    monkeypatch.setattr(cpu_backend, "SOURCES", (cpu_backend.SOURCES[0].parent / "kv_write.cc",))
+    out = tmp_path / "k.so"
+    flags, err = cpu_backend._compile(str(picky), jax.ffi.include_dir(), out)
+    assert flags is not None, err
+    assert "-march=native" not in flags and "-fopenmp-simd" not in flags
+    assert flags[:len(cpu_backend.FLAGS)] == cpu_backend.FLAGS and out.stat().st_size > 0
+
+    broken = tmp_path / "broken-c++"
+    broken.write_text("#!/bin/sh\necho 'no such compiler really' >&2\nexit 1\n")
+    broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
+    flags, err = cpu_backend._compile(str(broken), jax.ffi.include_dir(), tmp_path / "never.so")
+    assert flags is None and "no such compiler really" in err
+    assert not (tmp_path / "never.so").exists() and list(tmp_path.glob("*.so")) == [out]
+
+
 def _subset(cases, keep):
     return [c for i, c in enumerate(cases) if i in keep]
 
