@@ -68,7 +68,7 @@ class Attention(nnx.Module):
         """Writes this step's K/V at ``md.slot_mapping``, then attends over the paged cache."""
         buffer = write_kv(buffer, k, v, md.slot_mapping, block_size=binding.block_size,
                           dtype=binding.cache_dtype, k_scale=binding.k_scale, v_scale=binding.v_scale,
-                          backend="cpu" if binding.backend == "cpu" else "xla")
+                          backend="cpu" if binding.cpu_kernels else "xla")
         # The byte view (a reshape): backends bitcast only what they read, so no whole-cache
         # conversion (a full copy on XLA:CPU) ever happens.
         pages = kv_cache_byte_view(buffer, block_size=binding.block_size,

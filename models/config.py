@@ -238,6 +238,12 @@ class KVCacheBinding:
         if self.cache_dtype != "fp8" and (self.k_scale is not None or self.v_scale is not None):
             raise ValueError(f"k_scale/v_scale need cache_dtype='fp8', got {self.cache_dtype!r}")
 
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether the KV write and page zeroing go through the C++ kernels (backend "cpu";
+        they fall back to XLA where the kernels do not run)."""
+        return self.backend == "cpu"
+
     def lookup(self, layer_name: str) -> tuple[int, int]:
         """(group_index, tensor_index) of ``layer_name``; KeyError names the known layers."""
         for name, group, tensor in self.layers:

@@ -71,7 +71,7 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
         tables = apply_block_table_ops(tables, x["block_ops"], layout=shape.ops)
         if x["zero_blocks"].shape[0]:
             buffers = tuple(kv_memory.zero_blocks(b, x["zero_blocks"], page_bytes=page_bytes,
-                                                  cpu_kernel=binding.backend == "cpu")
+                                                  cpu_kernel=binding.cpu_kernels)
                             for b in buffers)
         num_seqs = x["num_seqs"][0]
         qsl = x["query_start_loc"]                        # [S + 1]
