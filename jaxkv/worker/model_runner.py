@@ -137,6 +137,9 @@ class ModelRunner:
         per_step = max_num_seqs * self.num_groups
         self._base_ops_layout = BlockTableOpsLayout(
             num_moves=max_num_seqs, num_clears=max_num_seqs, num_writes=per_step)
+        # A step writes at most every column of every row (new and resumed requests); powers of
+        # two up to that bound keep the number of layouts (compiles) small and fixed.
+        self.write_buckets = pow2_buckets(per_step, per_step * self.max_blocks_per_req)
         self.zero_buckets = pow2_buckets(per_step, max(per_step, self.config.num_blocks))
 
         self.requests: dict[str, CachedRequestState] = {}
@@ -289,12 +292,13 @@ class ModelRunner:
 
     def _ops_layout(self, stager) -> BlockTableOpsLayout:
         """Fixed capacities for steady state (a decode step never changes the layout); a step
-        that writes more (new or resumed rows) takes the next power of two."""
+        that writes more (new or resumed rows) takes the next of ``write_buckets``. (Moves and
+        clears touch each row at most once, so the base capacity of one per row holds them.)"""
         base = self._base_ops_layout
         moves, clears, writes = stager.encode_sizes()
         return BlockTableOpsLayout(
             num_moves=max(base.num_moves, moves), num_clears=max(base.num_clears, clears),
-            num_writes=pick_bucket(writes, pow2_buckets(base.num_writes, max(base.num_writes, writes))))
+            num_writes=pick_bucket(writes, self.write_buckets))
 
     def warmup(self, *, progress: bool = True) -> None:
         """Compiles the pure-decode step for every request bucket with greedy sampling, so

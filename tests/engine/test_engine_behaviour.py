@@ -42,6 +42,24 @@ def test_steady_state_decode_does_not_compile(model):
     assert after_prefill - warm <= 1
 
 
+def test_prefill_steps_share_block_table_layouts(model):
+    """A step writing more block-table entries than the base capacity (one per row) takes the
+    next power of two: prefills writing 10..16 entries share one layout. (Each exact count was
+    its own layout, so every new prompt length cost a compile.)"""
+    llm = make_llm(model, max_num_seqs=8, max_num_batched_tokens=64, block_size=4, max_model_len=128)
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for i, n in enumerate([61, 57, 50, 63, 45, 38, 62, 55]):
+        engine.add_request(f"w{i}", _prompt(20 + i, n), params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    writes = {s.ops.num_writes for s in runner.compiled_shapes}
+    # powers of two from the base (8 rows x 1 group) up to 8 rows x 32 blocks
+    assert writes <= {8, 16, 32, 64, 128, 256}, writes
+    assert max(writes) > 8   # the prefills did need more than the base capacity
+    assert runner.num_compiles <= 3, sorted((s.num_tokens, s.ops.num_writes) for s in runner.compiled_shapes)
+
+
 def test_seeded_sampling_same_alone_and_in_batch(llm):
     params = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     p = _prompt(7, 11)
