@@ -29,7 +29,7 @@ class EngineConfig:
     cache_dtype: str
     attention_backend: str
     seed: int
-    warmup: bool
+    warmup: bool | str
     kv_cache_config: KVCacheConfig
     scheduler_config: SchedulerConfig
 
@@ -58,18 +58,24 @@ def resolve_engine_config(
     dtype: str = "float32",
     seed: int = 0,
     tokenizer=None,
-    warmup: bool = True,
+    warmup: bool | str = True,
     verbose: bool = False,
 ):
     """Loads the model and plans the KV cache. Returns (model, model_config, tokenizer, EngineConfig).
 
     ``warmup`` compiles the pure-decode step for every request bucket at start-up (a progress
-    line on stderr when ``verbose``), so steady-state decoding never compiles.
+    line on stderr when ``verbose``), so steady-state decoding never compiles; ``"all"`` also
+    compiles every prefill / mixed step shape (one per token bucket x request bucket: ~100
+    for the defaults, about a second each for tiny-llama on CPU), so no greedy step compiles
+    later; ``False`` compiles each shape on first use.
 
     ``model`` is a name or path for ``models.load_model``, or an already built NNX model
     (then ``tokenizer`` may be given).
     """
     from models.registry import load_model  # the engine depends on models, never the reverse
+
+    if warmup not in (True, False, "decode", "all"):
+        raise ValueError(f"warmup must be True, False, 'decode' or 'all', got {warmup!r}")
 
     if isinstance(model, str):
         loaded, model_config, tok = load_model(model, dtype=dtype, seed=seed)

@@ -134,13 +134,20 @@ class ModelRunner:
 
         self.token_buckets = token_buckets(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(min(min_seq_bucket, max_num_seqs), max_num_seqs)
+        # The step's shape depends on (T, S) and the sampling flags only: its block-table diff
+        # has a fixed capacity (one move, clear and write per row: any decode step) and its
+        # list of pages to zero a capacity set by T and S (zero_capacity). A step that needs
+        # more (new or resumed rows writing many blocks) applies them before the step, with
+        # small jitted updates of their own.
         per_step = max_num_seqs * self.num_groups
-        self._base_ops_layout = BlockTableOpsLayout(
+        self._ops_layout = BlockTableOpsLayout(
             num_moves=max_num_seqs, num_clears=max_num_seqs, num_writes=per_step)
-        # A step writes at most every column of every row (new and resumed requests); powers of
-        # two up to that bound keep the number of layouts (compiles) small and fixed.
-        self.write_buckets = pow2_buckets(per_step, per_step * self.max_blocks_per_req)
         self.zero_buckets = pow2_buckets(per_step, max(per_step, self.config.num_blocks))
+        self._zero_pages = jax.jit(
+            lambda buffers, ids: tuple(
+                kv_memory.zero_blocks(b, ids, page_bytes=self.page_bytes,
+                                      cpu_kernel=self.binding.cpu_kernels) for b in buffers),
+            donate_argnums=0)
 
         self.requests: dict[str, CachedRequestState] = {}
         self._out_specs: dict = {}
@@ -233,9 +240,7 @@ class ModelRunner:
         for i in range(n):
             c = int(num_computed[i])
             input_ids[qsl[i] : qsl[i + 1]] = batch.token_ids_cpu[i, c : c + q_lens[i]]
-        ops, ops_layout = self.stager.encode(self._ops_layout(self.stager))
-        zeros = np.full(pick_bucket(len(zero_ids), self.zero_buckets), -1, np.int32)
-        zeros[: len(zero_ids)] = zero_ids
+        ops, ops_layout, zeros = self._table_ops_and_zeros(zero_ids, T, S)
         md = batch.sampling_metadata(S, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size)
         k_prompt = self._prompt_logprobs_k(states)
         extra = {}
@@ -290,39 +295,75 @@ class ModelRunner:
                           prompt_logprobs=prompt_logprobs)
         return shape, packed
 
-    def _ops_layout(self, stager) -> BlockTableOpsLayout:
-        """Fixed capacities for steady state (a decode step never changes the layout); a step
-        that writes more (new or resumed rows) takes the next of ``write_buckets``. (Moves and
-        clears touch each row at most once, so the base capacity of one per row holds them.)"""
-        base = self._base_ops_layout
-        moves, clears, writes = stager.encode_sizes()
-        return BlockTableOpsLayout(
-            num_moves=max(base.num_moves, moves), num_clears=max(base.num_clears, clears),
-            num_writes=pick_bucket(writes, self.write_buckets))
+    def zero_capacity(self, T: int, S: int) -> int:
+        """Pages a step of T tokens over S rows zeroes in the step (a ``zero_buckets`` size).
 
-    def warmup(self, *, progress: bool = True) -> None:
-        """Compiles the pure-decode step for every request bucket with greedy sampling, so
-        steady-state greedy decoding never compiles (attention walks each sequence's own
-        blocks in a loop, so the context length is not part of the shape)."""
-        combos = list(self.seq_buckets)
+        A row's q new tokens need at most ceil(q / bs) new blocks per group, so a step needs at
+        most groups * min(T, T // bs + S): S for a decode step (T = S), T // bs + S for a
+        prefill. More (blocks handed out to requests the same schedule then preempted) are
+        zeroed before the step.
+        """
+        need = self.num_groups * min(T, T // self.block_size + S)
+        return pick_bucket(min(need, self.zero_buckets[-1]), self.zero_buckets)
+
+    def _table_ops_and_zeros(self, zero_ids: Sequence[int], T: int, S: int):
+        """The step's block-table diff (fixed layout) and pages to zero ([zero_capacity] int32,
+        -1 padded); what does not fit is applied to the device state first."""
+        moves, clears, writes = self.stager.encode_sizes()
+        base = self._ops_layout
+        if moves > base.num_moves or clears > base.num_clears or writes > base.num_writes:
+            self._flush_block_table_ops()
+        ops, layout = self.stager.encode(base)
+        cap = self.zero_capacity(T, S)
+        if len(zero_ids) > cap:
+            ids = np.full(pick_bucket(len(zero_ids), self.zero_buckets), -1, np.int32)
+            ids[: len(zero_ids)] = zero_ids
+            self.buffers = self._zero_pages(self.buffers, jnp.asarray(ids))
+            zero_ids = ()
+        zeros = np.full(cap, -1, np.int32)
+        zeros[: len(zero_ids)] = zero_ids
+        return ops, layout, zeros
+
+    def _empty_step(self, T: int, S: int, *, max_q_len: int) -> tuple[StepShape, np.ndarray]:
+        """Shape and inputs of a step of T tokens and S rows with no request in it (greedy)."""
+        md = build_sampling_metadata([], np.zeros((0, 2), np.uint32), [], [], [], num_rows=S)
+        ops, layout, zeros = self._table_ops_and_zeros((), T, S)
+        return self._pack_step(np.zeros(T, np.int32), np.zeros(S + 1, np.int32),
+                               np.zeros(S, np.int32), 0, ops, layout, zeros, md, {},
+                               max_q_len=max_q_len, prompt_logprobs=-1)
+
+    def step_shapes(self, *, prefill: bool) -> list[tuple[int, int, int]]:
+        """(T, S, max_q_len) of the greedy steps ``warmup`` compiles: the pure-decode step of
+        every request bucket (T = S), and with ``prefill`` every (token bucket, request
+        bucket) pair a step with prefill tokens can take (its n rows hold more than n tokens,
+        at most T)."""
+        shapes = [(S, S, 1) for S in self.seq_buckets]
+        if prefill:
+            for T in self.token_buckets:
+                for i, S in enumerate(self.seq_buckets):
+                    if i == 0 or self.seq_buckets[i - 1] + 1 < T:   # the bucket's least n < T
+                        shapes.append((T, S, T))
+        return shapes
+
+    def warmup(self, *, progress: bool = True, prefill: bool = False) -> None:
+        """Compiles the greedy steps of ``step_shapes(prefill=prefill)``: by default the
+        pure-decode step of every request bucket, so steady-state greedy decoding never
+        compiles (attention walks each sequence's own blocks in a loop, so the context length
+        is not part of the shape); with ``prefill`` every prefill / mixed step too (many more
+        shapes), so no greedy step compiles later."""
+        shapes = self.step_shapes(prefill=prefill)
         t0 = time.perf_counter()
-        for k, S in enumerate(combos):
-            T = S
-            md = build_sampling_metadata([], np.zeros((0, 2), np.uint32), [], [], [], num_rows=S)
-            ops, layout = self.stager.encode(self._ops_layout(self.stager))
-            zeros = np.full(self.zero_buckets[0], -1, np.int32)
-            shape, packed = self._pack_step(
-                np.zeros(T, np.int32), np.zeros(S + 1, np.int32), np.zeros(S, np.int32), 0, ops,
-                layout, zeros, md, {}, max_q_len=1, prompt_logprobs=-1)
-            self._run(shape, packed)
+        for k, (T, S, max_q_len) in enumerate(shapes):
+            self._run(*self._empty_step(T, S, max_q_len=max_q_len))
             if progress:
-                print(f"\rjaxkv: compiling decode shapes {k + 1}/{len(combos)} "
+                print(f"\rjaxkv: compiling step shapes {k + 1}/{len(shapes)} "
                       f"({time.perf_counter() - t0:.1f} s)", end="", file=sys.stderr, flush=True)
         if progress:
             print(file=sys.stderr)
 
     def _flush_block_table_ops(self) -> None:
-        """Applies staged block-table ops without running the model (nothing scheduled)."""
+        """Applies the staged block-table ops outside the step (nothing scheduled, or more ops
+        than the step's fixed layout holds): a small jitted update, one compile per layout."""
         ops, layout = self.stager.encode()
         self.tables = apply_block_table_ops_jit(self.tables, jnp.asarray(ops), layout=layout)
 

@@ -8,7 +8,7 @@ import pytest
 from jaxkv.engine import LLMEngine
 from jaxkv.sampling_params import SamplingParams
 from models import dense_forward
-from tests.engine.helpers import make_llm, small_model
+from tests.engine.helpers import dense_greedy, make_llm, small_model
 
 
 @pytest.fixture(scope="module")
@@ -42,22 +42,60 @@ def test_steady_state_decode_does_not_compile(model):
     assert after_prefill - warm <= 1
 
 
-def test_prefill_steps_share_block_table_layouts(model):
-    """A step writing more block-table entries than the base capacity (one per row) takes the
-    next power of two: prefills writing 10..16 entries share one layout. (Each exact count was
-    its own layout, so every new prompt length cost a compile.)"""
+def test_step_shape_is_set_by_token_and_request_buckets(model):
+    """Block-table writes beyond one per row are applied before the step, so prefills writing
+    10..16 entries share one compiled step (each exact count was its own compile), and their
+    tokens match the dense forward."""
     llm = make_llm(model, max_num_seqs=8, max_num_batched_tokens=64, block_size=4, max_model_len=128)
     engine, runner = llm.llm_engine, llm.llm_engine.runner
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    for i, n in enumerate([61, 57, 50, 63, 45, 38, 62, 55]):
-        engine.add_request(f"w{i}", _prompt(20 + i, n), params)
+    prompts = [_prompt(20 + i, n) for i, n in enumerate([61, 57, 50, 63, 45, 38, 62, 55])]
+    outs = llm.generate(prompts, params, use_tqdm=False)   # all at once: 8 rows, chunked
+    for p in prompts:                                       # one at a time: 10..16 writes a step
+        engine.add_request(engine.next_request_id(), p, params)
         while engine.has_unfinished_requests():
             engine.step()
-    writes = {s.ops.num_writes for s in runner.compiled_shapes}
-    # powers of two from the base (8 rows x 1 group) up to 8 rows x 32 blocks
-    assert writes <= {8, 16, 32, 64, 128, 256}, writes
-    assert max(writes) > 8   # the prefills did need more than the base capacity
-    assert runner.num_compiles <= 3, sorted((s.num_tokens, s.ops.num_writes) for s in runner.compiled_shapes)
+    keys = {(s.num_tokens, s.num_seqs, s.max_q_len) for s in runner.compiled_shapes}
+    assert len(keys) == len(runner.compiled_shapes) == runner.num_compiles
+    assert {s.ops.num_writes for s in runner.compiled_shapes} == {8}
+    assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(model, p, 1) for p in prompts]
+
+
+def test_pages_beyond_the_step_capacity_are_zeroed_before_it(model):
+    llm = make_llm(model, max_num_seqs=4, max_model_len=128)
+    runner = llm.llm_engine.runner
+    runner.buffers = tuple(jnp.ones_like(b) for b in runner.buffers)
+    cap = runner.zero_capacity(16, 1)
+    ids = list(range(3, 3 + cap + 5))
+    ops, layout, zeros = runner._table_ops_and_zeros(ids, 16, 1)
+    assert zeros.shape == (cap,) and (zeros == -1).all()
+    pages = np.asarray(runner.buffers[0]).reshape(-1, runner.page_bytes)
+    assert (pages[ids] == 0).all() and (pages[:3] == 1).all() and (pages[ids[-1] + 1:] == 1).all()
+    ops, layout, zeros = runner._table_ops_and_zeros([7, 9], 16, 1)   # fits: left to the step
+    assert list(zeros[:3]) == [7, 9, -1]
+
+
+def test_warmup_all_compiles_every_greedy_step(model):
+    llm = make_llm(model, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    runner.warmup(progress=False, prefill=True)
+    warm = runner.num_compiles
+    assert warm == len(runner.step_shapes(prefill=True)) > len(runner.seq_buckets)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(5)
+    for wave in range(3):
+        for i in range(int(rng.integers(1, 6))):
+            engine.add_request(f"w{wave}-{i}", _prompt(100 * wave + i, int(rng.integers(1, 60))), params)
+        for _ in range(int(rng.integers(1, 8))):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert runner.num_compiles == warm
+
+
+def test_bad_warmup_value_is_refused(model):
+    with pytest.raises(ValueError, match="'prefill'"):
+        make_llm(model, warmup="prefill")
 
 
 def test_seeded_sampling_same_alone_and_in_batch(llm):

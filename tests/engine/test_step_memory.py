@@ -8,19 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.worker.sampler import build_sampling_metadata
 from tests.engine.helpers import make_llm, small_model
 
 
 def _compiled_memory(runner, *, max_q_len):
     S = runner.seq_buckets[0]
     T = runner.token_buckets[0] if max_q_len == 1 else runner.token_buckets[-1]
-    md = build_sampling_metadata([], np.zeros((0, 2), np.uint32), [], [], [], num_rows=S)
-    ops, layout = runner.stager.encode(runner._ops_layout(runner.stager))
-    zeros = np.full(runner.zero_buckets[0], -1, np.int32)
-    shape, packed = runner._pack_step(
-        np.zeros(T, np.int32), np.zeros(S + 1, np.int32), np.zeros(S, np.int32), 0, ops, layout,
-        zeros, md, {}, max_q_len=max_q_len or T, prompt_logprobs=-1)
+    shape, packed = runner._empty_step(T, S, max_q_len=max_q_len or T)
     compiled = runner._step.lower(runner.state, runner.buffers, runner.tables, jnp.asarray(packed),
                                   shape=shape).compile()
     return compiled.memory_analysis()
