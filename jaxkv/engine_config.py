@@ -65,8 +65,8 @@ def resolve_engine_config(
 
     ``warmup`` compiles the pure-decode step for every request bucket at start-up (a progress
     line on stderr when ``verbose``), so steady-state decoding never compiles; ``"all"`` also
-    compiles every prefill / mixed step shape (one per token bucket x request bucket: ~100
-    for the defaults, about a second each for tiny-llama on CPU), so no greedy step compiles
+    compiles every prefill / mixed step shape (one per token bucket x request bucket: 108
+    for tiny-llama's benchmark settings, 162 s on 2 CPU cores), so no greedy step compiles
     later; ``False`` compiles each shape on first use.
 
     ``model`` is a name or path for ``models.load_model``, or an already built NNX model
