@@ -61,8 +61,9 @@ def test_step_shape_is_set_by_token_and_request_buckets(model):
     assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(model, p, 1) for p in prompts]
 
 
-def test_pages_beyond_the_step_capacity_are_zeroed_before_it(model):
-    llm = make_llm(model, max_num_seqs=4, max_model_len=128)
+@pytest.mark.parametrize("backend", ["auto", "xla"])   # C++ zeroing where it builds; XLA scatter
+def test_pages_beyond_the_step_capacity_are_zeroed_before_it(model, backend):
+    llm = make_llm(model, max_num_seqs=4, max_model_len=128, attention_backend=backend)
     runner = llm.llm_engine.runner
     runner.buffers = tuple(jnp.ones_like(b) for b in runner.buffers)
     cap = runner.zero_capacity(16, 1)
