@@ -91,6 +91,14 @@ def zero_blocks(buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int,
     return pages.at[ids].set(jnp.uint8(0), mode="drop").reshape(-1)
 
 
+def zero_blocks_all(buffers: tuple[jax.Array, ...],  # per KV tensor: [N * page_bytes] uint8
+                    block_ids: jax.Array,             # [K] int32, as in zero_blocks
+                    *, page_bytes: int, cpu_kernel: bool = False) -> tuple[jax.Array, ...]:
+    """``zero_blocks`` on every KV tensor's buffer (a block id names one page in each)."""
+    return tuple(zero_blocks(b, block_ids, page_bytes=page_bytes, cpu_kernel=cpu_kernel)
+                 for b in buffers)
+
+
 def read_blocks(buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int) -> jax.Array:
     """Copies pages out: [K, page_bytes] uint8 (out-of-range ids read zeros)."""
     pages = _paged(buffer, page_bytes)

@@ -9,6 +9,7 @@ donated, and (4) fetches one packed int32 array of results (one device->host tra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Sequence
@@ -143,11 +144,9 @@ class ModelRunner:
         self._ops_layout = BlockTableOpsLayout(
             num_moves=max_num_seqs, num_clears=max_num_seqs, num_writes=per_step)
         self.zero_buckets = pow2_buckets(per_step, max(per_step, self.config.num_blocks))
-        self._zero_pages = jax.jit(
-            lambda buffers, ids: tuple(
-                kv_memory.zero_blocks(b, ids, page_bytes=self.page_bytes,
-                                      cpu_kernel=self.binding.cpu_kernels) for b in buffers),
-            donate_argnums=0)
+        self._zero_pages = jax.jit(   # pages beyond a step's capacity, zeroed before it
+            functools.partial(kv_memory.zero_blocks_all, page_bytes=self.page_bytes,
+                              cpu_kernel=self.binding.cpu_kernels), donate_argnums=0)
 
         self.requests: dict[str, CachedRequestState] = {}
         self._out_specs: dict = {}

@@ -70,9 +70,8 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
         x = unpack(packed, shape.inputs)
         tables = apply_block_table_ops(tables, x["block_ops"], layout=shape.ops)
         if x["zero_blocks"].shape[0]:
-            buffers = tuple(kv_memory.zero_blocks(b, x["zero_blocks"], page_bytes=page_bytes,
-                                                  cpu_kernel=binding.cpu_kernels)
-                            for b in buffers)
+            buffers = kv_memory.zero_blocks_all(buffers, x["zero_blocks"], page_bytes=page_bytes,
+                                                cpu_kernel=binding.cpu_kernels)
         num_seqs = x["num_seqs"][0]
         qsl = x["query_start_loc"]                        # [S + 1]
         num_computed = x["num_computed"]                  # [S]
