@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import KVCacheBinding, ModelConfig
-from models.layers import RMSNorm, apply_rope, linear, rope_inv_freq
+from models.layers import RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
 from pallas_kernels import AttentionMetadata, kv_cache_byte_view, paged_attention, write_kv
 
 
@@ -29,6 +29,7 @@ class Attention(nnx.Module):
         self.soft_cap = c.attn_logit_softcapping
         self.sm_scale = c.sm_scale
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+        self.max_positions = c.max_position_embeddings  # RoPE tables cover [0, max_positions)
         dt = c.dtype
         h, d = c.hidden_size, c.head_dim
         self.q_proj = linear(h, self.num_heads * d, use_bias=c.attention_bias, param_dtype=dt, rngs=rngs)
@@ -53,7 +54,9 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = np.asarray(self.inv_freq, np.float32)  # static tuple keeps the module hashable
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        cos_sin = rope_cos_sin(positions, inv_freq, self.max_positions, q.dtype)  # once for q and k
+        return (apply_rope(q, positions, inv_freq, cos_sin=cos_sin),
+                apply_rope(k, positions, inv_freq, cos_sin=cos_sin), v)
 
     def output(self, o: jax.Array) -> jax.Array:  # [..., T, Hq, D] -> [..., T, hidden]
         return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.head_dim))

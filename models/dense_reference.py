@@ -39,6 +39,9 @@ def dense_attention(q: jax.Array,  # [Bt, L, Hq, D]
 def dense_hidden(model: CausalLM, input_ids: jax.Array) -> jax.Array:  # [Bt, L] -> [Bt, L, hidden]
     """Final-normed hidden states of every position (positions 0..L-1 in every row)."""
     bt, length = input_ids.shape
+    if length > model.config.max_position_embeddings:
+        raise ValueError(f"length {length} exceeds the model's max_position_embeddings "
+                         f"{model.config.max_position_embeddings}")
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (bt, length))
     h = model.embed(input_ids)
     for layer in model.model.layers:

@@ -62,14 +62,58 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
+def rope_cos_sin(positions: jax.Array,  # [..., T] int32, in [0, max_positions)
+                 inv_freq: np.ndarray,  # [D/2] float32
+                 max_positions: int,
+                 dtype,
+                 ) -> tuple[jax.Array, jax.Array]:  # cos, sin [..., T, 1, D] dtype
+    """RoPE's cos and sin by angle addition from two small tables, no transcendental at run time.
+
+    Position p = a * B + b (B a power of two near sqrt(max_positions)):
+    cos(p f) = cos(a B f) cos(b f) - sin(a B f) sin(b f), sin(p f) = sin(a B f) cos(b f) +
+    cos(a B f) sin(b f), with the tables computed in float64 (so the angles are exact; HF rounds
+    p * f to float32 first, a difference of at most ~6e-8 * p). Why not ``jnp.cos``: XLA fuses
+    the cos into each consumer and evaluates it for every head element of q and k in every layer
+    (on XLA:CPU a 2048-token tiny-llama prefill step spent 32 ms there against 385 ms in its
+    matmuls; 8 layers of RoPE at 2048 tokens: 44.8 ms with ``jnp.cos``, 9.7 ms with the tables).
+    Positions outside [0, max_positions) are clamped; the engine keeps positions below
+    ``max_model_len <= max_position_embeddings``.
+
+    Example: max_positions 4096 -> B = 64, tables [64, D/2] (a * B) and [64, D/2] (b).
+    """
+    block = 1 << max(0, math.ceil(math.log2(max(max_positions, 1)) / 2))
+    rows = -(-max_positions // block)
+    f = np.asarray(inv_freq, np.float64)[None, :]
+    hi = (np.arange(rows, dtype=np.float64) * block)[:, None] * f  # [rows, D/2]
+    lo = np.arange(block, dtype=np.float64)[:, None] * f             # [block, D/2]
+    p = jnp.clip(positions.astype(jnp.int32), 0, rows * block - 1)
+    a, b = p // block, p % block
+
+    def take(table, idx):  # [n, D/2] float64 -> [..., T, D/2] float32
+        return jnp.take(jnp.asarray(table.astype(np.float32)), idx, axis=0, mode="clip")
+
+    ca, sa, cb, sb = take(np.cos(hi), a), take(np.sin(hi), a), take(np.cos(lo), b), take(np.sin(lo), b)
+    cos, sin = ca * cb - sa * sb, sa * cb + ca * sb                    # [..., T, D/2] float32
+    cos = jnp.concatenate([cos, cos], axis=-1)[..., None, :].astype(dtype)  # [..., T, 1, D]
+    sin = jnp.concatenate([sin, sin], axis=-1)[..., None, :].astype(dtype)
+    return cos, sin
+
+
 def apply_rope(x: jax.Array,          # [..., T, H, D]
                positions: jax.Array,  # [..., T] int32
                inv_freq: np.ndarray,  # [D/2] float32
+               *, cos_sin: tuple[jax.Array, jax.Array] | None = None,  # [..., T, 1, D] each
                ) -> jax.Array:        # [..., T, H, D] x.dtype
-    """Rotary embedding, HF "rotate_half" layout: pairs are (i, i + D/2), not interleaved."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]              # [..., T, 1, D]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    """Rotary embedding, HF "rotate_half" layout: pairs are (i, i + D/2), not interleaved.
+
+    ``cos_sin`` (from ``rope_cos_sin``) replaces the direct ``jnp.cos`` / ``jnp.sin`` of
+    ``positions * inv_freq`` (float32 angles, as HF).
+    """
+    if cos_sin is None:
+        freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, D/2]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]              # [..., T, 1, D]
+        cos_sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    cos, sin = cos_sin
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin

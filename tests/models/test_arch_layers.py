@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from models import RopeScaling
-from models.layers import GatedMLP, RMSNorm, apply_rope, rope_inv_freq
+from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 def test_rope_rotate_half_layout():
@@ -33,6 +33,40 @@ def test_rope_scores_depend_only_on_relative_position():
     assert score(7, 3) != pytest.approx(score(8, 3), rel=1e-3)
     np.testing.assert_allclose(jnp.linalg.norm(apply_rope(q, jnp.asarray([50]), inv)),
                                jnp.linalg.norm(q), rtol=1e-5)
+
+
+@pytest.mark.parametrize("max_positions", [1, 5, 1000, 4096, 131072])
+def test_rope_tables_match_exact_angles(max_positions):
+    """rope_cos_sin (angle addition from two tables) against float64 cos/sin of p * f, at the
+    ends of the range and at the block borders, for sizes that are and are not powers of two."""
+    inv = rope_inv_freq(128, 500000.0, None)
+    block = 1 << math.ceil(math.log2(max_positions) / 2)
+    pos = np.unique(np.clip([0, 1, block - 1, block, block + 1, max_positions // 2,
+                             max_positions - 1], 0, max_positions - 1))
+    cos, sin = rope_cos_sin(jnp.asarray(pos, jnp.int32), inv, max_positions, jnp.float32)
+    assert cos.shape == sin.shape == (len(pos), 1, 128)
+    angle = pos[:, None].astype(np.float64) * inv.astype(np.float64)[None, :]   # [T, 64]
+    for got, want in ((cos, np.cos(angle)), (sin, np.sin(angle))):
+        got = np.asarray(got)[:, 0]
+        np.testing.assert_allclose(got[:, :64], want, atol=3e-7)
+        np.testing.assert_array_equal(got[:, :64], got[:, 64:])     # rotate-half: halves repeat
+
+
+def test_rope_tables_agree_with_direct_rope():
+    """The table path and the direct float32 jnp.cos path differ only by the float32 rounding
+    of p * f (HF's), which grows with p: tight at short positions, ~ulp(p * f) at long ones."""
+    rng = np.random.RandomState(1)
+    inv = rope_inv_freq(64, 10000.0, None)
+    x = jnp.asarray(rng.randn(4096, 2, 64), jnp.float32)
+    pos = jnp.arange(4096, dtype=jnp.int32)
+    table = apply_rope(x, pos, inv, cos_sin=rope_cos_sin(pos, inv, 4096, jnp.float32))
+    direct = apply_rope(x, pos, inv)
+    diff = np.abs(np.asarray(table - direct)).max(axis=(1, 2))
+    assert diff[:128].max() < 2e-5
+    assert diff.max() < 2e-3
+    # bf16 activations: the tables come back in the activation dtype
+    c, s = rope_cos_sin(pos[:3], inv, 4096, jnp.bfloat16)
+    assert c.dtype == s.dtype == jnp.bfloat16
 
 
 def test_llama3_rope_scaling():

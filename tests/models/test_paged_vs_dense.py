@@ -227,3 +227,12 @@ def test_paged_forward_reference_backend_hybrid():
     seqs = [engine.add(rng.randint(0, config.vocab_size, n)) for n in (11, 6)]
     with jax.default_matmul_precision("float32"):
         _check_steps(engine, seqs, [[(0, 7), (1, 5)], [(0, 4), (1, 1)]])
+
+
+def test_dense_forward_refuses_positions_past_max_position_embeddings():
+    """RoPE's tables cover [0, max_position_embeddings): a longer dense forward is an error,
+    not a silently clamped rotation."""
+    model = build_model(get_config("tiny-llama", **SMALL, max_position_embeddings=8), seed=0)
+    assert dense_forward(model, jnp.ones((1, 8), jnp.int32)).shape == (1, 8, 256)
+    with pytest.raises(ValueError, match="length 9 exceeds the model's max_position_embeddings 8"):
+        dense_forward(model, jnp.ones((1, 9), jnp.int32))
