@@ -8,8 +8,9 @@
 // with one online-softmax update per chunk.
 //   * Decode-like items (fewer than 16 query vectors): per query vector, a 16-lane vector of
 //     partial q.k sums per key and one transposing tree of adds for 16 keys (transpose_sum).
-//   * Prefill tiles: the chunk's K is transposed once into [D, 64] and every query vector of
-//     the tile scores 64 keys with broadcast-q FMAs.
+//   * Prefill tiles: the chunk's K is transposed once into [D, 64]; the heads of a row's GQA
+//     group, in blocks of up to 4, score 64 keys with broadcast-q FMAs and sum p.v together,
+//     so each loaded K / V vector feeds up to 4 FMAs.
 // Built on first use by pallas_kernels/cpu_backend.py (c++ -O3 -march=native); the Python side
 // validates shapes and dtypes, this file re-checks what it relies on and clamps indices.
 //
@@ -227,29 +228,72 @@ void chunk_rows(const float* q, const Chunk& c, int a, int b, float soft_cap, fl
   accumulate_pv<NC>(logit, c.v, n_pad, corr, acc);
 }
 
-// One query vector over a chunk whose K is transposed to kt [D, kChunk] (prefill tiles): 64
-// logits as 4 vectors, each q element broadcast into 4 FMAs.
-template <int NC>
+// GB query vectors of one row (heads of one GQA group: same keys, same mask [a, b)) over a
+// chunk whose K is transposed to kt [D, kChunk] (prefill tiles). Every K and V vector loaded
+// feeds GB FMAs (q elements / weights broadcast), so the loop is not bound by loads: 64 logits
+// per query as 4 vectors, then the p.v sums in register blocks of up to 16 accumulators.
+// GB == 1 keeps two accumulator sets (even / odd elements) so that its FMA chains overlap.
+template <int NC, int GB>
 void chunk_transposed(const float* q, const float* kt, const Chunk& c, int a, int b,
-                      float soft_cap, float& m, float& l, float* acc) {
+                      float soft_cap, float* m, float* l, float* acc) {
+  constexpr int D = NC * kLanes;
   constexpr int kVecs = kChunk / kLanes;
+  constexpr int kSets = GB == 1 ? 2 : 1;
   const int n_pad = (c.n + kLanes - 1) / kLanes * kLanes;
-  v16 s0[kVecs] = {}, s1[kVecs] = {};
-  for (int e = 0; e < NC * kLanes; e += 2) {
-    for (int j = 0; j < kVecs; ++j) {
-      s0[j] += q[e] * load16(kt + e * kChunk + j * kLanes);
-      s1[j] += q[e + 1] * load16(kt + (e + 1) * kChunk + j * kLanes);
+  v16 s[kSets][GB][kVecs] = {};
+  for (int e = 0; e < D; e += kSets) {
+    for (int u = 0; u < kSets; ++u) {
+      v16 k[kVecs];
+      for (int j = 0; j < kVecs; ++j) k[j] = load16(kt + (e + u) * kChunk + j * kLanes);
+      for (int g = 0; g < GB; ++g) {
+        const float qe = q[g * D + e + u];
+        for (int j = 0; j < kVecs; ++j) s[u][g][j] += qe * k[j];
+      }
     }
   }
-  alignas(64) float logit[kChunk];
-  for (int j = 0; j < kVecs; ++j) store16(logit + j * kLanes, s0[j] + s1[j]);
-  const float corr = softmax_update(logit, a, b, n_pad, soft_cap, m, l);
-  accumulate_pv<NC>(logit, c.v, n_pad, corr, acc);
+  alignas(64) float logit[GB][kChunk];
+  float corr[GB];
+  for (int g = 0; g < GB; ++g) {
+    for (int j = 0; j < kVecs; ++j) {
+      v16 x = s[0][g][j];
+      for (int u = 1; u < kSets; ++u) x += s[u][g][j];
+      store16(logit[g] + j * kLanes, x);
+    }
+    corr[g] = softmax_update(logit[g], a, b, n_pad, soft_cap, m[g], l[g]);
+  }
+  if constexpr (GB == 1) {
+    accumulate_pv<NC>(logit[0], c.v, n_pad, corr[0], acc);
+  } else {
+    constexpr int JB = NC < 16 / GB ? NC : 16 / GB;   // vectors of D per register block
+    for (int j0 = 0; j0 < NC; j0 += JB) {
+      constexpr int kMax = JB;
+      const int nj = NC - j0 < kMax ? NC - j0 : kMax;
+      v16 o[GB][kMax];
+      for (int g = 0; g < GB; ++g)
+        for (int j = 0; j < kMax; ++j)
+          if (j < nj) o[g][j] = load16(acc + g * D + (j0 + j) * kLanes) * corr[g];
+      for (int t = 0; t < n_pad; ++t) {
+        const float* vr = c.v[t] + j0 * kLanes;
+        v16 v[kMax];
+        for (int j = 0; j < kMax; ++j)
+          if (j < nj) v[j] = load16(vr + j * kLanes);
+        for (int g = 0; g < GB; ++g) {
+          const float w = logit[g][t];
+          for (int j = 0; j < kMax; ++j)
+            if (j < nj) o[g][j] += w * v[j];
+        }
+      }
+      for (int g = 0; g < GB; ++g)
+        for (int j = 0; j < kMax; ++j)
+          if (j < nj) store16(acc + g * D + (j0 + j) * kLanes, o[g][j]);
+    }
+  }
 }
 
 using RowsKernel = void (*)(const float*, const Chunk&, int, int, float, float&, float&, float*);
 using TransposedKernel = void (*)(const float*, const float*, const Chunk&, int, int, float,
-                                  float&, float&, float*);
+                                  float*, float*, float*);
+constexpr int kGroupBlocks[] = {4, 2, 1};   // query vectors per chunk_transposed call
 
 #define JAXKV_HEAD_SIZES(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(10) X(12) X(16)
 RowsKernel rows_kernel(int d_n) {
@@ -258,8 +302,13 @@ RowsKernel rows_kernel(int d_n) {
 #undef JAXKV_CASE
   return nullptr;
 }
-TransposedKernel transposed_kernel(int d_n) {
-#define JAXKV_CASE(nc) if (d_n == nc * kLanes) return chunk_transposed<nc>;
+TransposedKernel transposed_kernel(int d_n, int gb) {
+#define JAXKV_CASE(nc)                                             \
+  if (d_n == nc * kLanes) {                                        \
+    if (gb == 4) return chunk_transposed<nc, 4>;                   \
+    if (gb == 2) return chunk_transposed<nc, 2>;                   \
+    return chunk_transposed<nc, 1>;                                \
+  }
   JAXKV_HEAD_SIZES(JAXKV_CASE)
 #undef JAXKV_CASE
   return nullptr;
@@ -317,10 +366,14 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
   std::fill(w.l.begin(), w.l.begin() + nvec, 0.0f);
 #if JAXKV_VECTOR_KERNELS
   const RowsKernel rows = rows_kernel(d_n);
-  const TransposedKernel transposed = nvec >= kLanes ? transposed_kernel(d_n) : nullptr;
+  const bool transposed = nvec >= kLanes && transposed_kernel(d_n, 1) != nullptr;
+  TransposedKernel by_block[3] = {};
+  if (transposed)
+    for (int k = 0; k < 3; ++k) by_block[k] = transposed_kernel(d_n, kGroupBlocks[k]);
 #else
   constexpr RowsKernel rows = nullptr;
-  constexpr TransposedKernel transposed = nullptr;
+  constexpr bool transposed = false;
+  constexpr TransposedKernel by_block[3] = {};
 #endif
   const int64_t row_bytes = static_cast<int64_t>(d_n) * p.itemsize;
   const int64_t page_bytes = bs * row_bytes;
@@ -382,13 +435,20 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
       const int pos = it.pos0 + i;
       const int a = std::max(key_lo(p, pos), c0) - c0, b = std::min(pos + 1, c0 + c.n) - c0;
       if (b <= a) continue;  // this row needs none of the chunk's keys
+      if (transposed) {  // the group's heads in blocks of 4, 2, 1
+        for (int g = 0, k = 0; g < group;) {
+          while (group - g < kGroupBlocks[k]) ++k;
+          const int v = i * group + g;
+          by_block[k](q + v * d_n, w.kt.data(), c, a, b, p.soft_cap, &w.m[v], &w.l[v], acc + v * d_n);
+          g += kGroupBlocks[k];
+        }
+        continue;
+      }
       for (int g = 0; g < group; ++g) {
         const int v = i * group + g;
         float* qv = q + v * d_n;
         float* av = acc + v * d_n;
-        if (transposed)
-          transposed(qv, w.kt.data(), c, a, b, p.soft_cap, w.m[v], w.l[v], av);
-        else if (rows)
+        if (rows)
           rows(qv, c, a, b, p.soft_cap, w.m[v], w.l[v], av);
         else
           chunk_portable(qv, c, a, b, d_n, p.soft_cap, w.m[v], w.l[v], av);
