@@ -35,8 +35,9 @@ from jax import lax
 
 
 def extract_params(model) -> dict:
-    """Plain pytree of the NNX model's arrays (no copy): embed [V, H], final_norm [H],
-    lm_head [H, V] | None (tied), layers: list of dicts of per-layer arrays."""
+    """Plain pytree of the NNX model's arrays (no copy, except lm_head): embed [V, H],
+    final_norm [H], lm_head [H, V] | None (tied; a transposed copy of jaxkv's vocab-major
+    weight, as a Dense kernel a user would write), layers: list of dicts of per-layer arrays."""
     cfg = model.config
     if cfg.architecture != "llama":
         raise ValueError(f"the naive baseline covers the llama family only, got {cfg.architecture!r}")
@@ -58,7 +59,8 @@ def extract_params(model) -> dict:
             "wg": val(m.gate_proj.kernel), "wu": val(m.up_proj.kernel), "wd": val(m.down_proj.kernel),
         })
     return {"embed": val(model.model.embed_tokens.embedding), "final_norm": val(model.model.norm.weight),
-            "lm_head": None if model.lm_head is None else val(model.lm_head.kernel), "layers": layers}
+            "lm_head": None if model.lm_head is None else jnp.asarray(val(model.lm_head.weight).T),
+            "layers": layers}
 
 
 @dataclasses.dataclass(frozen=True)

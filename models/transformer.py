@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import KVCacheBinding, LayerKVInfo, ModelConfig, layer_name
-from models.layers import RMSNorm, linear
+from models.layers import RMSNorm
 from pallas_kernels import AttentionMetadata
 
 
@@ -32,6 +32,20 @@ class DecoderStack(nnx.Module):
         self.layers = nnx.List([layer_cls(config, i, rngs=rngs) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(h, eps=config.rms_norm_eps, unit_offset=config.architecture == "gemma2",
                             param_dtype=config.dtype)
+
+
+class LMHead(nnx.Module):
+    """Untied LM head stored as HF stores it, vocab-major: ``weight [V, hidden]``.
+
+    Vocab-major lets ``CausalLM.compute_logits(..., vocab_major=True)`` compute ``W @ h^T``:
+    with V as the rows of the big operand XLA:CPU's GEMM needs no repacking of the 32000 x 512
+    weight per call (tiny-llama, 64 rows: 9.5 vs 13.0 ms for ``h @ W``).
+    """
+
+    def __init__(self, hidden: int, vocab: int, *, param_dtype, rngs: nnx.Rngs):
+        # The values ``linear(hidden, vocab)`` draws ([in, out] ~ N(0, 1/hidden)), transposed.
+        kernel = nnx.initializers.normal(hidden ** -0.5)(rngs.params(), (hidden, vocab), param_dtype)
+        self.weight = nnx.Param(kernel.T)   # [V, hidden]
 
 
 class CausalLM(nnx.Module):
@@ -50,8 +64,8 @@ class CausalLM(nnx.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = linear(config.hidden_size, config.vocab_size, use_bias=False,
-                                  param_dtype=config.dtype, rngs=rngs)
+            self.lm_head = LMHead(config.hidden_size, config.vocab_size, param_dtype=config.dtype,
+                                  rngs=rngs)
 
     def embed(self, input_ids: jax.Array) -> jax.Array:  # [...] int32 -> [..., hidden]
         h = self.model.embed_tokens(input_ids)
@@ -83,12 +97,23 @@ class CausalLM(nnx.Module):
             h, buffers[tensor] = layer(h, positions, attend)
         return self.model.norm(h), tuple(buffers)
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [..., hidden] final-normed -> [..., V] f32
-        """LM head (the tied embedding when ``tie_word_embeddings``), then the final soft-cap."""
-        if self.lm_head is None:
-            logits = self.model.embed_tokens.attend(hidden)
+    def compute_logits(self, hidden: jax.Array,  # [..., hidden] final-normed ([R, hidden] if vocab_major)
+                       *, vocab_major: bool = False,
+                       ) -> jax.Array:               # [..., V] f32, or [V, R] f32 when vocab_major
+        """LM head (the tied embedding when ``tie_word_embeddings``), then the final soft-cap.
+
+        ``vocab_major=True`` returns the logits transposed, ``[V, R]`` (``W @ h^T``): the faster
+        GEMM orientation on XLA:CPU for a decode step's few rows; the greedy sampler takes its
+        argmax over axis 0.
+        """
+        w = (self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head.weight)[...]
+        hidden = hidden.astype(w.dtype)
+        if vocab_major:
+            if hidden.ndim != 2:
+                raise ValueError(f"vocab_major logits need hidden [R, hidden], got {hidden.shape}")
+            logits = jnp.einsum("vh,rh->vr", w, hidden)
         else:
-            logits = self.lm_head(hidden)
+            logits = jnp.einsum("...h,vh->...v", hidden, w)
         logits = logits.astype(jnp.float32)
         cap = self.config.final_logit_softcapping
         if cap is not None:

@@ -329,6 +329,31 @@ def sample(
     )
 
 
+def greedy_vocab_major(md: SamplingMetadata) -> bool:
+    """Static: whether ``sample`` reduces to an argmax over the vocabulary (every row greedy,
+    no penalties, no logprobs), so the step may hand ``sample_greedy_vocab_major`` the logits
+    transposed, ``[V, S]`` (the faster LM-head GEMM orientation on XLA:CPU)."""
+    return md.all_greedy and not md.use_penalties and md.max_num_logprobs is None
+
+
+def sample_greedy_vocab_major(
+    logits_t: jax.Array,  # [V, S] float (column s: row s's logits)
+    md: SamplingMetadata,
+) -> SamplerOutput:
+    """``sample(logits_t.T, md)`` for metadata where ``greedy_vocab_major(md)``: banned tokens
+    set to -inf, then the first maximum of each column (first NaN if any)."""
+    if not greedy_vocab_major(md):
+        raise ValueError("sample_greedy_vocab_major needs all-greedy metadata without penalties "
+                         "or logprobs")
+    logits_t = logits_t.astype(jnp.float32)
+    banned = md.banned_token_ids                                            # [S, Lb]
+    if banned.shape[1]:
+        cols = jnp.broadcast_to(jnp.arange(banned.shape[0])[:, None], banned.shape)
+        rows = jnp.where(banned < 0, logits_t.shape[0], banned)
+        logits_t = logits_t.at[rows, cols].set(-jnp.inf, mode="drop")
+    return SamplerOutput(argmax(logits_t, axis=0), None, None, None)
+
+
 # ---- host side: keys and metadata ----------------------------------------------------------
 
 

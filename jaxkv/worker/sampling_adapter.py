@@ -9,12 +9,18 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxkv.worker.buckets import pow2_at_least
-from jaxkv.worker.sampler import compute_logprobs, sample
+from jaxkv.worker.sampler import (compute_logprobs, greedy_vocab_major, sample,
+                                  sample_greedy_vocab_major)
 
 
-def sample_fn(logits, md) -> dict:
-    """logits [S, V] float32 -> {"sampled_token_ids": [S], and [S, K+1] logprobs when asked}."""
-    out = sample(logits, md)
+def sample_fn(logits_fn, md) -> dict:
+    """Samples from ``logits_fn(vocab_major)`` (-> [S, V], or [V, S] when ``vocab_major``):
+    {"sampled_token_ids": [S], and [S, K+1] logprobs when asked}. All-greedy metadata without
+    penalties or logprobs takes the logits vocab-major (the faster LM head on XLA:CPU)."""
+    if greedy_vocab_major(md):
+        out = sample_greedy_vocab_major(logits_fn(True), md)
+    else:
+        out = sample(logits_fn(False), md)
     result = {"sampled_token_ids": out.sampled_token_ids.astype(jnp.int32)}
     if out.logprobs is not None:
         result.update(logprobs=out.logprobs.astype(jnp.float32),

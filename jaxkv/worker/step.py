@@ -88,10 +88,12 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
         model = nnx.merge(graphdef, state)
         hidden, buffers = model(x["input_ids"], positions, tuple(buffers), tuple(mds), binding)
         last = jnp.maximum(qsl[1:] - 1, 0)                # [S] last scheduled token of each seq
-        logits = model.compute_logits(hidden[last])       # [S, V] float32
+        h_last = hidden[last]                             # [S, hidden]
         sampling = jax.tree_util.tree_unflatten(
             shape.sampling_treedef, [x[f"sampling_{i}"] for i in range(shape.sampling_treedef.num_leaves)])
-        out = sample_fn(logits, sampling)
+        # logits [S, V] float32, or [V, S] when the sampler asks for them vocab-major
+        out = sample_fn(lambda vocab_major: model.compute_logits(h_last, vocab_major=vocab_major),
+                        sampling)
         if shape.prompt_logprobs >= 0:
             all_logits = model.compute_logits(hidden)     # [T, V]
             out.update(prompt_logprobs_fn(all_logits, x["prompt_targets"], shape.prompt_logprobs))

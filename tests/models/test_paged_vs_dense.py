@@ -236,3 +236,17 @@ def test_dense_forward_refuses_positions_past_max_position_embeddings():
     assert dense_forward(model, jnp.ones((1, 8), jnp.int32)).shape == (1, 8, 256)
     with pytest.raises(ValueError, match="length 9 exceeds the model's max_position_embeddings 8"):
         dense_forward(model, jnp.ones((1, 9), jnp.int32))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])
+def test_vocab_major_logits_are_the_transpose(name):
+    """compute_logits(vocab_major=True) (W @ h^T, the greedy step's LM head) is the transpose of
+    the row-major logits: untied head (llama) and tied embedding + final soft-cap (hybrid)."""
+    model = build_model(get_config(name, **SMALL), seed=2)
+    h = jax.random.normal(jax.random.PRNGKey(0), (5, SMALL["hidden_size"]), jnp.float32)
+    rows = model.compute_logits(h)
+    cols = model.compute_logits(h, vocab_major=True)
+    assert rows.shape == (5, 256) and cols.shape == (256, 5) and cols.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(cols), np.asarray(rows).T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="hidden \\[R, hidden\\]"):
+        model.compute_logits(h[None], vocab_major=True)

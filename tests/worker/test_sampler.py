@@ -16,6 +16,7 @@ from jaxkv.worker.sampler import (
     make_request_key,
     make_unseeded_request_key,
     sample,
+    sample_greedy_vocab_major,
 )
 
 sample_jit = jax.jit(sample)
@@ -284,3 +285,31 @@ def test_request_keys():
     assert a.dtype == np.uint32 and a.tolist() != b.tolist()
     np.testing.assert_array_equal(a, make_unseeded_request_key(0, "req-1"))
     assert make_unseeded_request_key(1, "req-1").tolist() != a.tolist()
+
+
+def test_greedy_vocab_major_equals_sample_on_transposed_logits():
+    """The step's all-greedy path takes the logits [V, S] (the LM head as W @ h^T): the same
+    tokens as ``sample`` on [S, V], with min_tokens' banned ids, ties, -inf rows and NaNs."""
+    rng = np.random.default_rng(3)
+    for vocab in (V, 640):  # the plain argmax and the chunked one
+        x = rng.integers(-3, 3, size=(8, vocab)).astype(np.float32)   # many ties
+        x[1] = -np.inf
+        x[2, [5, 9]] = np.nan
+        x[3, [4, 6]] = 100.0                                           # 4 and 6 are banned below
+        params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[6])] * 8
+        md = build_sampling_metadata(params, np.zeros((8, 2), np.uint32), [0] * 8, [[]] * 8,
+                                     [[]] * 8, num_rows=8, vocab_size=vocab, eos_token_id=4)
+        assert md.banned_token_ids.shape[1] > 0
+        want = np.asarray(sample_jit(jnp.asarray(x), md).sampled_token_ids)
+        got = np.asarray(jax.jit(sample_greedy_vocab_major)(jnp.asarray(x.T), md).sampled_token_ids)
+        np.testing.assert_array_equal(got, want)
+        assert want[3] not in (4, 6) and want[2] == 5
+
+
+def test_greedy_vocab_major_refuses_sampling_metadata():
+    md = _md([SamplingParams(temperature=0.7, seed=1)])
+    with pytest.raises(ValueError, match="all-greedy"):
+        sample_greedy_vocab_major(jnp.zeros((V, 1)), md)
+    md = _md([SamplingParams(temperature=0.0, logprobs=2)])
+    with pytest.raises(ValueError, match="all-greedy"):
+        sample_greedy_vocab_major(jnp.zeros((V, 1)), md)
