@@ -9,6 +9,7 @@ attention with soft-capping). Public surface:
             model(input_ids [T], positions [T], kv_buffers, attn_metadata, binding)
                 -> (hidden [T, hidden] after the final norm, new kv_buffers)
             model.compute_logits(hidden [R, hidden]) -> [R, V] float32
+            model.compute_logits(hidden [R, hidden], vocab_major=True) -> [V, R] float32
             model.kv_layer_infos() -> {layer_name: LayerKVInfo}
   weights:  load_hf_weights, hf_state_dict
   testing:  dense_forward (non-paged reference, [Bt, L] -> [Bt, L, V])
