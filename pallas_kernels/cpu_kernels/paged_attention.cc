@@ -7,7 +7,8 @@
 // query heads of a group share every page read. Keys go in chunks of 64 across page borders
 // with one online-softmax update per chunk.
 //   * Decode-like items (fewer than 16 query vectors): per query vector, a 16-lane vector of
-//     partial q.k sums per key and one transposing tree of adds for 16 keys (transpose_sum).
+//     partial q.k sums per key and one transposing tree of adds for 16 keys (transpose_sum);
+//     the p.v sums of a row's GQA heads, in blocks of up to 4, share every V vector loaded.
 //   * Prefill tiles: the chunk's K is transposed once into [D, 64]; the heads of a row's GQA
 //     group, in blocks of up to 4, score 64 keys with broadcast-q FMAs and sum p.v together,
 //     so each loaded K / V vector feeds up to 4 FMAs.
@@ -205,27 +206,38 @@ inline void accumulate_pv(const float* w, const float* const* v, int n_pad, floa
   for (int j = 0; j < NC; ++j) store16(acc + j * kLanes, a0[j] + a1[j]);
 }
 
-// One query vector over one chunk's keys [a, b) (decode items): head size 16 * NC known at
-// compile time, so q, the partial sums and the accumulator stay in registers.
-template <int NC>
-void chunk_rows(const float* q, const Chunk& c, int a, int b, float soft_cap, float& m, float& l,
-                float* acc) {
-  const int n_pad = (c.n + kLanes - 1) / kLanes * kLanes;
-  alignas(64) float logit[kChunk];
-  v16 qv[NC];
-  for (int j = 0; j < NC; ++j) qv[j] = load16(q + j * kLanes);
-  for (int t0 = 0; t0 < n_pad; t0 += kLanes) {
-    v16 part[kLanes];
-    for (int t = 0; t < kLanes; ++t) {
-      const float* kr = c.k[t0 + t];
-      v16 s = qv[0] * load16(kr);
-      for (int j = 1; j < NC; ++j) s += qv[j] * load16(kr + j * kLanes);
-      part[kBitrev4[t]] = s;
+// acc[g] = acc[g] * corr[g] + sum_t w[g][t] * v[t] for GB query vectors of one row (GQA heads,
+// stride D in acc): each V vector loaded feeds GB FMAs, in register blocks of <= 16 accumulators.
+template <int NC, int GB>
+inline void accumulate_pv_group(const float (*w)[kChunk], const float* const* v, int n_pad,
+                                const float* corr, float* acc) {
+  constexpr int D = NC * kLanes;
+  if constexpr (GB == 1) {
+    accumulate_pv<NC>(w[0], v, n_pad, corr[0], acc);
+  } else {
+    constexpr int JB = NC < 16 / GB ? NC : 16 / GB;   // vectors of D per register block
+    for (int j0 = 0; j0 < NC; j0 += JB) {
+      const int nj = NC - j0 < JB ? NC - j0 : JB;
+      v16 o[GB][JB];
+      for (int g = 0; g < GB; ++g)
+        for (int j = 0; j < JB; ++j)
+          if (j < nj) o[g][j] = load16(acc + g * D + (j0 + j) * kLanes) * corr[g];
+      for (int t = 0; t < n_pad; ++t) {
+        const float* vr = v[t] + j0 * kLanes;
+        v16 x[JB];
+        for (int j = 0; j < JB; ++j)
+          if (j < nj) x[j] = load16(vr + j * kLanes);
+        for (int g = 0; g < GB; ++g) {
+          const float wt = w[g][t];
+          for (int j = 0; j < JB; ++j)
+            if (j < nj) o[g][j] += wt * x[j];
+        }
+      }
+      for (int g = 0; g < GB; ++g)
+        for (int j = 0; j < JB; ++j)
+          if (j < nj) store16(acc + g * D + (j0 + j) * kLanes, o[g][j]);
     }
-    store16(logit + t0, transpose_sum(part));
   }
-  const float corr = softmax_update(logit, a, b, n_pad, soft_cap, m, l);
-  accumulate_pv<NC>(logit, c.v, n_pad, corr, acc);
 }
 
 // GB query vectors of one row (heads of one GQA group: same keys, same mask [a, b)) over a
@@ -261,43 +273,50 @@ void chunk_transposed(const float* q, const float* kt, const Chunk& c, int a, in
     }
     corr[g] = softmax_update(logit[g], a, b, n_pad, soft_cap, m[g], l[g]);
   }
-  if constexpr (GB == 1) {
-    accumulate_pv<NC>(logit[0], c.v, n_pad, corr[0], acc);
-  } else {
-    constexpr int JB = NC < 16 / GB ? NC : 16 / GB;   // vectors of D per register block
-    for (int j0 = 0; j0 < NC; j0 += JB) {
-      constexpr int kMax = JB;
-      const int nj = NC - j0 < kMax ? NC - j0 : kMax;
-      v16 o[GB][kMax];
-      for (int g = 0; g < GB; ++g)
-        for (int j = 0; j < kMax; ++j)
-          if (j < nj) o[g][j] = load16(acc + g * D + (j0 + j) * kLanes) * corr[g];
-      for (int t = 0; t < n_pad; ++t) {
-        const float* vr = c.v[t] + j0 * kLanes;
-        v16 v[kMax];
-        for (int j = 0; j < kMax; ++j)
-          if (j < nj) v[j] = load16(vr + j * kLanes);
-        for (int g = 0; g < GB; ++g) {
-          const float w = logit[g][t];
-          for (int j = 0; j < kMax; ++j)
-            if (j < nj) o[g][j] += w * v[j];
-        }
-      }
-      for (int g = 0; g < GB; ++g)
-        for (int j = 0; j < kMax; ++j)
-          if (j < nj) store16(acc + g * D + (j0 + j) * kLanes, o[g][j]);
-    }
-  }
+  accumulate_pv_group<NC, GB>(logit, c.v, n_pad, corr, acc);
 }
 
-using RowsKernel = void (*)(const float*, const Chunk&, int, int, float, float&, float&, float*);
+// GB query vectors of one row (heads of one GQA group) over one chunk's keys [a, b) (decode
+// items): head size 16 * NC known at compile time, so q and the partial sums stay in
+// registers; the p.v sums share every V vector loaded (accumulate_pv_group).
+template <int NC, int GB>
+void chunk_rows(const float* q, const Chunk& c, int a, int b, float soft_cap, float* m, float* l,
+                float* acc) {
+  constexpr int D = NC * kLanes;
+  const int n_pad = (c.n + kLanes - 1) / kLanes * kLanes;
+  alignas(64) float logit[GB][kChunk];
+  float corr[GB];
+  for (int g = 0; g < GB; ++g) {
+    v16 qv[NC];
+    for (int j = 0; j < NC; ++j) qv[j] = load16(q + g * D + j * kLanes);
+    for (int t0 = 0; t0 < n_pad; t0 += kLanes) {
+      v16 part[kLanes];
+      for (int t = 0; t < kLanes; ++t) {
+        const float* kr = c.k[t0 + t];
+        v16 s = qv[0] * load16(kr);
+        for (int j = 1; j < NC; ++j) s += qv[j] * load16(kr + j * kLanes);
+        part[kBitrev4[t]] = s;
+      }
+      store16(logit[g] + t0, transpose_sum(part));
+    }
+    corr[g] = softmax_update(logit[g], a, b, n_pad, soft_cap, m[g], l[g]);
+  }
+  accumulate_pv_group<NC, GB>(logit, c.v, n_pad, corr, acc);
+}
+
+using RowsKernel = void (*)(const float*, const Chunk&, int, int, float, float*, float*, float*);
 using TransposedKernel = void (*)(const float*, const float*, const Chunk&, int, int, float,
                                   float*, float*, float*);
 constexpr int kGroupBlocks[] = {4, 2, 1};   // query vectors per chunk_transposed call
 
 #define JAXKV_HEAD_SIZES(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(10) X(12) X(16)
-RowsKernel rows_kernel(int d_n) {
-#define JAXKV_CASE(nc) if (d_n == nc * kLanes) return chunk_rows<nc>;
+RowsKernel rows_kernel(int d_n, int gb) {
+#define JAXKV_CASE(nc)                                             \
+  if (d_n == nc * kLanes) {                                        \
+    if (gb == 4) return chunk_rows<nc, 4>;                         \
+    if (gb == 2) return chunk_rows<nc, 2>;                         \
+    return chunk_rows<nc, 1>;                                      \
+  }
   JAXKV_HEAD_SIZES(JAXKV_CASE)
 #undef JAXKV_CASE
   return nullptr;
@@ -365,14 +384,17 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
   std::fill(w.m.begin(), w.m.begin() + nvec, kNegInf);
   std::fill(w.l.begin(), w.l.begin() + nvec, 0.0f);
 #if JAXKV_VECTOR_KERNELS
-  const RowsKernel rows = rows_kernel(d_n);
-  const bool transposed = nvec >= kLanes && transposed_kernel(d_n, 1) != nullptr;
+  const bool vector = rows_kernel(d_n, 1) != nullptr;
+  const bool transposed = vector && nvec >= kLanes;
+  RowsKernel rows_by_block[3] = {};
   TransposedKernel by_block[3] = {};
-  if (transposed)
-    for (int k = 0; k < 3; ++k) by_block[k] = transposed_kernel(d_n, kGroupBlocks[k]);
+  for (int k = 0; vector && k < 3; ++k) {
+    rows_by_block[k] = rows_kernel(d_n, kGroupBlocks[k]);
+    by_block[k] = transposed_kernel(d_n, kGroupBlocks[k]);
+  }
 #else
-  constexpr RowsKernel rows = nullptr;
-  constexpr bool transposed = false;
+  constexpr bool vector = false, transposed = false;
+  constexpr RowsKernel rows_by_block[3] = {};
   constexpr TransposedKernel by_block[3] = {};
 #endif
   const int64_t row_bytes = static_cast<int64_t>(d_n) * p.itemsize;
@@ -435,23 +457,21 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
       const int pos = it.pos0 + i;
       const int a = std::max(key_lo(p, pos), c0) - c0, b = std::min(pos + 1, c0 + c.n) - c0;
       if (b <= a) continue;  // this row needs none of the chunk's keys
-      if (transposed) {  // the group's heads in blocks of 4, 2, 1
+      if (vector) {  // the group's heads in blocks of 4, 2, 1
         for (int g = 0, k = 0; g < group;) {
           while (group - g < kGroupBlocks[k]) ++k;
           const int v = i * group + g;
-          by_block[k](q + v * d_n, w.kt.data(), c, a, b, p.soft_cap, &w.m[v], &w.l[v], acc + v * d_n);
+          if (transposed)
+            by_block[k](q + v * d_n, w.kt.data(), c, a, b, p.soft_cap, &w.m[v], &w.l[v], acc + v * d_n);
+          else
+            rows_by_block[k](q + v * d_n, c, a, b, p.soft_cap, &w.m[v], &w.l[v], acc + v * d_n);
           g += kGroupBlocks[k];
         }
         continue;
       }
       for (int g = 0; g < group; ++g) {
         const int v = i * group + g;
-        float* qv = q + v * d_n;
-        float* av = acc + v * d_n;
-        if (rows)
-          rows(qv, c, a, b, p.soft_cap, w.m[v], w.l[v], av);
-        else
-          chunk_portable(qv, c, a, b, d_n, p.soft_cap, w.m[v], w.l[v], av);
+        chunk_portable(q + v * d_n, c, a, b, d_n, p.soft_cap, w.m[v], w.l[v], acc + v * d_n);
       }
     }
   }
