@@ -74,7 +74,8 @@ class LLMEngine:
             max_model_len=config.max_model_len, attention_backend=config.attention_backend,
             cache_dtype=config.cache_dtype, seed=config.seed, eos_token_id=self._eos_id())
         if config.warmup:
-            self.runner.warmup(progress=verbose, prefill=config.warmup == "all")
+            self.runner.warmup(progress=verbose, prefill=config.warmup == "all",
+                               sampling=config.warmup_sampling)
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
         self._counter = itertools.count()

@@ -32,6 +32,7 @@ class EngineConfig:
     warmup: bool | str
     kv_cache_config: KVCacheConfig
     scheduler_config: SchedulerConfig
+    warmup_sampling: tuple = ()  # SamplingParams whose step variants warmup also compiles
 
 
 def _positive(name, value):
@@ -59,6 +60,7 @@ def resolve_engine_config(
     seed: int = 0,
     tokenizer=None,
     warmup: bool | str = True,
+    warmup_sampling=(),
     verbose: bool = False,
 ):
     """Loads the model and plans the KV cache. Returns (model, model_config, tokenizer, EngineConfig).
@@ -69,6 +71,13 @@ def resolve_engine_config(
     for tiny-llama's benchmark settings, 162 s on 2 CPU cores), so no greedy step compiles
     later; ``False`` compiles each shape on first use.
 
+    A step's compiled variant also depends on its sampling flags (all greedy or not, top-k /
+    top-p, logprobs, min_tokens' banned ids, penalties), so the warm-up covers greedy steps
+    only unless ``warmup_sampling`` lists SamplingParams like the ones the traffic will use:
+    each adds its variant of every warmed-up shape (e.g. ``[SamplingParams(temperature=0.8,
+    top_p=0.95)]`` doubles the warm-up). Penalties' token-history widths grow with the
+    requests, so penalised steps still compile per history bucket on first use.
+
     ``model`` is a name or path for ``models.load_model``, or an already built NNX model
     (then ``tokenizer`` may be given).
     """
@@ -76,6 +85,13 @@ def resolve_engine_config(
 
     if warmup not in (True, False, "decode", "all"):
         raise ValueError(f"warmup must be True, False, 'decode' or 'all', got {warmup!r}")
+    from jaxkv.sampling_params import SamplingParams  # noqa: PLC0415
+
+    if isinstance(warmup_sampling, SamplingParams) or not isinstance(warmup_sampling, (list, tuple)):
+        raise TypeError(f"warmup_sampling must be a list of SamplingParams, got {warmup_sampling!r}")
+    for p in warmup_sampling:
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"warmup_sampling entries must be SamplingParams, got {p!r}")
 
     if isinstance(model, str):
         loaded, model_config, tok = load_model(model, dtype=dtype, seed=seed)
@@ -132,5 +148,6 @@ def resolve_engine_config(
     config = EngineConfig(model_name=name, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                           cache_dtype=cache_dtype, attention_backend=attention_backend, seed=seed,
-                          warmup=warmup, kv_cache_config=kv_config, scheduler_config=sched)
+                          warmup=warmup, kv_cache_config=kv_config, scheduler_config=sched,
+                          warmup_sampling=tuple(warmup_sampling))
     return loaded, model_config, tokenizer, config

@@ -323,9 +323,17 @@ class ModelRunner:
         zeros[: len(zero_ids)] = zero_ids
         return ops, layout, zeros
 
-    def _empty_step(self, T: int, S: int, *, max_q_len: int) -> tuple[StepShape, np.ndarray]:
-        """Shape and inputs of a step of T tokens and S rows with no request in it (greedy)."""
-        md = build_sampling_metadata([], np.zeros((0, 2), np.uint32), [], [], [], num_rows=S)
+    def _empty_step(self, T: int, S: int, *, max_q_len: int, sampling=None,
+                    num_output_tokens: int = 0) -> tuple[StepShape, np.ndarray]:
+        """Shape and inputs of a step of T tokens and S rows with no request in it: greedy, or
+        with the sampling flags of one row of ``sampling`` (SamplingParams) that has
+        ``num_output_tokens`` outputs (only its flags matter: no row is scheduled)."""
+        if sampling is None:
+            md = build_sampling_metadata([], np.zeros((0, 2), np.uint32), [], [], [], num_rows=S)
+        else:
+            md = build_sampling_metadata([sampling], np.zeros((1, 2), np.uint32),
+                                         [num_output_tokens], [[]], [[]], num_rows=S,
+                                         eos_token_id=self.eos_token_id, vocab_size=self.vocab_size)
         ops, layout, zeros = self._table_ops_and_zeros((), T, S)
         return self._pack_step(np.zeros(T, np.int32), np.zeros(S + 1, np.int32),
                                np.zeros(S, np.int32), 0, ops, layout, zeros, md, {},
@@ -344,18 +352,31 @@ class ModelRunner:
                         shapes.append((T, S, T))
         return shapes
 
-    def warmup(self, *, progress: bool = True, prefill: bool = False) -> None:
+    def warmup(self, *, progress: bool = True, prefill: bool = False, sampling=()) -> None:
         """Compiles the greedy steps of ``step_shapes(prefill=prefill)``: by default the
         pure-decode step of every request bucket, so steady-state greedy decoding never
         compiles (attention walks each sequence's own blocks in a loop, so the context length
         is not part of the shape); with ``prefill`` every prefill / mixed step too (many more
-        shapes), so no greedy step compiles later."""
-        shapes = self.step_shapes(prefill=prefill)
+        shapes), so no greedy step compiles later.
+
+        ``sampling`` (SamplingParams) adds each one's variant of those shapes: its flags, and
+        with ``min_tokens`` both the variant that bans stop ids and the one after it. A batch
+        mixing greedy rows with such rows takes the same variant.
+        """
+        variants = [(None, 0)]
+        for p in sampling:
+            variants.append((p, 0))
+            if getattr(p, "min_tokens", 0):
+                variants.append((p, p.min_tokens))
+        jobs = [(shape, v) for shape in self.step_shapes(prefill=prefill) for v in variants]
         t0 = time.perf_counter()
-        for k, (T, S, max_q_len) in enumerate(shapes):
-            self._run(*self._empty_step(T, S, max_q_len=max_q_len))
+        for k, ((T, S, max_q_len), (params, outputs)) in enumerate(jobs):
+            shape, packed = self._empty_step(T, S, max_q_len=max_q_len, sampling=params,
+                                             num_output_tokens=outputs)
+            if shape not in self.compiled_shapes:
+                self._run(shape, packed)
             if progress:
-                print(f"\rjaxkv: compiling step shapes {k + 1}/{len(shapes)} "
+                print(f"\rjaxkv: compiling step shapes {k + 1}/{len(jobs)} "
                       f"({time.perf_counter() - t0:.1f} s)", end="", file=sys.stderr, flush=True)
         if progress:
             print(file=sys.stderr)

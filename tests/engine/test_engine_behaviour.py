@@ -94,6 +94,36 @@ def test_warmup_all_compiles_every_greedy_step(model):
     assert runner.num_compiles == warm
 
 
+def test_warmup_sampling_compiles_the_sampled_decode_variants(model):
+    """Sampled traffic (temperature + top-p, min_tokens) decodes without compiling after a
+    warm-up given SamplingParams like it; without them the first sampled decode steps compile.
+    (Without stop ids or EOS to ban, min_tokens adds no variant: the two coincide.)"""
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, min_tokens=2, stop_token_ids=[7],
+                             max_tokens=12, ignore_eos=True)
+    for warm_sampling, expect_decode_compiles in (([sampled], False), ([], True)):
+        llm = make_llm(model, max_num_seqs=4, max_model_len=128)
+        engine, runner = llm.llm_engine, llm.llm_engine.runner
+        runner.warmup(progress=False, sampling=warm_sampling)
+        # greedy + (the variant banning stop ids while outputs < min_tokens, the one after)
+        assert runner.num_compiles == len(runner.seq_buckets) * (1 + 2 * len(warm_sampling))
+        for i in range(4):
+            p = SamplingParams(temperature=0.8, top_p=0.9, min_tokens=2, stop_token_ids=[7],
+                               max_tokens=12, ignore_eos=True, seed=i)
+            engine.add_request(f"s{i}", _prompt(40 + i, 5 + i), p)
+        engine.step()   # the prefill step compiles its mixed shape
+        after_prefill = runner.num_compiles
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert (runner.num_compiles > after_prefill) is expect_decode_compiles
+
+
+def test_warmup_sampling_must_be_sampling_params(model):
+    with pytest.raises(TypeError, match="warmup_sampling must be a list"):
+        make_llm(model, warmup_sampling=SamplingParams(temperature=0.5))
+    with pytest.raises(TypeError, match="entries must be SamplingParams"):
+        make_llm(model, warmup_sampling=[{"temperature": 0.5}])
+
+
 def test_bad_warmup_value_is_refused(model):
     with pytest.raises(ValueError, match="'prefill'"):
         make_llm(model, warmup="prefill")
