@@ -307,31 +307,26 @@ void chunk_rows(const float* q, const Chunk& c, int a, int b, float soft_cap, fl
 using RowsKernel = void (*)(const float*, const Chunk&, int, int, float, float*, float*, float*);
 using TransposedKernel = void (*)(const float*, const float*, const Chunk&, int, int, float,
                                   float*, float*, float*);
-constexpr int kGroupBlocks[] = {4, 2, 1};   // query vectors per chunk_transposed call
+constexpr int kGroupBlocks[] = {4, 2, 1};   // query vectors per chunk_rows / chunk_transposed call
 
+// The instantiation of JAXKV_KERNEL for head size d_n and group block gb (nullptr: none).
 #define JAXKV_HEAD_SIZES(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(10) X(12) X(16)
+#define JAXKV_CASE(nc)                                                                   \
+  if (d_n == nc * kLanes)                                                                \
+    return gb == 4 ? JAXKV_KERNEL<nc, 4> : gb == 2 ? JAXKV_KERNEL<nc, 2> : JAXKV_KERNEL<nc, 1>;
 RowsKernel rows_kernel(int d_n, int gb) {
-#define JAXKV_CASE(nc)                                             \
-  if (d_n == nc * kLanes) {                                        \
-    if (gb == 4) return chunk_rows<nc, 4>;                         \
-    if (gb == 2) return chunk_rows<nc, 2>;                         \
-    return chunk_rows<nc, 1>;                                      \
-  }
+#define JAXKV_KERNEL chunk_rows
   JAXKV_HEAD_SIZES(JAXKV_CASE)
-#undef JAXKV_CASE
+#undef JAXKV_KERNEL
   return nullptr;
 }
 TransposedKernel transposed_kernel(int d_n, int gb) {
-#define JAXKV_CASE(nc)                                             \
-  if (d_n == nc * kLanes) {                                        \
-    if (gb == 4) return chunk_transposed<nc, 4>;                   \
-    if (gb == 2) return chunk_transposed<nc, 2>;                   \
-    return chunk_transposed<nc, 1>;                                \
-  }
+#define JAXKV_KERNEL chunk_transposed
   JAXKV_HEAD_SIZES(JAXKV_CASE)
-#undef JAXKV_CASE
+#undef JAXKV_KERNEL
   return nullptr;
 }
+#undef JAXKV_CASE
 #else
 #define JAXKV_VECTOR_KERNELS 0
 #endif
