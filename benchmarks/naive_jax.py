@@ -59,7 +59,7 @@ def extract_params(model) -> dict:
             "wg": val(m.gate_proj.kernel), "wu": val(m.up_proj.kernel), "wd": val(m.down_proj.kernel),
         })
     return {"embed": val(model.model.embed_tokens.embedding), "final_norm": val(model.model.norm.weight),
-            "lm_head": None if model.lm_head is None else jnp.asarray(val(model.lm_head.weight).T),
+            "lm_head": None if model.lm_head is None else val(model.lm_head.weight).T,
             "layers": layers}
 
 

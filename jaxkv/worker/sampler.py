@@ -141,15 +141,17 @@ def _token_counts(
 
 
 def apply_banned_tokens(
-    logits: jax.Array,     # [S, V] float32
+    logits: jax.Array,     # [S, V] float32 ([V, S] when vocab_major)
     banned_ids: jax.Array,  # [S, Lb] int32, PAD_TOKEN_ID-padded
-) -> jax.Array:            # [S, V] float32
+    *, vocab_major: bool = False,
+) -> jax.Array:            # same shape as logits
     """Sets banned tokens to -inf (a no-op when Lb == 0)."""
     if banned_ids.shape[1] == 0:
         return logits
     rows = jnp.broadcast_to(jnp.arange(banned_ids.shape[0])[:, None], banned_ids.shape)
-    cols = jnp.where(banned_ids < 0, logits.shape[1], banned_ids)
-    return logits.at[rows, cols].set(-jnp.inf, mode="drop")
+    cols = jnp.where(banned_ids < 0, logits.shape[0 if vocab_major else 1], banned_ids)
+    index = (cols, rows) if vocab_major else (rows, cols)
+    return logits.at[index].set(-jnp.inf, mode="drop")
 
 
 def apply_penalties(
@@ -345,12 +347,8 @@ def sample_greedy_vocab_major(
     if not greedy_vocab_major(md):
         raise ValueError("sample_greedy_vocab_major needs all-greedy metadata without penalties "
                          "or logprobs")
-    logits_t = logits_t.astype(jnp.float32)
-    banned = md.banned_token_ids                                            # [S, Lb]
-    if banned.shape[1]:
-        cols = jnp.broadcast_to(jnp.arange(banned.shape[0])[:, None], banned.shape)
-        rows = jnp.where(banned < 0, logits_t.shape[0], banned)
-        logits_t = logits_t.at[rows, cols].set(-jnp.inf, mode="drop")
+    logits_t = apply_banned_tokens(logits_t.astype(jnp.float32), md.banned_token_ids,
+                                   vocab_major=True)
     return SamplerOutput(argmax(logits_t, axis=0), None, None, None)
 
 
