@@ -5,12 +5,14 @@ Per-step timing wraps the engine's own methods on the *instance* (no engine code
 
   step      wall time of ``engine.step()``
   schedule  ``scheduler.schedule()``
-  execute   ``runner.execute_model()``; inside it ``device`` = ``runner._run`` (the jitted step,
-            its one host->device and one device->host transfer), the rest is input preparation
+  execute   ``runner.dispatch()`` + ``runner.collect()``; inside them ``device`` = the jitted
+            step's call (``runner._dispatch``: one host->device transfer, and the compile of a
+            new shape) + the wait for its results (``runner._fetch``: one device->host
+            transfer); the rest is input preparation and unpacking
   update    ``scheduler.update_from_output()``
   host%     (step - device) / step
 
-A step whose ``_run`` saw a new static shape compiled; such steps are flagged and the timed
+A step whose ``_dispatch`` saw a new static shape compiled; such steps are flagged and the timed
 pass is expected to have none (``compiles`` in the tables).
 """
 
@@ -53,19 +55,26 @@ class StepTimer:
         sched, runner = engine.scheduler, engine.runner
         sched.schedule = self._timed(sched.schedule, "schedule_s")
         sched.update_from_output = self._timed(sched.update_from_output, "update_s")
-        runner.execute_model = self._timed(runner.execute_model, "execute_s")
-        orig_run = runner._run
+        runner.dispatch = self._timed(runner.dispatch, "execute_s")
+        runner.collect = self._timed(runner.collect, "execute_s")
+        orig_dispatch, orig_fetch = runner._dispatch, runner._fetch
 
-        def run(shape, packed):
+        def dispatch(shape, packed):
             new = shape not in runner.compiled_shapes
             t0 = time.perf_counter()
-            out = orig_run(shape, packed)
+            out = orig_dispatch(shape, packed)
             self._cur["device_s"] = self._cur.get("device_s", 0.0) + time.perf_counter() - t0
             self._cur["compiled"] = self._cur.get("compiled", False) or new
             self._cur["width"] = shape.width
             return out
 
-        runner._run = run
+        def fetch(shape, out):
+            t0 = time.perf_counter()
+            result = orig_fetch(shape, out)
+            self._cur["device_s"] = self._cur.get("device_s", 0.0) + time.perf_counter() - t0
+            return result
+
+        runner._dispatch, runner._fetch = dispatch, fetch
 
     def _timed(self, fn, key):
         def wrapper(*args, **kwargs):

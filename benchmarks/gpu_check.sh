@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Kernel check on one GPU (H200), < 8 minutes:
+# Kernel check on one GPU (H200), < 10 minutes:
 #   1. tests/kernels compiled on the GPU (TestPallas picks interpret=False when a GPU is present),
 #   2. tests/engine/test_step_memory.py: the whole step keeps the cache in place on the GPU,
 #   3. the microbenchmark table (benchmarks/_kernel_bench_gpu.py): decode + mixed batches,
 #      batch 1..256, context 512..32k, bfloat16 + fp8, vs jax's Pallas paged_attention and
 #      the XLA backend.
+#   4. benchmarks/async_ab.py: the engine with async scheduling off vs on, alternating passes of
+#      32 greedy requests (host and device are separate here, unlike the CPU runs).
 # Step 1 also runs tests/kernels/test_kv_write_pallas.py (the Triton KV-write kernel compiled on
 # the GPU; its Mosaic variant is skipped) and test_mosaic_kernel.py, of which only the lowering
 # tests run on a GPU (seconds; the Mosaic kernel itself is checked in TPU interpret mode on CPU).
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]   (default: $OUT, else benchmarks/results/)
-# Writes OUT_DIR/gpu_tests.log, gpu_step_memory.log, gpu_bench.log, kernels_gpu.json, kernels_gpu.md, gpu_env.txt.
+# Writes OUT_DIR/gpu_tests.log, gpu_step_memory.log, gpu_bench.log, kernels_gpu.json, kernels_gpu.md, gpu_env.txt,
+# gpu_async_ab.log, async_ab_gpu.json.
 # Exit status: non-zero if the tests failed or timed out, or the benchmark failed.
 set -euo pipefail
 
@@ -57,6 +60,13 @@ timeout --kill-after=10 200 python benchmarks/_kernel_bench_gpu.py "$OUT_DIR" --
 tail -n 40 "$OUT_DIR/gpu_bench.log"
 echo "gpu_check: benchmark exit status $bench_rc (124 = timeout)"
 
-if [[ $tests_rc -ne 0 || $mem_rc -ne 0 || $bench_rc -ne 0 ]]; then
+async_rc=0
+timeout --kill-after=10 110 python benchmarks/async_ab.py --requests 32 --max-tokens 32 --rounds 4 \
+  --json "$OUT_DIR/async_ab_gpu.json" \
+  > "$OUT_DIR/gpu_async_ab.log" 2>&1 || async_rc=$?
+tail -n 12 "$OUT_DIR/gpu_async_ab.log"
+echo "gpu_check: async A/B exit status $async_rc (124 = timeout)"
+
+if [[ $tests_rc -ne 0 || $mem_rc -ne 0 || $bench_rc -ne 0 || $async_rc -ne 0 ]]; then
   exit 1
 fi

@@ -2,7 +2,7 @@
 
     python benchmarks/throughput.py [--workload fixed|mixed|shared-prefix|long-decode|all]
         [--quick] [--model tiny-llama] [--max-num-seqs 64] [--max-num-batched-tokens N]
-        [--kv-cache-memory 512MiB] [--no-baseline] [--json PATH] [--plot]
+        [--kv-cache-memory 512MiB] [--async-scheduling] [--no-baseline] [--json PATH] [--plot]
     jaxkv bench ...   (same arguments)
 
 Workloads (full size; ``--quick`` scales each down, see QUICK):
@@ -316,7 +316,7 @@ class Context:
         self.compile = {}
         kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_memory_bytes=args.kv_cache_memory, attention_backend=args.attention_backend,
-                  seed=args.seed)
+                  seed=args.seed, async_scheduling=args.async_scheduling)
         if any(w != "long-decode" for w in workloads):
             self.engine, self.timer = self._warm(kw, "prefix caching on")
         if "shared-prefix" in workloads:
@@ -453,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-compare", type=lambda s: tuple(parse_bytes(x) for x in s.split(",")),
                    default=(256 * 2**20, 4 * 2**30), help="long-decode: two KV budgets (default 256MiB,4GiB)")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="jaxkv schedules step N+1 while step N runs (see benchmarks/async_ab.py)")
     p.add_argument("--quick", action="store_true", help="scaled-down workloads (see QUICK)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -503,6 +505,7 @@ def main(argv=None) -> dict:
                   num_blocks=ctx.engine.kv_cache_config.num_blocks if ctx.engine else None,
                   block_size=ctx.engine.config.block_size if ctx.engine else None,
                   backend=ctx.engine.runner.backend if ctx.engine else args.attention_backend,
+                  async_scheduling=args.async_scheduling,
                   baseline="naive-jax" if ctx.naive else "none")
     payload = {"env": env, "config": config, "sizes": dataclasses.asdict(sz), "matmul": mm,
                "flops_formula": FLOPS_FORMULA, "setup": dict(seconds=setup_s, **ctx.compile), "results": {}}

@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--attention-backend", default="auto", help="auto | xla | cpu | pallas | reference")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule step N+1 while step N runs (same tokens; pays on GPU / TPU)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -42,7 +44,7 @@ def cmd_generate(args) -> int:
     try:
         llm = LLM(args.model, kv_cache_memory_bytes=args.kv_cache_memory, block_size=args.block_size,
                   max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-                  seed=args.seed, verbose=True)
+                  seed=args.seed, async_scheduling=args.async_scheduling, verbose=True)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"jaxkv generate: {e}", file=sys.stderr)
         return 2

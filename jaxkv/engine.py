@@ -22,6 +22,7 @@ from jaxkv.engine_config import EngineConfig, resolve_engine_config
 from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.model_runner import ModelRunner
+from jaxkv.worker.sampler import needs_output_history
 
 
 @dataclasses.dataclass
@@ -86,6 +87,7 @@ class LLMEngine:
         self.peak_kv_cache_usage = 0.0
         self.prefix_hit_tokens = 0
         self._last_stats = None
+        self._in_flight = None   # async scheduling: (SchedulerOutput, StepHandle) not yet collected
 
     @classmethod
     def from_config(cls, model: str = "tiny-llama", **kwargs) -> "LLMEngine":
@@ -199,7 +201,7 @@ class LLMEngine:
             raise ValueError(f"cannot abort unknown request ids {unknown}")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
@@ -207,21 +209,64 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One schedule -> execute -> update cycle; the outputs of requests that made progress.
+
+        With ``async_scheduling`` the cycle is pipelined one deep (vLLM's async scheduling):
+        this call schedules and dispatches step N+1, then waits for step N and returns N's
+        outputs, so the host's scheduling and input preparation overlap the device's work and
+        outputs arrive one call later. Before a request with penalties (they read its
+        generated tokens) is scheduled after a step that samples for it, that step is collected.
+        """
         t0 = time.perf_counter()
+        if not self.scheduler.async_scheduling:
+            so = self.scheduler.schedule()
+            self._mark_scheduled(so)
+            core_outputs = self.scheduler.update_from_output(so, self.runner.execute_model(so))
+            self._account(so, t0)
+            return self._process(core_outputs)
+        core_outputs = []
+        if self._in_flight is not None and any(
+                r.num_output_placeholders and needs_output_history(r.sampling_params)
+                for r in self.scheduler.running):
+            core_outputs = self._finish_in_flight()
         so = self.scheduler.schedule()
+        self._mark_scheduled(so)
+        handle = self.runner.dispatch(so)
+        if self._in_flight is not None:
+            core_outputs += self._finish_in_flight()
+        elif handle is None and self.scheduler.has_unfinished_requests():
+            stuck = {r.request_id: r.num_output_placeholders for r in self.scheduler.running}
+            raise RuntimeError(f"async scheduling made no progress: nothing scheduled and no step in "
+                               f"flight; running requests (id: placeholders) {stuck}")
+        if handle is None:   # nothing ran: the (empty) update now
+            core_outputs += self.scheduler.update_from_output(so, self.runner.collect(None))
+        else:
+            self._in_flight = (so, handle)
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            # Every request of the step in flight has finished: its tokens are dropped, and
+            # collecting it now leaves the engine idle when the last output is returned.
+            core_outputs += self._finish_in_flight()
+        self._account(so, t0)
+        return self._process(core_outputs)
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        so, handle = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update_from_output(so, self.runner.collect(handle))
+
+    def _mark_scheduled(self, so) -> None:
         now = time.perf_counter()
         for rid in so.num_scheduled_tokens:
             pc = self._child_of.get(rid)
             if pc is not None and pc[0].metrics.first_scheduled_time is None:
                 pc[0].metrics.first_scheduled_time = now
-        mro = self.runner.execute_model(so)
-        core_outputs = self.scheduler.update_from_output(so, mro)
+
+    def _account(self, so, t0: float) -> None:
         self.step_seconds += time.perf_counter() - t0
         self.num_steps += 1
         self._last_stats = self.scheduler.make_stats()
         self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, self._last_stats.kv_cache_usage)
         self.num_prompt_tokens_computed += so.total_num_scheduled_tokens
-        return self._process(core_outputs)
 
     def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         now = time.perf_counter()

@@ -54,6 +54,7 @@ def resolve_engine_config(
     enable_chunked_prefill: bool = True,
     long_prefill_token_threshold: int = 0,
     scheduling_policy: str = "fcfs",
+    async_scheduling: bool = False,
     kv_cache_dtype: str = "auto",
     attention_backend: str = "auto",
     dtype: str = "float32",
@@ -77,6 +78,9 @@ def resolve_engine_config(
     each adds its variant of every warmed-up shape (e.g. ``[SamplingParams(temperature=0.8,
     top_p=0.95)]`` doubles the warm-up). Penalties' token-history widths grow with the
     requests, so penalised steps still compile per history bucket on first use.
+
+    ``async_scheduling`` pipelines the engine one step deep (``LLMEngine.step``; vLLM's
+    ``--async-scheduling``): the same tokens, outputs one ``step()`` later.
 
     ``model`` is a name or path for ``models.load_model``, or an already built NNX model
     (then ``tokenizer`` may be given).
@@ -144,7 +148,7 @@ def resolve_engine_config(
         max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
         enable_chunked_prefill=enable_chunked_prefill,
         long_prefill_token_threshold=long_prefill_token_threshold, policy=scheduling_policy,
-        eos_token_id=eos)
+        eos_token_id=eos, async_scheduling=async_scheduling)
     config = EngineConfig(model_name=name, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                           cache_dtype=cache_dtype, attention_backend=attention_backend, seed=seed,

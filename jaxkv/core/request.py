@@ -95,6 +95,8 @@ class Request:
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        #: Async scheduling: sampled tokens of scheduled steps not yet appended (0 or 1).
+        self.num_output_placeholders = 0
         #: Prefix-cache hit (in tokens) at the first scheduling; -1 before that.
         self.num_cached_tokens = -1
         self.num_preemptions = 0

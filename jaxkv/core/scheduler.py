@@ -7,6 +7,13 @@ prefix-cache hits and speculative tokens fall out of that one rule. When the poo
 a running request is preempted by recompute (blocks freed, progress reset to 0, back to
 the front of the waiting queue); no waiting request is admitted in a step that preempted.
 
+With ``async_scheduling`` the engine calls ``schedule()`` for step N+1 before
+``update_from_output`` of step N (vLLM's ``AsyncScheduler``): a request whose scheduled
+tokens reach its end will sample one token, counted in ``num_output_placeholders`` until it
+arrives, so the next schedule gives it that token's slot; a request whose token in flight is
+its ``max_tokens``-th is not scheduled again. A token that arrives for a request preempted or
+finished in between is dropped (it was never output; recompute samples it again).
+
 Construction: ``Scheduler(kv_cache_config, SchedulerConfig(...))`` or
 ``Scheduler(kv_cache_config, max_num_seqs=..., max_num_batched_tokens=..., max_model_len=...,
 ...)`` (keyword arguments are the fields of ``SchedulerConfig``).
@@ -54,6 +61,7 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.policy = config.policy
         self.num_lookahead_tokens = config.num_lookahead_tokens
+        self.async_scheduling = config.async_scheduling
 
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
@@ -202,7 +210,11 @@ class Scheduler:
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             num_computed = request.num_computed_tokens
-            num_new_tokens = request.num_tokens_with_spec - num_computed
+            placeholders = request.num_output_placeholders
+            if placeholders and request.num_output_tokens + placeholders >= request.max_tokens:
+                req_index += 1  # the token in flight is its last: no step after it
+                continue
+            num_new_tokens = request.num_tokens_with_spec + placeholders - num_computed
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, token_budget, max_model_len - 1 - num_computed)
@@ -318,11 +330,15 @@ class Scheduler:
         self._collect_stats_and_events()
         # Advance progress optimistically (before the forward pass), as vLLM.
         requests = self.requests
+        async_scheduling = self.async_scheduling
         for req_id, num_tokens in num_scheduled_tokens.items():
             request = requests[req_id]
             request.num_computed_tokens += num_tokens
             if request.spec_token_ids:
                 request.spec_token_ids = []  # consumed (or stale once a token is sampled)
+            if async_scheduling and (request.num_computed_tokens
+                                     >= request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1  # this step samples its next token
         self.finished_req_ids = set()
         return output
 
@@ -335,6 +351,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -381,6 +398,8 @@ class Scheduler:
                 request.num_computed_tokens -= len(scheduled_spec) + 1 - len(generated)
             new_token_ids = generated
             stopped = False
+            if generated and request.num_output_placeholders:
+                request.num_output_placeholders = max(0, request.num_output_placeholders - len(generated))
             if generated:
                 if request.num_computed_tokens < request.num_tokens:
                     raise ValueError(

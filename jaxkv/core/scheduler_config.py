@@ -34,6 +34,10 @@ class SchedulerConfig:
         num_lookahead_tokens: Extra slots per running request for draft-model KV (EAGLE).
         enable_kv_cache_events: Collect ``KVEventBatch`` es (``Scheduler.take_kv_events``).
         log_stats: Collect prefix-cache statistics.
+        async_scheduling: Schedule step N+1 before step N's sampled tokens are known (vLLM's
+            ``--async-scheduling``): a request whose step samples gets an output placeholder,
+            and the next step feeds it the token straight from the device. No speculative
+            tokens with it (``num_lookahead_tokens`` must be 0).
     """
 
     max_num_seqs: int
@@ -49,6 +53,7 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     enable_kv_cache_events: bool = False
     log_stats: bool = True
+    async_scheduling: bool = False
 
     def __post_init__(self):
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -56,6 +61,13 @@ class SchedulerConfig:
         _check_int("max_model_len", self.max_model_len, 2)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_int("num_lookahead_tokens", self.num_lookahead_tokens, 0)
+        if not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.num_lookahead_tokens:
+            raise ValueError(
+                f"async_scheduling does not support speculative tokens "
+                f"(num_lookahead_tokens={self.num_lookahead_tokens})"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "

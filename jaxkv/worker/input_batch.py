@@ -202,11 +202,14 @@ class InputBatch:
         return self.token_ids_cpu[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
 
     def sampling_metadata(
-        self, num_rows: int, *, eos_token_id: int | None = None, vocab_size: int | None = None
+        self, num_rows: int, *, eos_token_id: int | None = None, vocab_size: int | None = None,
+        num_pending: Sequence[int] | None = None,
     ) -> SamplingMetadata:
         """Numpy SamplingMetadata for rows ``0..num_reqs-1`` padded to ``num_rows``.
 
-        Call after :meth:`condense`. Rows sample with ``fold_in(key, num_output_tokens)``.
+        Call after :meth:`condense`. Rows sample with ``fold_in(key, num_output_tokens)``;
+        ``num_pending`` [num_reqs] counts each row's sampled tokens not appended yet (async
+        scheduling), so the count, and the key, is the one the row has once they are.
         """
         if not self.is_condensed:
             raise ValueError("sampling_metadata() needs a condensed batch; call condense() first")
@@ -214,7 +217,7 @@ class InputBatch:
         return build_sampling_metadata(
             [self.sampling_params[r] for r in rows],
             self.request_keys[: self.num_reqs],
-            [self.num_output_tokens(r) for r in rows],
+            [self.num_output_tokens(r) + (num_pending[r] if num_pending is not None else 0) for r in rows],
             [self.prompt_token_ids(r) for r in rows],
             [self.output_token_ids(r) for r in rows],
             num_rows=num_rows,

@@ -4,6 +4,11 @@ Per step the runner (1) updates its persistent batch (request id <-> row) and st
 block-table diff, (2) builds the host inputs in row order and packs them into one int32 array
 (one host->device transfer), (3) runs the jitted step with the KV buffers and block tables
 donated, and (4) fetches one packed int32 array of results (one device->host transfer).
+
+``execute_model`` does all four; with async scheduling the engine calls ``dispatch`` (1-3)
+for step N+1 before ``collect`` (4) of step N, so the host prepares a step while the device
+runs the one before it. A token sampled by step N that step N+1 needs as input is read on
+the device from N's ``last_sampled`` row: the host never waits for it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops_
 from jaxkv.worker.buckets import pick_bucket, pow2_buckets, token_buckets
 from jaxkv.worker.input_batch import InputBatch
 from jaxkv.worker.packing import pack, unpack_host
-from jaxkv.worker.sampler import build_sampling_metadata
+from jaxkv.worker.sampler import build_sampling_metadata, needs_output_history
 from jaxkv.worker.sampling_adapter import (
     bucket_k,
     prompt_logprobs_fn,
@@ -91,6 +96,25 @@ def _wants_prompt_logprobs(s: CachedRequestState) -> bool:
             and s.num_computed_tokens < s.num_prompt_tokens)
 
 
+@dataclasses.dataclass
+class StepHandle:
+    """A dispatched step whose results are still on the device (``ModelRunner.collect``)."""
+
+    shape: StepShape
+    out: jax.Array                         # packed results [size] int32, on the device
+    states: list[CachedRequestState]       # the step's rows, in row order
+    q_lens: np.ndarray                     # [n] int32 tokens scheduled per row
+    qsl: np.ndarray                        # [S + 1] int32 query start of each row
+    computed: np.ndarray                   # [n] int32 tokens cached before the step
+    samples: np.ndarray                    # [n] bool: the row samples a token
+    k_prompt: int                          # top-k of prompt logprobs (-1: none)
+    sample_rows: dict[str, int]            # req id -> its row, for rows that sample
+
+    @property
+    def req_ids(self) -> list[str]:
+        return [s.req_id for s in self.states]
+
+
 class ModelRunner:
     """Device side of the engine for one model and one ``KVCacheConfig``.
 
@@ -131,6 +155,8 @@ class ModelRunner:
                                       [self.max_blocks_per_req] * self.num_groups, engine_seed=seed)
         self.stager = self.input_batch.block_table
         self.tables = self.stager.device_tables()
+        self.last_sampled = jnp.zeros(max_num_seqs, jnp.int32)   # [R] the last step's tokens by row
+        self._in_flight: StepHandle | None = None   # dispatched, not yet collected
         self.eos_token_id = eos_token_id
 
         self.token_buckets = token_buckets(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens)
@@ -153,7 +179,8 @@ class ModelRunner:
         step = build_step_fn(self.graphdef, binding=self.binding, page_bytes=self.page_bytes,
                              sample_fn=sample_fn, prompt_logprobs_fn=prompt_logprobs_fn,
                              out_specs=self._out_specs)
-        self._step = jax.jit(step, static_argnames=("shape",), donate_argnames=("buffers", "tables"))
+        self._step = jax.jit(step, static_argnames=("shape",),
+                             donate_argnames=("buffers", "tables", "last_sampled"))
         self.compiled_shapes: set[StepShape] = set()
         self.num_compiles = 0
         self.compile_seconds = 0.0
@@ -199,6 +226,9 @@ class ModelRunner:
             resumed = cached.resumed_from_preemption[i]
             if resumed:
                 s.block_ids = [list(ids) for ids in new_ids]
+                if req_id in cached.all_token_ids:   # the core's tokens: a token sampled by a
+                    s.token_ids = list(cached.all_token_ids[req_id])   # step in flight at the
+                    # preemption was dropped there, and is sampled again
             elif new_ids is not None:
                 for g, ids in enumerate(new_ids):
                     s.block_ids[g].extend(ids)
@@ -216,6 +246,14 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step and returns its sampled tokens (``collect(dispatch(so))``)."""
+        return self.collect(self.dispatch(so))
+
+    def dispatch(self, so: SchedulerOutput) -> StepHandle | None:
+        """Updates the batch, builds the inputs and starts the step on the device; None when
+        nothing is scheduled. Tokens sampled by the step in flight (dispatched, not collected)
+        are read on the device; rows that need their generated tokens on the host
+        (penalties) cannot follow a step in flight (ValueError)."""
         zero_ids = self._update_states(so)
         batch = self.input_batch
         req_ids = batch.req_ids
@@ -223,7 +261,8 @@ class ModelRunner:
         if n == 0 or so.total_num_scheduled_tokens == 0:
             if self.stager.has_pending_ops():
                 self._flush_block_table_ops()
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+            return None
+        prev = self._in_flight
         states = [self.requests[r] for r in req_ids]
         q_lens = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
         total = int(q_lens.sum())
@@ -236,13 +275,28 @@ class ModelRunner:
         qsl[1 : n + 1] = np.cumsum(q_lens)
         qsl[n + 1 :] = total
         input_ids = np.zeros(T, np.int32)
-        for i in range(n):
-            c = int(num_computed[i])
-            input_ids[qsl[i] : qsl[i + 1]] = batch.token_ids_cpu[i, c : c + q_lens[i]]
+        prev_rows = np.full(T, -1, np.int32)
+        pending = np.zeros(n, np.int32)
+        samples = np.zeros(n, bool)
+        for i, s in enumerate(states):
+            c, q, known = int(num_computed[i]), int(q_lens[i]), len(s.token_ids)
+            input_ids[qsl[i] : qsl[i + 1]] = batch.token_ids_cpu[i, c : c + q]
+            if prev is not None and s.req_id in prev.sample_rows:
+                pending[i] = 1               # its token from the step in flight
+                if c + q > known:            # ... is this step's input at position `known`
+                    prev_rows[qsl[i] + known - c] = prev.sample_rows[s.req_id]
+            if c + q > known + pending[i]:
+                raise RuntimeError(f"request {s.req_id!r}: {c + q} tokens scheduled, {known} known")
+            samples[i] = c + q >= known + pending[i]
+        for i in np.flatnonzero(pending):
+            if needs_output_history(states[i].sampling_params):
+                raise ValueError(f"request {states[i].req_id!r} uses penalties: its step cannot "
+                                 "follow the step in flight that samples its previous token")
         ops, ops_layout, zeros = self._table_ops_and_zeros(zero_ids, T, S)
-        md = batch.sampling_metadata(S, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size)
+        md = batch.sampling_metadata(S, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size,
+                                     num_pending=pending)
         k_prompt = self._prompt_logprobs_k(states)
-        extra = {}
+        extra = {"prev_rows": prev_rows}
         if k_prompt >= 0:
             extra["prompt_targets"] = self._prompt_targets(states, qsl, q_lens, T)
         max_q_len = 1 if int(q_lens.max()) == 1 else T
@@ -250,21 +304,41 @@ class ModelRunner:
             input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra,
             max_q_len=max_q_len,
             prompt_logprobs=bucket_k(k_prompt) if k_prompt > 0 else k_prompt)
-        results = self._run(shape, packed)
+        out = self._dispatch(shape, packed)
+        computed = num_computed[:n].copy()
+        for i, s in enumerate(states):   # progress advances at dispatch, as in the scheduler
+            s.num_computed_tokens = int(computed[i] + q_lens[i])
+            batch.num_computed_tokens_cpu[i] = s.num_computed_tokens
+        handle = StepHandle(shape=shape, out=out, states=states, q_lens=q_lens, qsl=qsl,
+                            computed=computed, samples=samples, k_prompt=k_prompt,
+                            sample_rows={s.req_id: i for i, s in enumerate(states) if samples[i]})
+        self._in_flight = handle
+        return handle
 
+    def collect(self, handle: StepHandle | None) -> ModelRunnerOutput:
+        """Waits for a dispatched step and appends its sampled tokens (to rows still in the
+        batch, and to each request's state)."""
+        if handle is None:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        if self._in_flight is handle:
+            self._in_flight = None
+        results = self._fetch(handle.shape, handle.out)
+        batch = self.input_batch
         sampled = results["sampled_token_ids"]
         want_lp = "logprobs" in results
         out_tokens: list[list[int]] = []
         logprobs_out: list | None = [] if want_lp else None
         prompt_lp: dict = {}
-        for i, s in enumerate(states):
-            end = s.num_computed_tokens + int(q_lens[i])
-            if k_prompt >= 0 and _wants_prompt_logprobs(s):
-                prompt_lp[s.req_id] = self._collect_prompt_logprobs(s, results, int(qsl[i]), int(q_lens[i]))
-            if end >= len(s.token_ids):          # caught up: this step samples a token
+        for i, s in enumerate(handle.states):
+            if handle.k_prompt >= 0 and s.sampling_params.prompt_logprobs is not None \
+                    and handle.computed[i] < s.num_prompt_tokens:
+                prompt_lp[s.req_id] = self._collect_prompt_logprobs(
+                    s, results, int(handle.qsl[i]), int(handle.q_lens[i]), int(handle.computed[i]))
+            if handle.samples[i]:
                 tok = int(sampled[i])
                 s.token_ids.append(tok)
-                batch.append_token_ids(s.req_id, [tok])
+                if s.req_id in batch.req_id_to_index:
+                    batch.append_token_ids(s.req_id, [tok])
                 out_tokens.append([tok])
                 if want_lp:
                     k = s.sampling_params.logprobs
@@ -273,8 +347,7 @@ class ModelRunner:
                 out_tokens.append([])
                 if want_lp:
                     logprobs_out.append([])
-            s.num_computed_tokens = end
-            batch.num_computed_tokens_cpu[i] = end
+        req_ids = handle.req_ids
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=out_tokens, logprobs=logprobs_out,
                                  prompt_logprobs_dict=prompt_lp)
@@ -336,7 +409,8 @@ class ModelRunner:
                                          eos_token_id=self.eos_token_id, vocab_size=self.vocab_size)
         ops, layout, zeros = self._table_ops_and_zeros((), T, S)
         return self._pack_step(np.zeros(T, np.int32), np.zeros(S + 1, np.int32),
-                               np.zeros(S, np.int32), 0, ops, layout, zeros, md, {},
+                               np.zeros(S, np.int32), 0, ops, layout, zeros, md,
+                               {"prev_rows": np.full(T, -1, np.int32)},
                                max_q_len=max_q_len, prompt_logprobs=-1)
 
     def step_shapes(self, *, prefill: bool) -> list[tuple[int, int, int]]:
@@ -387,17 +461,25 @@ class ModelRunner:
         ops, layout = self.stager.encode()
         self.tables = apply_block_table_ops_jit(self.tables, jnp.asarray(ops), layout=layout)
 
-    def _run(self, shape: StepShape, packed: np.ndarray) -> dict[str, np.ndarray]:
+    def _dispatch(self, shape: StepShape, packed: np.ndarray) -> jax.Array:
+        """Starts the jitted step (a new shape compiles first, timed as a compile)."""
         new = shape not in self.compiled_shapes
         t0 = time.perf_counter()
-        self.buffers, self.tables, out = self._step(self.state, self.buffers, self.tables,
-                                                    jnp.asarray(packed), shape=shape)
-        host = np.asarray(jax.device_get(out))
+        self.buffers, self.tables, self.last_sampled, out = self._step(
+            self.state, self.buffers, self.tables, self.last_sampled, jnp.asarray(packed), shape=shape)
         if new:
+            out.block_until_ready()
             self.compiled_shapes.add(shape)
             self.num_compiles += 1
             self.compile_seconds += time.perf_counter() - t0
-        return unpack_host(host, self._out_specs[shape])
+        return out
+
+    def _fetch(self, shape: StepShape, out: jax.Array) -> dict[str, np.ndarray]:
+        """The step's results on the host (waits for the device)."""
+        return unpack_host(np.asarray(jax.device_get(out)), self._out_specs[shape])
+
+    def _run(self, shape: StepShape, packed: np.ndarray) -> dict[str, np.ndarray]:
+        return self._fetch(shape, self._dispatch(shape, packed))
 
     # ---- prompt logprobs ----------------------------------------------------------------------
 
@@ -421,11 +503,12 @@ class ModelRunner:
         return targets
 
     @staticmethod
-    def _collect_prompt_logprobs(s, results, start, q_len) -> list:
-        """TokenLogprobs of the prompt positions computed this step (targets = next prompt token)."""
+    def _collect_prompt_logprobs(s, results, start, q_len, computed) -> list:
+        """TokenLogprobs of the prompt positions computed this step (``computed`` tokens were
+        cached before it; targets = next prompt token)."""
         k = s.sampling_params.prompt_logprobs
-        return [prompt_row(results, start + j, s.token_ids[s.num_computed_tokens + j + 1], k)
-                for j in range(q_len) if s.num_computed_tokens + j + 1 < s.num_prompt_tokens]
+        return [prompt_row(results, start + j, s.token_ids[computed + j + 1], k)
+                for j in range(q_len) if computed + j + 1 < s.num_prompt_tokens]
 
     # ---- warm-up and introspection ------------------------------------------------------------
 

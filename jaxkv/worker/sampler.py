@@ -387,6 +387,13 @@ def _pad_lists(lists: Sequence[Sequence[int]], num_rows: int, width: int) -> np.
     return out
 
 
+def needs_output_history(params) -> bool:
+    """Whether sampling a row reads its generated tokens (penalties), not only their count:
+    such a row cannot sample while its previous token is still on the device (async)."""
+    return (getattr(params, "presence_penalty", 0.0) != 0 or getattr(params, "frequency_penalty", 0.0) != 0
+            or getattr(params, "repetition_penalty", 1.0) != 1)
+
+
 def build_sampling_metadata(
     params: Sequence,                       # [n] SamplingParams (or duck-typed), real rows
     key_data: np.ndarray,                   # [n, 2] uint32, make_request_key / make_unseeded_...

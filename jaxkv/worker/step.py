@@ -1,7 +1,9 @@
 """The jitted step: block-table diff -> zero new blocks -> slot mapping -> model -> sampler.
 
 Everything the host sends arrives packed in one int32 array (``packing``); everything the
-host needs comes back packed in one int32 array. KV buffers and block tables are donated.
+host needs comes back packed in one int32 array. KV buffers and block tables are donated, and
+so is ``last_sampled`` [R]: each step's sampled tokens by batch row, which the next step reads
+(``prev_rows``) for tokens the host does not have yet (async scheduling).
 """
 
 from __future__ import annotations
@@ -60,13 +62,15 @@ def slot_mapping(block_table, seq, positions, valid, block_size):
 
 def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logprobs_fn,
                   out_specs: dict):
-    """Returns ``step(state, buffers, tables, packed, *, shape)`` to be jitted by the caller.
+    """Returns ``step(state, buffers, tables, last_sampled, packed, *, shape)`` to be jitted by
+    the caller; it returns ``(buffers, tables, last_sampled, packed_out)``.
 
     The packed output's layout is recorded in ``out_specs[shape]`` when a shape is traced
     (it depends only on the static shape), so the host can unpack the one array it fetches.
     """
 
-    def step(state, buffers, tables, packed, *, shape: StepShape):
+    def step(state, buffers, tables, last_sampled, packed, *, shape: StepShape):
+        # last_sampled: [R] int32, the previous step's sampled token of each of its rows
         x = unpack(packed, shape.inputs)
         tables = apply_block_table_ops(tables, x["block_ops"], layout=shape.ops)
         if x["zero_blocks"].shape[0]:
@@ -86,7 +90,9 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
                 slot_mapping=slot_mapping(bt, seq, positions, valid, binding.block_size),
                 num_seqs=num_seqs, max_q_len=shape.max_q_len))
         model = nnx.merge(graphdef, state)
-        hidden, buffers = model(x["input_ids"], positions, tuple(buffers), tuple(mds), binding)
+        prev_rows = x["prev_rows"]                        # [T] row of last_sampled, or -1
+        input_ids = jnp.where(prev_rows >= 0, last_sampled[jnp.maximum(prev_rows, 0)], x["input_ids"])
+        hidden, buffers = model(input_ids, positions, tuple(buffers), tuple(mds), binding)
         last = jnp.maximum(qsl[1:] - 1, 0)                # [S] last scheduled token of each seq
         h_last = hidden[last]                             # [S, hidden]
         sampling = jax.tree_util.tree_unflatten(
@@ -98,6 +104,8 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
             all_logits = model.compute_logits(hidden)     # [T, V]
             out.update(prompt_logprobs_fn(all_logits, x["prompt_targets"], shape.prompt_logprobs))
         packed_out, out_specs[shape] = pack_device(out)
-        return buffers, tables, packed_out
+        rows = min(shape.num_seqs, last_sampled.shape[0])
+        last_sampled = jax.lax.dynamic_update_slice(last_sampled, out["sampled_token_ids"][:rows], (0,))
+        return buffers, tables, last_sampled, packed_out
 
     return step

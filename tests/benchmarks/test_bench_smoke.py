@@ -112,3 +112,16 @@ def test_jaxkv_bench_forwards_arguments(monkeypatch):
     assert cli.main(["bench", "--quick", "--workload", "fixed", "--no-baseline"]) == 0
     assert seen["argv"] == ["--quick", "--workload", "fixed", "--no-baseline"]
     assert (cli_bench.benchmarks_dir() / "throughput.py").is_file()
+
+
+def test_async_ab_runs_both_modes_on_the_same_tokens(throughput, tmp_path):
+    import async_ab
+
+    path = tmp_path / "async_ab.json"
+    async_ab.main(["--model-config", SMALL_MODEL, "--requests", "3", "--prompt", "4:12", "--max-tokens", "3",
+                   "--rounds", "2", "--max-num-batched-tokens", "32", "--kv-cache-memory", "2MiB",
+                   "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert result["summary"]["greedy_tokens_equal"] == "3/3"
+    assert len(result["times_s"]["sync"]) == len(result["times_s"]["async"]) == 2
+    assert result["summary"]["sync_over_async_min"] > 0 and "jax" in result["env"]

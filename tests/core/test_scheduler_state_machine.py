@@ -2,7 +2,9 @@
 
 After every step it checks the block accounting: each block's ref count equals its number
 of holders, free + held + null = total, no block is in two groups, and once no request is
-alive every non-null block is free.
+alive every non-null block is free. The async variant keeps one step in flight (step N+1 is
+scheduled before step N's tokens are applied) and also checks that no request gets more
+than ``max_tokens`` outputs.
 """
 
 from collections import Counter
@@ -33,6 +35,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     policy = "fcfs"
     eviction_policy = "lru"
     num_blocks = 17  # 16 usable: one 40-token request needs 10 full + 6 window blocks
+    async_scheduling = False
 
     def __init__(self):
         super().__init__()
@@ -44,9 +47,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             policy=self.policy,
             eviction_policy=self.eviction_policy,
             eos_token_id=EOS,
+            async_scheduling=self.async_scheduling,
         )
         self.next_id = 0
         self.num_steps = 0
+        self.in_flight = None  # async: (SchedulerOutput, ModelRunnerOutput) not applied yet
 
     @rule(
         prefix=st.sampled_from(PREFIXES),
@@ -77,11 +82,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         sampled = {}
         for i, req_id in enumerate(out.num_scheduled_tokens):
             request = s.requests[req_id]
-            done = request.num_computed_tokens >= request.num_tokens
+            if self.async_scheduling:   # the placeholder this schedule added sits right after
+                ph = request.num_output_placeholders
+                done = ph > 0 and request.num_computed_tokens == request.num_tokens + ph - 1
+            else:
+                done = request.num_computed_tokens >= request.num_tokens
             sampled[req_id] = [tokens[i % len(tokens)]] if done else []
-        s.update_from_output(out, ModelRunnerOutput.from_sampled(sampled))
+        mro = ModelRunnerOutput.from_sampled(sampled)
+        if self.async_scheduling:
+            prev, self.in_flight = self.in_flight, (out, mro)
+            results = s.update_from_output(*prev) if prev else []
+        else:
+            results = s.update_from_output(out, mro)
+        for res in results:
+            request = s.requests.get(res.request_id)
+            if request is not None:
+                assert request.num_output_tokens <= request.max_tokens
         for request in s.running:
-            assert request.num_computed_tokens <= request.num_tokens
+            extra = max(request.num_output_placeholders - 1, 0)
+            assert request.num_computed_tokens <= request.num_tokens + extra
+            assert request.num_output_placeholders <= (2 if self.async_scheduling else 0)
 
     @precondition(lambda self: self.scheduler.requests)
     @rule(data=st.data())
@@ -119,9 +139,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Drain: everything finishes or is aborted, and no block leaks.
         s = self.scheduler
         for _ in range(200):
-            if not s.has_unfinished_requests():
+            if not s.has_unfinished_requests() and self.in_flight is None:
                 break
-            self.step([EOS - 1] * 8)
+            if not s.has_unfinished_requests():   # async: apply the last step in flight
+                s.update_from_output(*self.in_flight)
+                self.in_flight = None
+            else:
+                self.step([EOS - 1] * 8)
             self.block_accounting()
         s.finish_requests(list(s.requests))
         assert s.kv_cache_manager.block_pool.get_num_free_blocks() == self.num_blocks - 1
@@ -137,7 +161,13 @@ class FullAttentionPriorityMachine(SchedulerMachine):
     num_blocks = 11  # 10 usable blocks = 40 tokens
 
 
+class AsyncHybridMachine(SchedulerMachine):
+    async_scheduling = True
+
+
 SchedulerMachine.TestCase.settings = PROFILE
 FullAttentionPriorityMachine.TestCase.settings = PROFILE
+AsyncHybridMachine.TestCase.settings = PROFILE
 TestHybridFCFS = SchedulerMachine.TestCase
 TestFullAttentionPriority = FullAttentionPriorityMachine.TestCase
+TestAsyncHybridFCFS = AsyncHybridMachine.TestCase

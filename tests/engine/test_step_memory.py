@@ -15,7 +15,8 @@ def _compiled_memory(runner, *, max_q_len):
     S = runner.seq_buckets[0]
     T = runner.token_buckets[0] if max_q_len == 1 else runner.token_buckets[-1]
     shape, packed = runner._empty_step(T, S, max_q_len=max_q_len or T)
-    compiled = runner._step.lower(runner.state, runner.buffers, runner.tables, jnp.asarray(packed),
+    compiled = runner._step.lower(runner.state, runner.buffers, runner.tables, runner.last_sampled,
+                                  jnp.asarray(packed),
                                   shape=shape).compile()
     return compiled.memory_analysis()
 

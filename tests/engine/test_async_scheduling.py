@@ -1,0 +1,136 @@
+"""Async scheduling end to end: the same tokens as the synchronous engine and the dense forward.
+
+With ``async_scheduling=True`` the engine dispatches step N+1 before it fetches step N, and
+step N+1 reads N's sampled tokens on the device. Greedy, seeded and unseeded sampling,
+min_tokens, logprobs, prompt logprobs, n > 1, stop ids, stop strings, penalties (which
+collect the step in flight first), preemption and aborts must all give what the synchronous
+engine gives, and free every block.
+"""
+
+import numpy as np
+import pytest
+
+from jaxkv.sampling_params import SamplingParams
+from tests.engine.helpers import dense_greedy, make_llm, small_model
+from tests.engine.test_engine_behaviour import _CharTokenizer
+from tests.engine.test_engine_greedy import _assert_no_leaks, _prompts
+
+
+@pytest.fixture(scope="module")
+def model():
+    return small_model("tiny-llama")
+
+
+def _generate(model, prompts, params, **kwargs):
+    llm = make_llm(model, **kwargs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _assert_no_leaks(llm)
+    return llm, outs
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-hybrid"])
+def test_async_greedy_with_preemption_matches_dense(family):
+    model = small_model(family)
+    prompts = _prompts(np.random.default_rng(0), [40, 45, 50, 35])
+    llm, outs = _generate(model, prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                          num_gpu_blocks_override=12, max_num_seqs=4, async_scheduling=True)
+    assert llm.llm_engine.get_stats()["num_preemptions"] > 0
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == dense_greedy(model, p, 20)
+
+
+def test_async_sampling_variants_match_sync(model):
+    rng = np.random.default_rng(1)
+    prompts = _prompts(rng, [9, 30, 17, 44, 5, 23, 12, 38])
+    params = [
+        SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, top_k=20, ignore_eos=True),   # engine-seeded
+        SamplingParams(max_tokens=10, temperature=0.9, repetition_penalty=1.4, presence_penalty=0.5,
+                       ignore_eos=True),                                             # penalties
+        SamplingParams(max_tokens=9, temperature=0.7, min_tokens=6, logprobs=3, seed=3),
+        SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=2, ignore_eos=True),
+        SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=15, temperature=1.0, seed=8, stop_token_ids=[]),
+    ]
+    # Each engine runs the batch twice (the second time with prefix-cache hits); a stop id
+    # the first sync run samples mid-way ends request 7 early in the second runs.
+    llms = {mode: make_llm(model, max_num_batched_tokens=32, async_scheduling=mode) for mode in (False, True)}
+    first = {mode: llm.generate(prompts, params, use_tqdm=False) for mode, llm in llms.items()}
+    stop_at = first[False][7].outputs[0].token_ids[4]
+    params[7] = SamplingParams(max_tokens=15, temperature=1.0, seed=8, stop_token_ids=[stop_at])
+    results = {}
+    for mode, llm in llms.items():
+        outs = first[mode] + llm.generate(prompts, params, use_tqdm=False)
+        _assert_no_leaks(llm)
+        results[mode] = [
+            ([c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs],
+             [c.finish_reason for c in o.outputs], o.prompt_logprobs)
+            for o in outs]
+    assert results[True] == results[False]
+    assert results[True][8 + 7][2] == ["stop"] and len(results[True][8 + 7][0][0]) <= 5
+    assert results[True][4][1][0] and len(results[True][4][0][0]) >= 6
+
+
+def test_async_pipelines_one_step(model):
+    """The first step returns nothing and leaves a step in flight; later steps feed tokens
+    from the device (``prev_rows``), and the request's outputs still arrive in order."""
+    llm = make_llm(model, async_scheduling=True)
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    from_device = []
+    pack = runner._pack_step
+
+    def spy(input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, **kw):
+        from_device.append(int((extra["prev_rows"] >= 0).sum()))
+        return pack(input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, **kw)
+
+    runner._pack_step = spy
+    prompt = _prompts(np.random.default_rng(2), [21])[0]
+    engine.add_request("a", prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert engine.step() == [] and engine._in_flight is not None
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+    assert tokens == dense_greedy(model, prompt, 6)
+    assert from_device == [0, 1, 1, 1, 1, 1]   # every decode input came from the device
+    assert engine._in_flight is None and runner._in_flight is None
+
+
+def test_async_stop_strings_and_abort(model):
+    llm = make_llm(model, tokenizer=_CharTokenizer(), async_scheduling=True)
+    (free,) = llm.generate(["abcdefg"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                           use_tqdm=False)
+    text = free.outputs[0].text
+    stop = text[4:6]
+    (stopped,) = llm.generate(["abcdefg"], SamplingParams(max_tokens=12, temperature=0, stop=[stop]),
+                              use_tqdm=False)
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].text == text[: text.index(stop)]
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", _prompts(np.random.default_rng(10 + i), [12])[0], params)
+    done = {}
+    for step in range(100):
+        if step == 3:
+            engine.abort_request("r1")   # a step for r1 is in flight: its token is dropped
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(done) == ["r0", "r2"] and all(len(o.outputs[0].token_ids) == 10 for o in done.values())
+    _assert_no_leaks(llm)
+
+
+def test_runner_refuses_a_penalised_row_after_its_step_in_flight(model):
+    llm = make_llm(model, async_scheduling=True)
+    engine = llm.llm_engine
+    engine.add_request("p", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.5, frequency_penalty=0.3))
+    so = engine.scheduler.schedule()
+    handle = engine.runner.dispatch(so)                  # samples p's first token
+    so2 = engine.scheduler.schedule()                    # p's next step, token still in flight
+    with pytest.raises(ValueError, match="'p' uses penalties"):
+        engine.runner.dispatch(so2)
+    engine.runner.collect(handle)
