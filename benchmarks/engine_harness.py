@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from jaxkv.engine import LLMEngine
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclasses.dataclass
@@ -108,7 +108,9 @@ def build_engine(model, tokenizer, **kwargs) -> tuple[LLMEngine, StepTimer]:
 
 
 def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # FINAL_ONLY: the harness reads finished outputs only, as LLM.generate does
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _drain(engine: LLMEngine, timer: StepTimer, prompts, max_tokens) -> dict:

@@ -8,10 +8,10 @@
 from jaxkv.engine import LLM, LLMEngine
 from jaxkv.engine_config import EngineConfig
 from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-    "RequestMetrics", "Logprob",
+    "RequestMetrics", "Logprob", "RequestOutputKind",
 ]
 __version__ = "0.1.0"

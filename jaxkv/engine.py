@@ -20,7 +20,7 @@ from jaxkv.core import EngineCoreOutput, Request, RequestStatus, Scheduler
 from jaxkv.detokenizer import IncrementalDetokenizer
 from jaxkv.engine_config import EngineConfig, resolve_engine_config
 from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.worker.model_runner import ModelRunner
 from jaxkv.worker.sampler import needs_output_history
 
@@ -37,6 +37,8 @@ class _Child:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detok: IncrementalDetokenizer | None = None
+    sent_tokens: int = 0     # DELTA outputs: tokens and text already returned
+    sent_text: int = 0
 
 
 @dataclasses.dataclass
@@ -302,13 +304,15 @@ class LLMEngine:
                 child.finish_reason, child.stop_reason = co.finish_reason, co.stop_reason
         outputs = []
         for parent in touched.values():
-            out = self._make_output(parent)
-            if parent.finished:
+            finished = parent.finished
+            if finished:
                 parent.metrics.finished_time = now
                 self._parents.pop(parent.request_id, None)
                 for c in parent.children:
                     self._child_of.pop(c.request_id, None)
-            outputs.append(out)
+            kind = parent.params.output_kind
+            if finished or kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(parent, delta=kind == RequestOutputKind.DELTA))
         return outputs
 
     def _to_logprobs(self, lp) -> dict[int, Logprob]:
@@ -320,18 +324,25 @@ class LLMEngine:
                 out[int(t)] = Logprob(float(l), int(r), dec)
         return out
 
-    def _make_output(self, parent: _Parent) -> RequestOutput:
+    def _make_output(self, parent: _Parent, *, delta: bool = False) -> RequestOutput:
+        """The request's output: everything so far, or with ``delta`` only the tokens, text
+        and logprobs new since its previous output (prompt logprobs with the first one)."""
         completions = []
+        first = True
         for c in parent.children:
             text = c.detok.text if c.detok is not None else ""
+            start, tstart = (c.sent_tokens, c.sent_text) if delta else (0, 0)
+            first = first and c.sent_tokens == 0
             completions.append(CompletionOutput(
-                index=c.index, text=text, token_ids=list(c.token_ids),
+                index=c.index, text=text[tstart:], token_ids=c.token_ids[start:],
                 cumulative_logprob=c.cumulative_logprob,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                logprobs=c.logprobs[start:] if c.logprobs is not None else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            c.sent_tokens, c.sent_text = len(c.token_ids), len(text)
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
-            prompt_token_ids=list(parent.prompt_token_ids), prompt_logprobs=parent.prompt_logprobs,
+            prompt_token_ids=list(parent.prompt_token_ids),
+            prompt_logprobs=parent.prompt_logprobs if not delta or first else None,
             outputs=completions, finished=parent.finished, metrics=parent.metrics,
             num_cached_tokens=parent.num_cached_tokens)
 
@@ -380,12 +391,19 @@ class LLM:
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        if isinstance(sampling_params, Sequence):
+        if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        for sp in params:
+            if sp is not None and not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+        # One output per request, when it finishes (as vLLM's LLM.generate): the engine skips
+        # building the per-step outputs nobody reads.
+        params = [dataclasses.replace(sp or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
+                  for sp in params]
         ids = []
         try:
             for p, sp in zip(prompts, params):

@@ -21,6 +21,14 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What ``LLMEngine.step`` returns for a request (vLLM's ``RequestOutputKind``)."""
+
+    CUMULATIVE = 0   # each output holds everything generated so far
+    DELTA = 1        # each output holds only what is new since the request's previous one
+    FINAL_ONLY = 2   # one output, when the request finishes (``LLM.generate`` uses this)
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -59,6 +67,7 @@ class SamplingParams:
         skip_special_tokens: Drop special tokens when detokenizing.
         spaces_between_special_tokens: Detokenizer option.
         detokenize: Whether the engine detokenizes the output.
+        output_kind: ``RequestOutputKind`` of the outputs ``LLMEngine.step`` returns.
     """
 
     n: int = 1
@@ -81,6 +90,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if not _is_int(self.n) or self.n < 1:
@@ -115,6 +125,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if isinstance(self.output_kind, bool) or self.output_kind not in tuple(RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
 
         if self.stop is None:
             self.stop = []

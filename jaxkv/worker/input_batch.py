@@ -27,6 +27,7 @@ from jaxkv.worker.sampler import (
     build_sampling_metadata,
     make_request_key,
     make_unseeded_request_key,
+    needs_output_history,
 )
 
 
@@ -192,6 +193,16 @@ class InputBatch:
         self.token_ids_cpu[row, start:end] = token_ids
         self.num_tokens[row] = end
 
+    def append_one_token_per_row(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Appends ``token_ids[i]`` to row ``rows[i]`` (distinct rows; [n] int each)."""
+        ends = self.num_tokens[rows]
+        if ends.size and int(ends.max()) >= self.max_model_len:
+            row = int(rows[int(np.argmax(ends))])
+            raise ValueError(f"request {self._req_ids[row]!r} would have {int(ends.max()) + 1} tokens "
+                             f"> max_model_len={self.max_model_len}")
+        self.token_ids_cpu[rows, ends] = token_ids
+        self.num_tokens[rows] = ends + 1
+
     def num_output_tokens(self, row: int) -> int:
         return int(self.num_tokens[row] - self.num_prompt_tokens[row])
 
@@ -213,13 +224,19 @@ class InputBatch:
         """
         if not self.is_condensed:
             raise ValueError("sampling_metadata() needs a condensed batch; call condense() first")
-        rows = range(self.num_reqs)
+        n = self.num_reqs
+        rows = range(n)
+        params = self.sampling_params[:n]
+        counts = self.num_tokens[:n] - self.num_prompt_tokens[:n]
+        if num_pending is not None:
+            counts = counts + np.asarray(num_pending)
+        history = any(needs_output_history(p) for p in params)   # penalties read the tokens
         return build_sampling_metadata(
-            [self.sampling_params[r] for r in rows],
-            self.request_keys[: self.num_reqs],
-            [self.num_output_tokens(r) + (num_pending[r] if num_pending is not None else 0) for r in rows],
-            [self.prompt_token_ids(r) for r in rows],
-            [self.output_token_ids(r) for r in rows],
+            params,
+            self.request_keys[:n],
+            counts,
+            [self.prompt_token_ids(r) for r in rows] if history else None,
+            [self.output_token_ids(r) for r in rows] if history else None,
             num_rows=num_rows,
             eos_token_id=eos_token_id,
             vocab_size=vocab_size,

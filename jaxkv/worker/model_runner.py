@@ -274,20 +274,26 @@ class ModelRunner:
         qsl = np.zeros(S + 1, np.int32)
         qsl[1 : n + 1] = np.cumsum(q_lens)
         qsl[n + 1 :] = total
+        # Each row's tokens [c, c + q) from its host row; a token sampled by the step in
+        # flight (pending, not on the host yet) is read on the device from that step's row.
+        c = num_computed[:n]
+        known = batch.num_tokens[:n]                       # tokens on the host per row
+        rows = np.repeat(np.arange(n), q_lens)             # [total] row of each token
+        offset = np.arange(total) - np.repeat(qsl[:n], q_lens)
         input_ids = np.zeros(T, np.int32)
+        input_ids[:total] = batch.token_ids_cpu[rows, np.repeat(c, q_lens) + offset]
         prev_rows = np.full(T, -1, np.int32)
         pending = np.zeros(n, np.int32)
-        samples = np.zeros(n, bool)
-        for i, s in enumerate(states):
-            c, q, known = int(num_computed[i]), int(q_lens[i]), len(s.token_ids)
-            input_ids[qsl[i] : qsl[i + 1]] = batch.token_ids_cpu[i, c : c + q]
-            if prev is not None and s.req_id in prev.sample_rows:
-                pending[i] = 1               # its token from the step in flight
-                if c + q > known:            # ... is this step's input at position `known`
-                    prev_rows[qsl[i] + known - c] = prev.sample_rows[s.req_id]
-            if c + q > known + pending[i]:
-                raise RuntimeError(f"request {s.req_id!r}: {c + q} tokens scheduled, {known} known")
-            samples[i] = c + q >= known + pending[i]
+        if prev is not None:
+            src = np.array([prev.sample_rows.get(r, -1) for r in req_ids], np.int32)
+            pending = (src >= 0).astype(np.int32)
+            reads = np.flatnonzero((src >= 0) & (c + q_lens > known))   # input at position `known`
+            prev_rows[qsl[reads] + known[reads] - c[reads]] = src[reads]
+        ends = c + q_lens
+        if np.any(ends > known + pending):
+            i = int(np.argmax(ends > known + pending))
+            raise RuntimeError(f"request {req_ids[i]!r}: {ends[i]} tokens scheduled, {known[i]} known")
+        samples = ends >= known + pending
         for i in np.flatnonzero(pending):
             if needs_output_history(states[i].sampling_params):
                 raise ValueError(f"request {states[i].req_id!r} uses penalties: its step cannot "
@@ -305,13 +311,13 @@ class ModelRunner:
             max_q_len=max_q_len,
             prompt_logprobs=bucket_k(k_prompt) if k_prompt > 0 else k_prompt)
         out = self._dispatch(shape, packed)
-        computed = num_computed[:n].copy()
-        for i, s in enumerate(states):   # progress advances at dispatch, as in the scheduler
-            s.num_computed_tokens = int(computed[i] + q_lens[i])
-            batch.num_computed_tokens_cpu[i] = s.num_computed_tokens
+        computed = c.copy()
+        batch.num_computed_tokens_cpu[:n] = ends   # progress advances at dispatch, as in the core
+        for st, end in zip(states, ends.tolist()):
+            st.num_computed_tokens = end
         handle = StepHandle(shape=shape, out=out, states=states, q_lens=q_lens, qsl=qsl,
                             computed=computed, samples=samples, k_prompt=k_prompt,
-                            sample_rows={s.req_id: i for i, s in enumerate(states) if samples[i]})
+                            sample_rows={req_ids[i]: i for i in np.flatnonzero(samples).tolist()})
         self._in_flight = handle
         return handle
 
@@ -329,16 +335,22 @@ class ModelRunner:
         out_tokens: list[list[int]] = []
         logprobs_out: list | None = [] if want_lp else None
         prompt_lp: dict = {}
+        toks = sampled[: len(handle.states)].tolist()
+        samples = handle.samples.tolist()
+        index = batch.req_id_to_index
+        rows, row_toks = [], []
         for i, s in enumerate(handle.states):
             if handle.k_prompt >= 0 and s.sampling_params.prompt_logprobs is not None \
                     and handle.computed[i] < s.num_prompt_tokens:
                 prompt_lp[s.req_id] = self._collect_prompt_logprobs(
                     s, results, int(handle.qsl[i]), int(handle.q_lens[i]), int(handle.computed[i]))
-            if handle.samples[i]:
-                tok = int(sampled[i])
+            if samples[i]:
+                tok = toks[i]
                 s.token_ids.append(tok)
-                if s.req_id in batch.req_id_to_index:
-                    batch.append_token_ids(s.req_id, [tok])
+                row = index.get(s.req_id)
+                if row is not None:
+                    rows.append(row)
+                    row_toks.append(tok)
                 out_tokens.append([tok])
                 if want_lp:
                     k = s.sampling_params.logprobs
@@ -347,6 +359,8 @@ class ModelRunner:
                 out_tokens.append([])
                 if want_lp:
                     logprobs_out.append([])
+        if rows:
+            batch.append_one_token_per_row(np.asarray(rows), np.asarray(row_toks, np.int32))
         req_ids = handle.req_ids
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=out_tokens, logprobs=logprobs_out,

@@ -268,3 +268,38 @@ def test_kv_budget_too_small(model):
     with pytest.raises(ValueError, match="largest max_model_len that fits"):
         LLMEngine.from_config(model, kv_cache_memory_bytes=64 << 10, max_model_len=512,
                               max_num_seqs=4, max_num_batched_tokens=64)
+
+
+def test_output_kinds(model):
+    """CUMULATIVE outputs hold everything so far, DELTA only what is new (concatenating to the
+    same result), FINAL_ONLY one output at the end; LLM.generate leaves the caller's params alone."""
+    from jaxkv import RequestOutputKind
+
+    llm = make_llm(model, tokenizer=_CharTokenizer())
+    engine = llm.llm_engine
+    base = dict(max_tokens=7, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    for kind in RequestOutputKind:
+        engine.add_request(kind.name, "abcdef", SamplingParams(**base, output_kind=kind))
+    seen = {k.name: [] for k in RequestOutputKind}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    final = seen["CUMULATIVE"][-1]
+    assert [len(o.outputs[0].token_ids) for o in seen["CUMULATIVE"]] == list(range(1, 8))
+    (only,) = seen["FINAL_ONLY"]
+    assert only.finished and only.outputs[0].token_ids == final.outputs[0].token_ids
+    delta = seen["DELTA"]
+    assert [len(o.outputs[0].token_ids) for o in delta] == [1] * 7 and delta[-1].finished
+    assert sum((o.outputs[0].token_ids for o in delta), []) == final.outputs[0].token_ids
+    assert "".join(o.outputs[0].text for o in delta) == final.outputs[0].text and len(final.outputs[0].text) == 7
+    assert sum((o.outputs[0].logprobs for o in delta), []) == final.outputs[0].logprobs
+    assert delta[0].prompt_logprobs == final.prompt_logprobs and delta[1].prompt_logprobs is None
+
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    (out,) = llm.generate(["abc"], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2 and params.output_kind == RequestOutputKind.CUMULATIVE
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind, got 5"):
+        SamplingParams(output_kind=5)
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams, got str"):
+        llm.generate(["abc"], "greedy", use_tqdm=False)
+    assert not engine.has_unfinished_requests()
