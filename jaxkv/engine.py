@@ -244,12 +244,13 @@ class LLMEngine:
             core_outputs += self.scheduler.update_from_output(so, self.runner.collect(None))
         else:
             self._in_flight = (so, handle)
+        outputs = self._process(core_outputs)   # may finish requests (stop strings)
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             # Every request of the step in flight has finished: its tokens are dropped, and
             # collecting it now leaves the engine idle when the last output is returned.
-            core_outputs += self._finish_in_flight()
+            outputs += self._process(self._finish_in_flight())
         self._account(so, t0)
-        return self._process(core_outputs)
+        return outputs
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         so, handle = self._in_flight

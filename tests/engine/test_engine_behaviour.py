@@ -215,8 +215,9 @@ class _CharTokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def test_stop_strings(model):
-    llm = make_llm(model, tokenizer=_CharTokenizer())
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_stop_strings(model, async_scheduling):
+    llm = make_llm(model, tokenizer=_CharTokenizer(), async_scheduling=async_scheduling)
     (free,) = llm.generate(["abcdefg"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                            use_tqdm=False)
     text = free.outputs[0].text
