@@ -129,6 +129,12 @@ class LLMEngine:
             raise TypeError(f"request_id must be a str, got {request_id!r}")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self._in_flight is not None:
+            child_ids = {request_id} | {f"{i}_{request_id}" for i in range(params.n)}
+            busy = sorted(child_ids & set(self._in_flight[0].num_scheduled_tokens))
+            if busy:   # its results would be taken for the new request's
+                raise ValueError(f"request id {request_id!r} is still in the step in flight (as {busy}); "
+                                 "reuse it after the next step()")
         text, ids = self._tokenize(prompt)
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")

@@ -114,6 +114,20 @@ def test_async_abort_with_a_step_in_flight(model):
     assert sorted(done) == ["r0", "r2"] and all(len(o.outputs[0].token_ids) == 10 for o in done.values())
     _assert_no_leaks(llm)
 
+    # An aborted id whose step is still in flight cannot be reused until that step is collected.
+    prompt = _prompts(np.random.default_rng(20), [12])[0]
+    engine.add_request("x", prompt, params)
+    engine.step()
+    engine.step()
+    engine.abort_request("x")
+    with pytest.raises(ValueError, match="'x' is still in the step in flight"):
+        engine.add_request("x", prompt, params)
+    engine.step()
+    engine.add_request("x", prompt, params)
+    outs = [o for _ in range(40) if engine.has_unfinished_requests() for o in engine.step() if o.finished]
+    assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(model, prompt, 10)]
+    _assert_no_leaks(llm)
+
 
 def test_runner_refuses_a_penalised_row_after_its_step_in_flight(model):
     llm = make_llm(model, async_scheduling=True)
