@@ -246,9 +246,7 @@ class LLMEngine:
             stuck = {r.request_id: r.num_output_placeholders for r in self.scheduler.running}
             raise RuntimeError(f"async scheduling made no progress: nothing scheduled and no step in "
                                f"flight; running requests (id: placeholders) {stuck}")
-        if handle is None:   # nothing ran: the (empty) update now
-            core_outputs += self.scheduler.update_from_output(so, self.runner.collect(None))
-        else:
+        if handle is not None:   # None: nothing was scheduled, so there is nothing to update
             self._in_flight = (so, handle)
         outputs = self._process(core_outputs)   # may finish requests (stop strings)
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():

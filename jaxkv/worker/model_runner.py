@@ -107,7 +107,7 @@ class StepHandle:
     qsl: np.ndarray                        # [S + 1] int32 query start of each row
     computed: np.ndarray                   # [n] int32 tokens cached before the step
     samples: np.ndarray                    # [n] bool: the row samples a token
-    k_prompt: int                          # top-k of prompt logprobs (-1: none)
+    prompt_rows: list[int]                 # rows that compute prompt logprobs this step
     sample_rows: dict[str, int]            # req id -> its row, for rows that sample
 
     @property
@@ -311,12 +311,12 @@ class ModelRunner:
             max_q_len=max_q_len,
             prompt_logprobs=bucket_k(k_prompt) if k_prompt > 0 else k_prompt)
         out = self._dispatch(shape, packed)
-        computed = c.copy()
+        prompt_rows = [i for i, st in enumerate(states) if _wants_prompt_logprobs(st)] if k_prompt >= 0 else []
         batch.num_computed_tokens_cpu[:n] = ends   # progress advances at dispatch, as in the core
         for st, end in zip(states, ends.tolist()):
             st.num_computed_tokens = end
         handle = StepHandle(shape=shape, out=out, states=states, q_lens=q_lens, qsl=qsl,
-                            computed=computed, samples=samples, k_prompt=k_prompt,
+                            computed=c, samples=samples, prompt_rows=prompt_rows,
                             sample_rows={req_ids[i]: i for i in np.flatnonzero(samples).tolist()})
         self._in_flight = handle
         return handle
@@ -339,11 +339,11 @@ class ModelRunner:
         samples = handle.samples.tolist()
         index = batch.req_id_to_index
         rows, row_toks = [], []
+        for i in handle.prompt_rows:
+            s = handle.states[i]
+            prompt_lp[s.req_id] = self._collect_prompt_logprobs(
+                s, results, int(handle.qsl[i]), int(handle.q_lens[i]), int(handle.computed[i]))
         for i, s in enumerate(handle.states):
-            if handle.k_prompt >= 0 and s.sampling_params.prompt_logprobs is not None \
-                    and handle.computed[i] < s.num_prompt_tokens:
-                prompt_lp[s.req_id] = self._collect_prompt_logprobs(
-                    s, results, int(handle.qsl[i]), int(handle.q_lens[i]), int(handle.computed[i]))
             if samples[i]:
                 tok = toks[i]
                 s.token_ids.append(tok)
