@@ -51,6 +51,7 @@ class _Parent:
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
+    sent_prompt_logprobs: int = 0   # DELTA outputs: prompt logprobs already returned
 
     @property
     def finished(self) -> bool:
@@ -330,14 +331,12 @@ class LLMEngine:
         return out
 
     def _make_output(self, parent: _Parent, *, delta: bool = False) -> RequestOutput:
-        """The request's output: everything so far, or with ``delta`` only the tokens, text
-        and logprobs new since its previous output (prompt logprobs with the first one)."""
+        """The request's output: everything so far, or with ``delta`` only the tokens, text,
+        logprobs and prompt logprobs new since its previous output (None when none are new)."""
         completions = []
-        first = True
         for c in parent.children:
             text = c.detok.text if c.detok is not None else ""
             start, tstart = (c.sent_tokens, c.sent_text) if delta else (0, 0)
-            first = first and c.sent_tokens == 0
             completions.append(CompletionOutput(
                 index=c.index, text=text[tstart:], token_ids=c.token_ids[start:],
                 cumulative_logprob=c.cumulative_logprob,
@@ -347,9 +346,17 @@ class LLMEngine:
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=list(parent.prompt_token_ids),
-            prompt_logprobs=parent.prompt_logprobs if not delta or first else None,
+            prompt_logprobs=self._delta_prompt_logprobs(parent) if delta else parent.prompt_logprobs,
             outputs=completions, finished=parent.finished, metrics=parent.metrics,
             num_cached_tokens=parent.num_cached_tokens)
+
+    @staticmethod
+    def _delta_prompt_logprobs(parent: _Parent) -> list | None:
+        if parent.prompt_logprobs is None:
+            return None
+        new = parent.prompt_logprobs[parent.sent_prompt_logprobs:]
+        parent.sent_prompt_logprobs = len(parent.prompt_logprobs)
+        return new or None
 
     # ---- stats --------------------------------------------------------------------------------
 

@@ -296,6 +296,25 @@ def test_output_kinds(model):
     assert sum((o.outputs[0].logprobs for o in delta), []) == final.outputs[0].logprobs
     assert delta[0].prompt_logprobs == final.prompt_logprobs and delta[1].prompt_logprobs is None
 
+    # A prompt longer than the 64-token budget: its prompt logprobs come in two chunks, and
+    # the DELTA pieces concatenate to the cumulative list without repeats.
+    prompt = "abcdefghij" * 10
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        engine.add_request(f"long-{kind.name}", prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1,
+                                                                       output_kind=kind))
+    pieces = {k.name: [] for k in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA)}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces[out.request_id.split("-")[1]].append(out.prompt_logprobs)
+    cumulative = pieces["CUMULATIVE"][-1]
+    joined = sum((p for p in pieces["DELTA"] if p is not None), [])
+    assert len(cumulative) == len(joined) == 100 and len([p for p in pieces["DELTA"] if p]) >= 2
+    for a, b in zip(joined, cumulative):   # two requests of one batch: float rounding may differ
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert {t: x.rank for t, x in a.items()} == {t: x.rank for t, x in b.items()}
+            assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=1e-5)
+
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     (out,) = llm.generate(["abc"], params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2 and params.output_kind == RequestOutputKind.CUMULATIVE
