@@ -39,6 +39,7 @@ class _Child:
     detok: IncrementalDetokenizer | None = None
     sent_tokens: int = 0     # DELTA outputs: tokens and text already returned
     sent_text: int = 0
+    sent_finished: bool = False   # DELTA outputs: finish_reason already returned
 
 
 @dataclasses.dataclass
@@ -332,11 +333,20 @@ class LLMEngine:
 
     def _make_output(self, parent: _Parent, *, delta: bool = False) -> RequestOutput:
         """The request's output: everything so far, or with ``delta`` only the tokens, text,
-        logprobs and prompt logprobs new since its previous output (None when none are new)."""
+        logprobs and prompt logprobs new since its previous output (None when none are new).
+
+        A DELTA output of an ``n > 1`` request holds only the completions with something new
+        (tokens, text or their finish), as vLLM's streaming outputs do; match them by ``index``.
+        """
         completions = []
         for c in parent.children:
             text = c.detok.text if c.detok is not None else ""
             start, tstart = (c.sent_tokens, c.sent_text) if delta else (0, 0)
+            news = (len(c.token_ids) > start or len(text) > tstart
+                    or (c.finish_reason is not None and not c.sent_finished))
+            c.sent_finished = c.finish_reason is not None
+            if delta and not news and len(parent.children) > 1:
+                continue
             completions.append(CompletionOutput(
                 index=c.index, text=text[tstart:], token_ids=c.token_ids[start:],
                 cumulative_logprob=c.cumulative_logprob,

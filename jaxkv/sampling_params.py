@@ -25,7 +25,7 @@ class RequestOutputKind(enum.IntEnum):
     """What ``LLMEngine.step`` returns for a request (vLLM's ``RequestOutputKind``)."""
 
     CUMULATIVE = 0   # each output holds everything generated so far
-    DELTA = 1        # each output holds only what is new since the request's previous one
+    DELTA = 1        # only what is new since the previous output (n > 1: changed completions only)
     FINAL_ONLY = 2   # one output, when the request finishes (``LLM.generate`` uses this)
 
 

@@ -315,6 +315,30 @@ def test_output_kinds(model):
             assert {t: x.rank for t, x in a.items()} == {t: x.rank for t, x in b.items()}
             assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=1e-5)
 
+    # n > 1: a DELTA output holds only the completions with something new (vLLM's streaming),
+    # a finished completion is reported once; per index the pieces make up the final output.
+    sampled = dict(n=3, max_tokens=10, temperature=1.0, seed=11, stop=["a", "e", "i"], ignore_eos=True)
+    engine.add_request("n3-delta", "abcdef", SamplingParams(**sampled, output_kind=RequestOutputKind.DELTA))
+    engine.add_request("n3-final", "abcdef", SamplingParams(**sampled, output_kind=RequestOutputKind.FINAL_ONLY))
+    got = {"n3-delta": [], "n3-final": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id].append(out)
+    (final,) = got["n3-final"]
+    ends = sorted(len(c.token_ids) for c in final.outputs)
+    assert ends[0] < ends[-1], ends   # the children stop at different steps
+    done, joined = set(), {i: [] for i in range(3)}
+    for out in got["n3-delta"]:
+        indices = [c.index for c in out.outputs]
+        assert len(indices) == len(set(indices)) and not done & set(indices)
+        for c in out.outputs:
+            assert c.token_ids or c.finish_reason is not None
+            joined[c.index] += c.token_ids
+            if c.finish_reason is not None:
+                done.add(c.index)
+    assert done == {0, 1, 2} and any(len(o.outputs) < 3 for o in got["n3-delta"])
+    assert {c.index: c.token_ids for c in final.outputs} == joined
+
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     (out,) = llm.generate(["abc"], params, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2 and params.output_kind == RequestOutputKind.CUMULATIVE
