@@ -184,15 +184,6 @@ class InputBatch:
         """A running request's newly allocated blocks (staged as an append on the tables)."""
         self.block_table.append_row(self.req_id_to_index[req_id], new_block_ids_per_group)
 
-    def append_token_ids(self, req_id: str, token_ids: Sequence[int]) -> None:
-        """Appends sampled (output) tokens to the request's row."""
-        row = self.req_id_to_index[req_id]
-        start, end = int(self.num_tokens[row]), int(self.num_tokens[row]) + len(token_ids)
-        if end > self.max_model_len:
-            raise ValueError(f"request {req_id!r} would have {end} tokens > max_model_len={self.max_model_len}")
-        self.token_ids_cpu[row, start:end] = token_ids
-        self.num_tokens[row] = end
-
     def append_one_token_per_row(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Appends ``token_ids[i]`` to row ``rows[i]`` (distinct rows; [n] int each)."""
         ends = self.num_tokens[rows]

@@ -42,7 +42,7 @@ def test_add_remove_condense_literal():
     assert b.remove_request("a") == 0
     assert b.remove_request("zzz") is None
     assert b.add_request("d", [30, 31], [[14], [23]]) == 0
-    b.append_token_ids("b", [50])
+    b.append_one_token_per_row(np.array([1]), np.array([50], np.int32))   # b is row 1
     b.append_block_ids("c", [[15], [24]])
     assert b.condense() == []  # no holes
     sync()
@@ -86,6 +86,12 @@ def test_errors():
         b.add_request("x", [1], [[1]])
     with pytest.raises(ValueError, match="full"):
         b.add_request("y", [1], [[2]])
+    b.append_one_token_per_row(np.array([0]), np.array([7], np.int32))
+    b.append_one_token_per_row(np.array([0]), np.array([8], np.int32))
+    b.append_one_token_per_row(np.array([0]), np.array([9], np.int32))
+    with pytest.raises(ValueError, match="request 'x' would have 5 tokens > max_model_len=4"):
+        b.append_one_token_per_row(np.array([0]), np.array([10], np.int32))
+    assert b.token_ids_cpu[0].tolist() == [1, 7, 8, 9] and b.num_tokens[0] == 4
 
 
 def test_sampling_metadata_from_rows():
