@@ -1,10 +1,14 @@
 """Pure-jnp paged attention reference: the spec every backend is tested against.
 
 Written for clarity, not speed: every query token gathers its own sequence's whole block-table
-row and masks it. Memory is O(T * B * bs * Hkv * D); use small shapes.
+row and masks it. Memory is O(T * B * bs * Hkv * D); use small shapes. The arguments are
+checked eagerly; the math runs as one jit per shape (op-by-op it compiled every op anew for
+each test shape: ~2.5 s a call vs ~0.35 s, same values).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +42,14 @@ def paged_attention_reference(
     validate_attention_args(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs,
                             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                             k_scale=k_scale, v_scale=v_scale)
+    return _reference(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs, k_scale, v_scale,
+                      sm_scale=float(sm_scale), sliding_window=sliding_window,
+                      soft_cap=None if soft_cap is None else float(soft_cap))
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+def _reference(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs, k_scale, v_scale, *,
+               sm_scale: float, sliding_window: int | None, soft_cap: float | None) -> jax.Array:
     num_tokens, num_q_heads, head_size = q.shape
     _, _, num_kv_heads, block_size, _ = kv_cache.shape
     num_seq_rows, max_blocks = block_tables.shape
