@@ -22,7 +22,6 @@ from jaxkv.engine_config import EngineConfig, resolve_engine_config
 from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.worker.model_runner import ModelRunner
-from jaxkv.worker.sampler import needs_output_history
 
 
 @dataclasses.dataclass
@@ -224,8 +223,7 @@ class LLMEngine:
         With ``async_scheduling`` the cycle is pipelined one deep (vLLM's async scheduling):
         this call schedules and dispatches step N+1, then waits for step N and returns N's
         outputs, so the host's scheduling and input preparation overlap the device's work and
-        outputs arrive one call later. Before a request with penalties (they read its
-        generated tokens) is scheduled after a step that samples for it, that step is collected.
+        outputs arrive one call later.
         """
         t0 = time.perf_counter()
         if not self.scheduler.async_scheduling:
@@ -235,10 +233,6 @@ class LLMEngine:
             self._account(so, t0)
             return self._process(core_outputs)
         core_outputs = []
-        if self._in_flight is not None and any(
-                r.num_output_placeholders and needs_output_history(r.sampling_params)
-                for r in self.scheduler.running):
-            core_outputs = self._finish_in_flight()
         so = self.scheduler.schedule()
         self._mark_scheduled(so)
         handle = self.runner.dispatch(so)

@@ -31,7 +31,7 @@ from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops_
 from jaxkv.worker.buckets import pick_bucket, pow2_buckets, token_buckets
 from jaxkv.worker.input_batch import InputBatch
 from jaxkv.worker.packing import pack, unpack_host
-from jaxkv.worker.sampler import build_sampling_metadata, needs_output_history
+from jaxkv.worker.sampler import build_sampling_metadata
 from jaxkv.worker.sampling_adapter import (
     bucket_k,
     prompt_logprobs_fn,
@@ -252,8 +252,7 @@ class ModelRunner:
     def dispatch(self, so: SchedulerOutput) -> StepHandle | None:
         """Updates the batch, builds the inputs and starts the step on the device; None when
         nothing is scheduled. Tokens sampled by the step in flight (dispatched, not collected)
-        are read on the device; rows that need their generated tokens on the host
-        (penalties) cannot follow a step in flight (ValueError)."""
+        are read on the device (the penalties count them there too)."""
         zero_ids = self._update_states(so)
         batch = self.input_batch
         req_ids = batch.req_ids
@@ -294,10 +293,6 @@ class ModelRunner:
             i = int(np.argmax(ends > known + pending))
             raise RuntimeError(f"request {req_ids[i]!r}: {ends[i]} tokens scheduled, {known[i]} known")
         samples = ends >= known + pending
-        for i in np.flatnonzero(pending):
-            if needs_output_history(states[i].sampling_params):
-                raise ValueError(f"request {states[i].req_id!r} uses penalties: its step cannot "
-                                 "follow the step in flight that samples its previous token")
         ops, ops_layout, zeros = self._table_ops_and_zeros(zero_ids, T, S)
         md = batch.sampling_metadata(S, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size,
                                      num_pending=pending)

@@ -5,7 +5,8 @@ Everything here runs on the device inside the jitted step. The per-row inputs co
 (plain numpy leaves, so the runner can pack them into its one host->device transfer).
 
 Shape names: ``S`` request rows (padded to a bucket), ``V`` vocab size, ``K`` number of top
-logprobs, ``Lp`` / ``Lo`` / ``Lb`` padded lengths of the prompt, output and banned-token lists.
+logprobs, ``W`` the width of the penalty history (prompt then output tokens), ``Lb`` of the
+banned-token lists.
 
 Order of operations (vLLM V1 ``Sampler.forward``):
   1. logprobs, if requested, from the *raw* logits (vLLM's default ``logprobs_mode =
@@ -54,8 +55,12 @@ class SamplingMetadata:
     repetition_penalty: jax.Array  # [S] float32; 1 = off
     key_data: jax.Array            # [S, 2] uint32, the request's threefry key (make_request_key)
     num_output_tokens: jax.Array   # [S] int32, tokens generated so far (folded into the key)
-    prompt_token_ids: jax.Array    # [S, Lp] int32, PAD_TOKEN_ID-padded; Lp = 0 unless use_penalties
-    output_token_ids: jax.Array    # [S, Lo] int32, PAD_TOKEN_ID-padded; Lo = 0 unless use_penalties
+    history_token_ids: jax.Array   # [S, W] int32: prompt then output tokens; W = 0 unless use_penalties
+    num_prompt_tokens: jax.Array   # [S] int32: history_token_ids[:, :P] is the prompt
+    num_history_tokens: jax.Array  # [S] int32: columns past this are ignored
+    pending_token_ids: jax.Array   # [S] int32: an output token not in the history yet (async
+                                   #   scheduling: sampled by the step in flight; the step fills
+                                   #   it from its inputs), PAD_TOKEN_ID for none
     banned_token_ids: jax.Array    # [S, Lb] int32, PAD_TOKEN_ID-padded; set to -inf this step
     all_greedy: bool = True        # static: skip temperature, truncation and the random draw
     use_penalties: bool = False    # static: apply repetition / frequency / presence penalties
@@ -71,8 +76,8 @@ jax.tree_util.register_dataclass(
     SamplingMetadata,
     data_fields=[
         "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", "key_data", "num_output_tokens", "prompt_token_ids",
-        "output_token_ids", "banned_token_ids",
+        "repetition_penalty", "key_data", "num_output_tokens", "history_token_ids",
+        "num_prompt_tokens", "num_history_tokens", "pending_token_ids", "banned_token_ids",
     ],
     meta_fields=["all_greedy", "use_penalties", "use_top_k_top_p", "max_num_logprobs"],
 )
@@ -156,8 +161,10 @@ def apply_banned_tokens(
 
 def apply_penalties(
     logits: jax.Array,              # [S, V] float32
-    prompt_token_ids: jax.Array,    # [S, Lp] int32, PAD_TOKEN_ID-padded
-    output_token_ids: jax.Array,    # [S, Lo] int32, PAD_TOKEN_ID-padded
+    history_token_ids: jax.Array,   # [S, W] int32: prompt, then output tokens
+    num_prompt_tokens: jax.Array,   # [S] int32
+    num_history_tokens: jax.Array,  # [S] int32: columns >= this are ignored
+    pending_token_ids: jax.Array,   # [S] int32: one more output token, or PAD_TOKEN_ID
     presence_penalty: jax.Array,    # [S] float32
     frequency_penalty: jax.Array,   # [S] float32
     repetition_penalty: jax.Array,  # [S] float32
@@ -169,8 +176,14 @@ def apply_penalties(
     times in the output, ``logit -= c * frequency_penalty + presence_penalty``.
     """
     vocab = logits.shape[1]
-    output_counts = _token_counts(output_token_ids, vocab)                         # [S, V] int32
-    in_prompt = _token_counts(prompt_token_ids, vocab, presence_only=True)         # [S, V] bool
+    col = jnp.arange(history_token_ids.shape[1], dtype=jnp.int32)[None, :]          # [1, W]
+    known = col < num_history_tokens[:, None]
+    in_prompt_col = col < num_prompt_tokens[:, None]
+    prompt_ids = jnp.where(known & in_prompt_col, history_token_ids, PAD_TOKEN_ID)   # [S, W]
+    output_ids = jnp.where(known & ~in_prompt_col, history_token_ids, PAD_TOKEN_ID)  # [S, W]
+    output_ids = jnp.concatenate([output_ids, pending_token_ids[:, None]], axis=1)  # [S, W + 1]
+    output_counts = _token_counts(output_ids, vocab)                               # [S, V] int32
+    in_prompt = _token_counts(prompt_ids, vocab, presence_only=True)               # [S, V] bool
     in_output = output_counts > 0                                                  # [S, V] bool
     rep = repetition_penalty[:, None]
     repeated = jnp.where(logits > 0, logits / rep, logits * rep)
@@ -303,8 +316,8 @@ def sample(
     logits = apply_banned_tokens(logits, md.banned_token_ids)
     if md.use_penalties:
         logits = apply_penalties(
-            logits, md.prompt_token_ids, md.output_token_ids,
-            md.presence_penalty, md.frequency_penalty, md.repetition_penalty,
+            logits, md.history_token_ids, md.num_prompt_tokens, md.num_history_tokens,
+            md.pending_token_ids, md.presence_penalty, md.frequency_penalty, md.repetition_penalty,
         )
     token_ids = argmax(logits)  # greedy: exact argmax
 
@@ -387,9 +400,9 @@ def _pad_lists(lists: Sequence[Sequence[int]], num_rows: int, width: int) -> np.
     return out
 
 
-def needs_output_history(params) -> bool:
-    """Whether sampling a row reads its generated tokens (penalties), not only their count:
-    such a row cannot sample while its previous token is still on the device (async)."""
+def uses_penalties(params) -> bool:
+    """Whether sampling a row reads its prompt and generated tokens (repetition, frequency or
+    presence penalty), not only their count."""
     return (getattr(params, "presence_penalty", 0.0) != 0 or getattr(params, "frequency_penalty", 0.0) != 0
             or getattr(params, "repetition_penalty", 1.0) != 1)
 
@@ -404,15 +417,17 @@ def build_sampling_metadata(
     num_rows: int,                          # S >= n: the request bucket
     eos_token_id: int | None = None,
     vocab_size: int | None = None,          # needed only to resolve logprobs=-1 (whole vocab)
-    min_history_bucket: int = 16,
+    min_history_bucket: int = 256,
 ) -> SamplingMetadata:
     """Builds the (numpy) SamplingMetadata of one step for rows ``0..n-1``, padded to S rows.
 
     Padding rows are greedy with neutral parameters. Static fields, chosen so the jitted step
     sees few variants: ``all_greedy``, ``use_penalties``, ``use_top_k_top_p`` from the rows;
     ``max_num_logprobs`` = the largest requested K rounded up to a power of two (each row
-    then keeps its own first K + 1 columns). History widths Lp / Lo are powers of two
-    (>= ``min_history_bucket``) and 0 when no row uses penalties. ``min_tokens``: while a row
+    then keeps its own first K + 1 columns). The history width W (each row's prompt then its
+    output) is a power of two >= ``min_history_bucket``, 0 when no row uses penalties: one
+    width for both parts, so a run with penalties compiles once per doubling of the longest
+    row, not per (prompt, output) pair of sizes. ``min_tokens``: while a row
     has fewer outputs, its stop token ids (and EOS unless ``ignore_eos``) are banned.
     """
     n = len(params)
@@ -455,31 +470,35 @@ def build_sampling_metadata(
             max_logprobs = max(max_logprobs or 0, int(k))
 
     is_random = temperature[:n] >= SAMPLING_EPS
-    use_penalties = bool(
-        np.any(presence != 0) or np.any(frequency != 0) or np.any(repetition != 1)
-    )
+    use_penalties = any(uses_penalties(p) for p in params)
     use_top_k_top_p = bool(np.any(is_random & ((top_k[:n] > 0) | (top_p[:n] < 1))))
     if max_logprobs is not None:
         max_logprobs = _pow2_bucket(max_logprobs, 1)
         if vocab_size is not None:
             max_logprobs = min(max_logprobs, vocab_size)
 
+    num_prompt = np.zeros(num_rows, np.int32)
+    num_history = np.zeros(num_rows, np.int32)
     if use_penalties:
         if prompt_token_ids is None or output_token_ids is None:
             raise ValueError("penalties need prompt_token_ids and output_token_ids per row")
-        lp = _pow2_bucket(max((len(x) for x in prompt_token_ids), default=0), min_history_bucket)
-        lo = _pow2_bucket(max((len(x) for x in output_token_ids), default=0), min_history_bucket)
-        prompt_arr = _pad_lists(prompt_token_ids, num_rows, lp)
-        output_arr = _pad_lists(output_token_ids, num_rows, lo)
+        num_prompt[:n] = [len(x) for x in prompt_token_ids]
+        num_history[:n] = num_prompt[:n] + np.array([len(x) for x in output_token_ids], np.int32)
+        width = pow2_at_least(max(int(num_history.max(initial=0)), 1), min_history_bucket)
+        history = np.full((num_rows, width), PAD_TOKEN_ID, np.int32)
+        for i, (p_ids, o_ids) in enumerate(zip(prompt_token_ids, output_token_ids)):
+            history[i, : num_prompt[i]] = p_ids
+            history[i, num_prompt[i] : num_history[i]] = o_ids
     else:
-        prompt_arr = output_arr = np.zeros((num_rows, 0), np.int32)
+        history = np.zeros((num_rows, 0), np.int32)
     banned_arr = _pad_lists(banned, num_rows, _pow2_bucket(max(map(len, banned), default=0), 4))
 
     return SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
         key_data=keys, num_output_tokens=steps,
-        prompt_token_ids=prompt_arr, output_token_ids=output_arr, banned_token_ids=banned_arr,
+        history_token_ids=history, num_prompt_tokens=num_prompt, num_history_tokens=num_history,
+        pending_token_ids=np.full(num_rows, PAD_TOKEN_ID, np.int32), banned_token_ids=banned_arr,
         all_greedy=not bool(np.any(is_random)),
         use_penalties=use_penalties,
         use_top_k_top_p=use_top_k_top_p,

@@ -17,6 +17,7 @@ from flax import nnx
 from jaxkv.worker import kv_memory
 from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops
 from jaxkv.worker.packing import PackSpec, pack_device, unpack
+from jaxkv.worker.sampler import PAD_TOKEN_ID
 from pallas_kernels import PAD_SLOT_ID, AttentionMetadata
 
 
@@ -97,6 +98,13 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
         h_last = hidden[last]                             # [S, hidden]
         sampling = jax.tree_util.tree_unflatten(
             shape.sampling_treedef, [x[f"sampling_{i}"] for i in range(shape.sampling_treedef.num_leaves)])
+        if sampling.use_penalties:
+            # A row's token sampled by the step in flight is not in its host history yet; it
+            # is this step's input read from last_sampled, so the penalties count it here.
+            from_prev = jnp.where(valid & (prev_rows >= 0), input_ids, PAD_TOKEN_ID)          # [T]
+            pending = jax.ops.segment_max(from_prev, seq, num_segments=shape.num_seqs)        # [S]
+            sampling = dataclasses.replace(
+                sampling, pending_token_ids=jnp.maximum(pending, PAD_TOKEN_ID).astype(jnp.int32))
         # logits [S, V] float32, or [V, S] when the sampler asks for them vocab-major
         out = sample_fn(lambda vocab_major: model.compute_logits(h_last, vocab_major=vocab_major),
                         sampling)

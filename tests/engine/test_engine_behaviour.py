@@ -42,6 +42,22 @@ def test_steady_state_decode_does_not_compile(model):
     assert after_prefill - warm <= 1
 
 
+def test_penalties_compile_once_while_the_history_grows(model):
+    """Penalised rows send one history (prompt, then output) of a power-of-two width >= 256:
+    a decode whose history grows from 6 to 45 tokens compiles nothing after its first step
+    (with separate prompt / output widths from 16 up, it compiled at 17 and 33 outputs)."""
+    llm = make_llm(model, max_num_seqs=4, max_model_len=128)
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    params = SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)
+    engine.add_request("p", _prompt(3, 6), params)
+    engine.step()
+    engine.step()   # the prefill and the first decode compile their shapes
+    compiled = runner.num_compiles
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert runner.num_compiles == compiled
+
+
 def test_step_shape_is_set_by_token_and_request_buckets(model):
     """Block-table writes beyond one per row are applied before the step, so prefills writing
     10..16 entries share one compiled step (each exact count was its own compile), and their

@@ -110,8 +110,8 @@ def test_sampling_metadata_from_rows():
     assert md.num_output_tokens.tolist() == [0, 2, 0, 0]
     assert md.key_data[1].tolist() == make_request_key(9).tolist()
     assert md.use_penalties and md.use_top_k_top_p and not md.all_greedy
-    assert md.prompt_token_ids[:, :3].tolist() == [[6, -1, -1], [3, -1, -1], [1, 2, 3], [-1, -1, -1]]
-    assert md.output_token_ids[:, :2].tolist() == [[-1, -1], [4, 5], [-1, -1], [-1, -1]]
+    assert md.history_token_ids[:, :4].tolist() == [[6, -1, -1, -1], [3, 4, 5, -1], [1, 2, 3, -1], [-1] * 4]
+    assert md.num_prompt_tokens.tolist() == [1, 1, 3, 0] and md.num_history_tokens.tolist() == [1, 3, 3, 0]
     logits = np.zeros((4, 8), np.float32)
     logits[:, 2] = 1.0
     logits[:, 5] = 0.8

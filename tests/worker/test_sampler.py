@@ -184,13 +184,21 @@ def test_penalties_match_numpy():
     pres, freq, rep = [0.5, 0.0, -1.0], [0.25, 1.0, 2.0], [1.5, 0.8, 1.0]
     params = [SamplingParams(presence_penalty=p, frequency_penalty=f, repetition_penalty=r)
               for p, f, r in zip(pres, freq, rep)]
+    expected = _numpy_penalties(logits, prompts, outputs, pres, freq, rep)
+    scales = (jnp.array(pres, jnp.float32), jnp.array(freq, jnp.float32), jnp.array(rep, jnp.float32))
     md = _md(params, prompts=prompts, outputs=outputs)
     assert md.use_penalties
-    got = apply_penalties(
-        jnp.asarray(logits), md.prompt_token_ids, md.output_token_ids,
-        jnp.array(pres, jnp.float32), jnp.array(freq, jnp.float32), jnp.array(rep, jnp.float32),
-    )
-    expected = _numpy_penalties(logits, prompts, outputs, pres, freq, rep)
+    got = apply_penalties(jnp.asarray(logits), md.history_token_ids, md.num_prompt_tokens,
+                          md.num_history_tokens, md.pending_token_ids, *scales)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6, atol=1e-6)
+    # The last output token still in flight (async): left out of the history, passed as the
+    # pending token; stale entries past num_history_tokens are ignored.
+    md = _md(params, prompts=prompts, outputs=[o[:-1] for o in outputs])
+    history = np.array(md.history_token_ids)
+    history[0, 7], history[1, 1] = 4, 3     # stale, past each row's history
+    pending = np.array([o[-1] if o else -1 for o in outputs], np.int32)
+    got = apply_penalties(jnp.asarray(logits), history, md.num_prompt_tokens,
+                          md.num_history_tokens, pending, *scales)
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6, atol=1e-6)
 
 
@@ -270,9 +278,15 @@ def test_metadata_padding_and_static_flags():
     assert md.key_data.tolist() == [[0, 3], [0, 0], [0, 0], [0, 0]]
     assert (md.all_greedy, md.use_penalties, md.use_top_k_top_p, md.max_num_logprobs) == (
         False, False, True, None)
-    assert md.prompt_token_ids.shape == (4, 0)
+    assert md.history_token_ids.shape == (4, 0)
     md = _md([SamplingParams(frequency_penalty=0.1)], prompts=[[1] * 20], outputs=[[2]], num_rows=2)
-    assert md.use_penalties and md.prompt_token_ids.shape == (2, 32) and md.output_token_ids.shape == (2, 16)
+    # One history width for prompt and output, a power of two >= 256: few compiled variants.
+    assert md.use_penalties and md.history_token_ids.shape == (2, 256)
+    assert md.history_token_ids[0, :22].tolist() == [1] * 20 + [2, -1]
+    assert (md.num_prompt_tokens.tolist(), md.num_history_tokens.tolist()) == ([20, 0], [21, 0])
+    assert md.pending_token_ids.tolist() == [-1, -1]
+    md = _md([SamplingParams(frequency_penalty=0.1)], prompts=[[1] * 200], outputs=[[2] * 57])
+    assert md.history_token_ids.shape == (1, 512)
     with pytest.raises(ValueError, match="do not fit"):
         _md([SamplingParams()] * 3, num_rows=2)
 
