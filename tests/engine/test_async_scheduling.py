@@ -85,19 +85,25 @@ def test_async_sampling_variants_match_sync(model):
     assert results[True][4][1][0] and len(results[True][4][0][0]) >= 6
 
 
+def _count_inputs_from_device(runner) -> list[int]:
+    """Per dispatched step, how many input tokens it reads from the step in flight."""
+    counts = []
+    pack = runner._pack_step
+
+    def spy(input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, **kw):
+        counts.append(int((extra["prev_rows"] >= 0).sum()))
+        return pack(input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, **kw)
+
+    runner._pack_step = spy
+    return counts
+
+
 def test_async_pipelines_one_step(model):
     """The first step returns nothing and leaves a step in flight; later steps feed tokens
     from the device (``prev_rows``), and the request's outputs still arrive in order."""
     llm = make_llm(model, async_scheduling=True)
     engine, runner = llm.llm_engine, llm.llm_engine.runner
-    from_device = []
-    pack = runner._pack_step
-
-    def spy(input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, **kw):
-        from_device.append(int((extra["prev_rows"] >= 0).sum()))
-        return pack(input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, **kw)
-
-    runner._pack_step = spy
+    from_device = _count_inputs_from_device(runner)
     prompt = _prompts(np.random.default_rng(2), [21])[0]
     engine.add_request("a", prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert engine.step() == [] and engine._in_flight is not None
@@ -156,14 +162,7 @@ def test_penalised_rows_follow_their_step_in_flight(model):
     assert want[0] != dense_greedy(model, prompts[0], 24)    # the penalties change the tokens
     llm = make_llm(model, async_scheduling=True)
     runner = llm.llm_engine.runner
-    from_device = []
-    pack = runner._pack_step
-
-    def spy(input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, **kw):
-        from_device.append(int((extra["prev_rows"] >= 0).sum()))
-        return pack(input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, **kw)
-
-    runner._pack_step = spy
+    from_device = _count_inputs_from_device(runner)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert from_device == [0] + [2] * 23   # every decode step followed the one in flight
