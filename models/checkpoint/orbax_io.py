@@ -7,7 +7,9 @@ Layout of a checkpoint directory::
     <dir>/params/       orbax StandardCheckpointer tree of ``nnx.state(model, nnx.Param)``
 
 Restoring builds the model abstractly (``nnx.eval_shape``: no random init, no memory) and
-lets orbax allocate the parameters directly.
+lets orbax allocate the parameters directly. Checkpoints of untied models saved before the LM
+head became vocab-major (``lm_head.kernel [hidden, V]``, an ``nnx.Linear``) still restore: the
+kernel is read and transposed into ``lm_head.weight [V, hidden]``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -85,6 +88,47 @@ def restore_params(config: ModelConfig, path: str | os.PathLike) -> nnx.Module:
         # Non-parameter variables need concrete values: take them from a real build.
         graphdef, _, rest = nnx.split(build_model(config, seed=0), nnx.Param, ...)
     with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore(root / PARAMS_SUBDIR, abstract_params)
+        saved_head = _saved_keys(ckptr, root / PARAMS_SUBDIR, "lm_head")
+        if "kernel" in saved_head and "weight" not in saved_head:
+            params = _restore_linear_lm_head(ckptr, root / PARAMS_SUBDIR, abstract_params)
+        else:
+            params = ckptr.restore(root / PARAMS_SUBDIR, abstract_params)
     return nnx.merge(graphdef, params, rest)
+
+
+def _saved_keys(ckptr, path: Path, module: str) -> set:
+    """Keys saved under ``module`` (empty when the metadata does not say)."""
+    try:
+        tree = ckptr.metadata(path).item_metadata.tree
+    except (AttributeError, TypeError, ValueError, FileNotFoundError):
+        return set()
+    sub = tree.get(module) if isinstance(tree, Mapping) else None
+    return set(sub) if isinstance(sub, Mapping) else set()
+
+
+def _restore_linear_lm_head(ckptr, path: Path, abstract_params: nnx.State) -> nnx.State:
+    """A checkpoint whose untied LM head is ``kernel [hidden, V]``: restored with that layout
+    as the target, then the kernel transposed into ``weight [V, hidden]``."""
+    target = nnx.to_pure_dict(abstract_params)
+    weight = target["lm_head"]["weight"]                                  # [V, hidden]
+    target["lm_head"] = {"kernel": jax.ShapeDtypeStruct(weight.shape[::-1], weight.dtype,
+                                                        sharding=weight.sharding)}
+    pure = _strip_values(ckptr.restore(path, _with_values(target)))
+    pure["lm_head"] = {"weight": pure["lm_head"]["kernel"].T}
+    nnx.replace_by_pure_dict(abstract_params, pure)
+    return abstract_params
+
+
+def _with_values(tree):    # pure dict -> the saved layout, each leaf under "value"
+    if isinstance(tree, Mapping):
+        return {k: _with_values(v) for k, v in tree.items()}
+    return {"value": tree}
+
+
+def _strip_values(tree):   # the inverse of _with_values
+    if isinstance(tree, Mapping):
+        if set(tree) == {"value"} and not isinstance(tree["value"], Mapping):
+            return tree["value"]
+        return {k: _strip_values(v) for k, v in tree.items()}
+    return tree
 

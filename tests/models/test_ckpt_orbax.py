@@ -32,6 +32,31 @@ def test_save_restore_identical_params(tmp_path, name, dtype):
         np.testing.assert_array_equal(a, b, err_msg=str(path))
 
 
+def test_restore_untied_lm_head_saved_as_a_linear_kernel(tmp_path):
+    """Checkpoints written before the LM head became vocab-major hold ``lm_head.kernel
+    [hidden, V]`` (an nnx.Linear): they restore, transposed into ``lm_head.weight [V, hidden]``."""
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    config = small_config(tie_word_embeddings=False)
+    model = build_model(config, seed=3)
+    save_params(model, tmp_path / "ckpt")
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    pure["lm_head"] = {"kernel": pure["lm_head"]["weight"].T}
+    values = jax.tree_util.tree_map(lambda x: {"value": x}, pure)   # nnx's saved layout
+    shutil.rmtree(tmp_path / "ckpt" / "params")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "ckpt" / "params", values)
+        ckptr.wait_until_finished()
+    restored = restore_params(config, tmp_path / "ckpt")
+    want = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    got = dict(nnx.to_flat_state(nnx.state(restored, nnx.Param)))
+    assert len(got) == len(want)
+    for path, var in want:
+        np.testing.assert_array_equal(np.asarray(var[...]), np.asarray(got[path][...]), err_msg=str(path))
+
+
 def test_orbax_errors(tmp_path):
     config = small_config()
     save_params(build_model(config), tmp_path / "ckpt")
