@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,9 +34,16 @@ def make_llm(model, **kwargs) -> LLM:
     return llm
 
 
+#: model -> its jitted dense forward (entries go with their model).
+_DENSE_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def dense_greedy(model, prompt: list[int], max_tokens: int, pad_to: int = 256) -> list[int]:
     """Greedy loop on the dense, non-paged forward (causal, so right-padding is harmless)."""
-    fwd = jax.jit(lambda ids: dense_forward(model, ids))
+    fwd = _DENSE_FORWARD.get(model)
+    if fwd is None:   # one compile per model and length, not per call
+        ref = weakref.ref(model)   # a strong reference here would keep the key alive
+        fwd = _DENSE_FORWARD[model] = jax.jit(lambda ids: dense_forward(ref(), ids))
     tokens = list(prompt)
     out = []
     length = max(pad_to, len(prompt) + max_tokens)
