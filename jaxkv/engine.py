@@ -146,6 +146,12 @@ class LLMEngine:
         if len(ids) > self.config.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens is longer than "
                              f"max_model_len={self.config.max_model_len}")
+        for name, tokens in (("logit_bias", params.logit_bias or ()),
+                             ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = sorted(t for t in tokens if t >= vocab)
+            if outside:
+                raise ValueError(f"request {request_id!r}: {name} has token ids {outside[:5]} outside "
+                                 f"the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings {params.stop} need a tokenizer")
         n = params.n

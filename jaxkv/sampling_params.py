@@ -68,6 +68,9 @@ class SamplingParams:
         spaces_between_special_tokens: Detokenizer option.
         detokenize: Whether the engine detokenizes the output.
         output_kind: ``RequestOutputKind`` of the outputs ``LLMEngine.step`` returns.
+        logit_bias: ``{token id: bias}`` added to the logits before penalties and sampling
+            (biases clamped to [-100, 100], as OpenAI's ``logit_bias``).
+        allowed_token_ids: Only these token ids can be sampled (non-empty), or None.
     """
 
     n: int = 1
@@ -91,6 +94,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
         if not _is_int(self.n) or self.n < 1:
@@ -140,6 +145,22 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            bad = [(t, b) for t, b in self.logit_bias.items()
+                   if not _is_int(t) or t < 0 or isinstance(b, bool) or not isinstance(b, (int, float))
+                   or b != b]
+            if bad:
+                raise ValueError(f"logit_bias needs non-negative int token ids and finite numbers, got {bad[:5]!r}")
+            self.logit_bias = {t: min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must be non-negative ints, got {self.allowed_token_ids[:5]!r}")
 
         if self.greedy:
             # n > 1 with greedy is allowed (vLLM V1): the n completions are identical.

@@ -11,7 +11,8 @@ banned-token lists.
 Order of operations (vLLM V1 ``Sampler.forward``):
   1. logprobs, if requested, from the *raw* logits (vLLM's default ``logprobs_mode =
      "raw_logprobs"``: before bans, penalties, temperature and truncation);
-  2. banned tokens -> -inf (min_tokens: EOS and stop ids before ``min_tokens`` outputs);
+  2. ``allowed_token_ids``: every other token -> -inf; ``logit_bias`` added; banned tokens ->
+     -inf (min_tokens: EOS and stop ids before ``min_tokens`` outputs);
   3. penalties: repetition (tokens in prompt or output), frequency and presence (output);
   4. greedy rows (``temperature < SAMPLING_EPS``) take the argmax of these logits, exactly;
   5. temperature, then min_p, then top_k / top_p (one sort per row), then a Gumbel-max draw.
@@ -62,6 +63,10 @@ class SamplingMetadata:
                                    #   scheduling: sampled by the step in flight; the step fills
                                    #   it from its inputs), PAD_TOKEN_ID for none
     banned_token_ids: jax.Array    # [S, Lb] int32, PAD_TOKEN_ID-padded; set to -inf this step
+    allowed_token_ids: jax.Array   # [S, La] int32, PAD_TOKEN_ID-padded; a row with any entry
+                                   #   keeps only those tokens; La = 0 when no row has a list
+    bias_token_ids: jax.Array      # [S, Lz] int32, PAD_TOKEN_ID-padded (logit_bias keys)
+    bias_values: jax.Array         # [S, Lz] float32, added to those tokens' logits
     all_greedy: bool = True        # static: skip temperature, truncation and the random draw
     use_penalties: bool = False    # static: apply repetition / frequency / presence penalties
     use_top_k_top_p: bool = False  # static: some random row has top_k > 0 or top_p < 1
@@ -78,6 +83,7 @@ jax.tree_util.register_dataclass(
         "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty", "key_data", "num_output_tokens", "history_token_ids",
         "num_prompt_tokens", "num_history_tokens", "pending_token_ids", "banned_token_ids",
+        "allowed_token_ids", "bias_token_ids", "bias_values",
     ],
     meta_fields=["all_greedy", "use_penalties", "use_top_k_top_p", "max_num_logprobs"],
 )
@@ -157,6 +163,34 @@ def apply_banned_tokens(
     cols = jnp.where(banned_ids < 0, logits.shape[0 if vocab_major else 1], banned_ids)
     index = (cols, rows) if vocab_major else (rows, cols)
     return logits.at[index].set(-jnp.inf, mode="drop")
+
+
+def apply_allowed_tokens(
+    logits: jax.Array,       # [S, V] float32
+    allowed_ids: jax.Array,  # [S, La] int32, PAD_TOKEN_ID-padded
+) -> jax.Array:              # [S, V] float32
+    """Rows with an allow-list keep only those tokens (the rest -> -inf); rows without one (all
+    padding), and every row when La == 0, are unchanged."""
+    if allowed_ids.shape[1] == 0:
+        return logits
+    rows = jnp.broadcast_to(jnp.arange(allowed_ids.shape[0])[:, None], allowed_ids.shape)
+    cols = jnp.where(allowed_ids < 0, logits.shape[1], allowed_ids)
+    allowed = jnp.zeros(logits.shape, jnp.bool_).at[rows, cols].set(True, mode="drop")
+    has_list = jnp.any(allowed_ids >= 0, axis=1, keepdims=True)               # [S, 1]
+    return jnp.where(has_list & ~allowed, -jnp.inf, logits)
+
+
+def apply_logit_bias(
+    logits: jax.Array,    # [S, V] float32
+    bias_ids: jax.Array,  # [S, Lz] int32, PAD_TOKEN_ID-padded
+    bias: jax.Array,      # [S, Lz] float32
+) -> jax.Array:           # [S, V] float32
+    """Adds each row's ``logit_bias`` to its tokens (a no-op when Lz == 0)."""
+    if bias_ids.shape[1] == 0:
+        return logits
+    rows = jnp.broadcast_to(jnp.arange(bias_ids.shape[0])[:, None], bias_ids.shape)
+    cols = jnp.where(bias_ids < 0, logits.shape[1], bias_ids)
+    return logits.at[rows, cols].add(bias.astype(jnp.float32), mode="drop")
 
 
 def apply_penalties(
@@ -313,6 +347,8 @@ def sample(
     logits = logits.astype(jnp.float32)
     raw_logits = logits
 
+    logits = apply_allowed_tokens(logits, md.allowed_token_ids)
+    logits = apply_logit_bias(logits, md.bias_token_ids, md.bias_values)
     logits = apply_banned_tokens(logits, md.banned_token_ids)
     if md.use_penalties:
         logits = apply_penalties(
@@ -346,9 +382,10 @@ def sample(
 
 def greedy_vocab_major(md: SamplingMetadata) -> bool:
     """Static: whether ``sample`` reduces to an argmax over the vocabulary (every row greedy,
-    no penalties, no logprobs), so the step may hand ``sample_greedy_vocab_major`` the logits
+    no penalties, logprobs, allow-lists or logit biases), so the step may hand ``sample_greedy_vocab_major`` the logits
     transposed, ``[V, S]`` (the faster LM-head GEMM orientation on XLA:CPU)."""
-    return md.all_greedy and not md.use_penalties and md.max_num_logprobs is None
+    return (md.all_greedy and not md.use_penalties and md.max_num_logprobs is None
+            and md.allowed_token_ids.shape[1] == 0 and md.bias_token_ids.shape[1] == 0)
 
 
 def sample_greedy_vocab_major(
@@ -492,6 +529,14 @@ def build_sampling_metadata(
     else:
         history = np.zeros((num_rows, 0), np.int32)
     banned_arr = _pad_lists(banned, num_rows, _pow2_bucket(max(map(len, banned), default=0), 4))
+    allowed = [list(getattr(p, "allowed_token_ids", None) or ()) for p in params]
+    allowed_arr = _pad_lists(allowed, num_rows, _pow2_bucket(max(map(len, allowed), default=0), 4))
+    biases = [getattr(p, "logit_bias", None) or {} for p in params]
+    width = _pow2_bucket(max(map(len, biases), default=0), 4)
+    bias_ids = _pad_lists([list(b) for b in biases], num_rows, width)
+    bias_values = np.zeros((num_rows, width), np.float32)
+    for i, b in enumerate(biases):
+        bias_values[i, : len(b)] = list(b.values())
 
     return SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -499,6 +544,7 @@ def build_sampling_metadata(
         key_data=keys, num_output_tokens=steps,
         history_token_ids=history, num_prompt_tokens=num_prompt, num_history_tokens=num_history,
         pending_token_ids=np.full(num_rows, PAD_TOKEN_ID, np.int32), banned_token_ids=banned_arr,
+        allowed_token_ids=allowed_arr, bias_token_ids=bias_ids, bias_values=bias_values,
         all_greedy=not bool(np.any(is_random)),
         use_penalties=use_penalties,
         use_top_k_top_p=use_top_k_top_p,

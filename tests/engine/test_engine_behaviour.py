@@ -217,6 +217,38 @@ def test_logprobs_and_prompt_logprobs_match_dense(llm, model):
                                atol=1e-3)
 
 
+def test_allowed_token_ids_and_logit_bias_match_dense(llm, model):
+    """Greedy with an allow-list follows the dense forward's argmax over the allowed tokens; a
+    +100 bias wins every step; out-of-vocabulary ids are refused and the engine goes on."""
+    p = _prompt(13, 9)
+    allowed = [7, 42, 99, 300, 511]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, allowed_token_ids=allowed)
+    biased = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logit_bias={123: 100.0})
+    out, bias_out = llm.generate([p, p], [params, biased], use_tqdm=False)
+    fwd = jax.jit(lambda ids: dense_forward(model, ids))
+    seq, want = list(p), []
+    for _ in range(5):   # padded on the right to one length (causal): one compile
+        logits = np.asarray(fwd(jnp.asarray([seq + [0] * (32 - len(seq))]))[0, len(seq) - 1])
+        want.append(allowed[int(np.argmax(logits[allowed]))])
+        seq.append(want[-1])
+    assert out.outputs[0].token_ids == want and want != dense_greedy(model, p, 5)
+    assert bias_out.outputs[0].token_ids == [123] * 3
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match=r"allowed_token_ids has token ids \[512\] outside the vocabulary"):
+        engine.add_request("bad", p, SamplingParams(allowed_token_ids=[1, 512]))
+    with pytest.raises(ValueError, match=r"logit_bias has token ids \[600\]"):
+        engine.add_request("bad", p, SamplingParams(logit_bias={600: 1.0}))
+    with pytest.raises(ValueError, match="must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(TypeError, match="logit_bias must be a dict"):
+        SamplingParams(logit_bias=[(1, 2.0)])
+    with pytest.raises(ValueError, match="logit_bias needs"):
+        SamplingParams(logit_bias={-1: 2.0})
+    assert not engine.has_unfinished_requests()
+    (again,) = llm.generate([p], params, use_tqdm=False)
+    assert again.outputs[0].token_ids == want
+
+
 class _CharTokenizer:
     """Token id i decodes to chr(ord('a') + i % 26): enough to test stop strings."""
 

@@ -202,6 +202,26 @@ def test_penalties_match_numpy():
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6, atol=1e-6)
 
 
+def test_allowed_token_ids_and_logit_bias():
+    """vLLM's order: the allow-list masks first, the bias is added, then min_tokens' bans and
+    penalties; rows without a list or bias are unchanged; logprobs stay raw."""
+    logits = _logits(4, seed=6)
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=[3, 7, 30]),
+              SamplingParams(temperature=0.0, logit_bias={5: 100.0, 6: -1e9}),   # clamped to -100
+              SamplingParams(temperature=0.0, allowed_token_ids=[1, 2], logit_bias={2: -50.0},
+                             logprobs=1),
+              SamplingParams(temperature=0.0)]
+    md = _md(params)
+    assert md.allowed_token_ids.shape == (4, 4) and md.bias_token_ids.shape == (4, 4)
+    out = sample_jit(jnp.asarray(logits), md)
+    want = [[3, 7, 30][int(np.argmax(logits[0, [3, 7, 30]]))], 5, 1, int(np.argmax(logits[3]))]
+    assert want[0] != int(np.argmax(logits[0])) and want[3] not in (1, 5)   # the lists matter
+    assert np.asarray(out.sampled_token_ids).tolist() == want
+    raw = jax.nn.log_softmax(jnp.asarray(logits[2]))
+    np.testing.assert_allclose(float(out.logprobs[2, 0]), float(raw[1]), rtol=1e-5)
+    assert _md([SamplingParams()]).allowed_token_ids.shape == (1, 0)   # no list: no work
+
+
 @pytest.mark.parametrize("extra", [dict(top_p=0.9), dict()])
 def test_seeded_request_is_batch_invariant(extra):
     # With extra={}, the request alone skips top-k/top-p (static flag off) while the batch
