@@ -5,8 +5,8 @@ Everything here runs on the device inside the jitted step. The per-row inputs co
 (plain numpy leaves, so the runner can pack them into its one host->device transfer).
 
 Shape names: ``S`` request rows (padded to a bucket), ``V`` vocab size, ``K`` number of top
-logprobs, ``W`` the width of the penalty history (prompt then output tokens), ``Lb`` of the
-banned-token lists.
+logprobs, ``W`` the width of the penalty history (prompt then output tokens), ``Lb`` / ``La``
+/ ``Lz`` the padded lengths of the banned-token, allowed-token and logit-bias lists.
 
 Order of operations (vLLM V1 ``Sampler.forward``):
   1. logprobs, if requested, from the *raw* logits (vLLM's default ``logprobs_mode =
@@ -57,7 +57,7 @@ class SamplingMetadata:
     key_data: jax.Array            # [S, 2] uint32, the request's threefry key (make_request_key)
     num_output_tokens: jax.Array   # [S] int32, tokens generated so far (folded into the key)
     history_token_ids: jax.Array   # [S, W] int32: prompt then output tokens; W = 0 unless use_penalties
-    num_prompt_tokens: jax.Array   # [S] int32: history_token_ids[:, :P] is the prompt
+    num_prompt_tokens: jax.Array   # [S] int32: the first this many history columns are the prompt
     num_history_tokens: jax.Array  # [S] int32: columns past this are ignored
     pending_token_ids: jax.Array   # [S] int32: an output token not in the history yet (async
                                    #   scheduling: sampled by the step in flight; the step fills
@@ -381,9 +381,10 @@ def sample(
 
 
 def greedy_vocab_major(md: SamplingMetadata) -> bool:
-    """Static: whether ``sample`` reduces to an argmax over the vocabulary (every row greedy,
-    no penalties, logprobs, allow-lists or logit biases), so the step may hand ``sample_greedy_vocab_major`` the logits
-    transposed, ``[V, S]`` (the faster LM-head GEMM orientation on XLA:CPU)."""
+    """Static: whether ``sample`` reduces to an argmax over the vocabulary (every row greedy;
+    no penalties, logprobs, allow-lists or logit biases), so the step may hand
+    ``sample_greedy_vocab_major`` the logits transposed, ``[V, S]`` (the faster LM-head GEMM
+    orientation on XLA:CPU)."""
     return (md.all_greedy and not md.use_penalties and md.max_num_logprobs is None
             and md.allowed_token_ids.shape[1] == 0 and md.bias_token_ids.shape[1] == 0)
 
