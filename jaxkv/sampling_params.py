@@ -33,6 +33,10 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """Sampling parameters (vLLM V1 names and defaults).
@@ -150,17 +154,18 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
             bad = [(t, b) for t, b in self.logit_bias.items()
-                   if not _is_int(t) or t < 0 or isinstance(b, bool) or not isinstance(b, (int, float))
-                   or b != b]
+                   if not _is_int(t) or t < 0 or not _is_number(b) or b != b]
             if bad:
-                raise ValueError(f"logit_bias needs non-negative int token ids and finite numbers, got {bad[:5]!r}")
+                raise ValueError(f"logit_bias needs non-negative int token ids and numbers (not NaN), "
+                                 f"got {bad[:5]!r}")
             self.logit_bias = {t: min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (None allows every token)")
             if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
-                raise ValueError(f"allowed_token_ids must be non-negative ints, got {self.allowed_token_ids[:5]!r}")
+                raise ValueError(f"allowed_token_ids must be non-negative ints, "
+                                 f"got {self.allowed_token_ids[:5]!r}")
 
         if self.greedy:
             # n > 1 with greedy is allowed (vLLM V1): the n completions are identical.
