@@ -414,7 +414,7 @@ class ModelRunner:
             md = build_sampling_metadata([], np.zeros((0, 2), np.uint32), [], [], [], num_rows=S)
         else:
             md = build_sampling_metadata([sampling], np.zeros((1, 2), np.uint32),
-                                         [num_output_tokens], [[]], [[]], num_rows=S,
+                                         [num_output_tokens], [[]], [0], num_rows=S,
                                          eos_token_id=self.eos_token_id, vocab_size=self.vocab_size)
         ops, layout, zeros = self._table_ops_and_zeros((), T, S)
         return self._pack_step(np.zeros(T, np.int32), np.zeros(S + 1, np.int32),

@@ -449,8 +449,8 @@ def build_sampling_metadata(
     params: Sequence,                       # [n] SamplingParams (or duck-typed), real rows
     key_data: np.ndarray,                   # [n, 2] uint32, make_request_key / make_unseeded_...
     num_output_tokens: Sequence[int],       # [n] tokens generated so far per row
-    prompt_token_ids: Sequence[Sequence[int]] | None = None,  # [n] lists; needed for penalties
-    output_token_ids: Sequence[Sequence[int]] | None = None,  # [n] lists; needed for penalties
+    token_ids: Sequence[Sequence[int]] | None = None,  # [n] prompt then output tokens; for penalties
+    num_prompt_tokens: Sequence[int] | None = None,    # [n] prompt length of each; for penalties
     *,
     num_rows: int,                          # S >= n: the request bucket
     eos_token_id: int | None = None,
@@ -518,15 +518,12 @@ def build_sampling_metadata(
     num_prompt = np.zeros(num_rows, np.int32)
     num_history = np.zeros(num_rows, np.int32)
     if use_penalties:
-        if prompt_token_ids is None or output_token_ids is None:
-            raise ValueError("penalties need prompt_token_ids and output_token_ids per row")
-        num_prompt[:n] = [len(x) for x in prompt_token_ids]
-        num_history[:n] = num_prompt[:n] + np.array([len(x) for x in output_token_ids], np.int32)
+        if token_ids is None or num_prompt_tokens is None:
+            raise ValueError("penalties need token_ids and num_prompt_tokens per row")
+        num_prompt[:n] = num_prompt_tokens
+        num_history[:n] = [len(x) for x in token_ids]
         width = pow2_at_least(max(int(num_history.max(initial=0)), 1), min_history_bucket)
-        history = np.full((num_rows, width), PAD_TOKEN_ID, np.int32)
-        for i, (p_ids, o_ids) in enumerate(zip(prompt_token_ids, output_token_ids)):
-            history[i, : num_prompt[i]] = p_ids
-            history[i, num_prompt[i] : num_history[i]] = o_ids
+        history = _pad_lists(token_ids, num_rows, width)
     else:
         history = np.zeros((num_rows, 0), np.int32)
     banned_arr = _pad_lists(banned, num_rows, _pow2_bucket(max(map(len, banned), default=0), 4))

@@ -26,10 +26,11 @@ V = 32
 def _md(params, *, steps=None, prompts=None, outputs=None, num_rows=None, seeds=None, **kw):
     n = len(params)
     keys = np.stack([make_request_key(s) for s in (seeds or [p.seed or 0 for p in params])])
+    prompts = prompts if prompts is not None else [[]] * n
+    outputs = outputs if outputs is not None else [[]] * n
     return build_sampling_metadata(
         params, keys, steps if steps is not None else [0] * n,
-        prompts if prompts is not None else [[]] * n,
-        outputs if outputs is not None else [[]] * n,
+        [list(p) + list(o) for p, o in zip(prompts, outputs)], [len(p) for p in prompts],
         num_rows=num_rows or n, vocab_size=V, **kw,
     )
 
@@ -332,7 +333,7 @@ def test_greedy_vocab_major_equals_sample_on_transposed_logits():
         x[3, [4, 6]] = 100.0                                           # 4 and 6 are banned below
         params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[6])] * 8
         md = build_sampling_metadata(params, np.zeros((8, 2), np.uint32), [0] * 8, [[]] * 8,
-                                     [[]] * 8, num_rows=8, vocab_size=vocab, eos_token_id=4)
+                                     [0] * 8, num_rows=8, vocab_size=vocab, eos_token_id=4)
         assert md.banned_token_ids.shape[1] > 0
         want = np.asarray(sample_jit(jnp.asarray(x), md).sampled_token_ids)
         got = np.asarray(jax.jit(sample_greedy_vocab_major)(jnp.asarray(x.T), md).sampled_token_ids)
