@@ -77,9 +77,9 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, attention_backend=config.attention_backend,
             cache_dtype=config.cache_dtype, seed=config.seed, eos_token_id=self._eos_id())
-        if config.warmup:
+        if config.warmup:   # bad_words encoded, so warm-up compiles the widths requests use
             self.runner.warmup(progress=verbose, prefill=config.warmup == "all",
-                               sampling=config.warmup_sampling)
+                               sampling=[self._with_bad_words_ids("warmup", p) for p in config.warmup_sampling])
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
         self._counter = itertools.count()
@@ -137,23 +137,20 @@ class LLMEngine:
                 raise ValueError(f"request id {request_id!r} is still in the step in flight (as {busy}); "
                                  "reuse it after the next step()")
         text, ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:   # keep the last k tokens (vLLM)
+            k = params.truncate_prompt_tokens
+            ids = ids[-(self.config.max_model_len - 1 if k == -1 else k):]
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        self._check_vocab(request_id, "the prompt", ids)
         if len(ids) > self.config.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens is longer than "
                              f"max_model_len={self.config.max_model_len}")
-        for name, tokens in (("logit_bias", params.logit_bias or ()),
-                             ("allowed_token_ids", params.allowed_token_ids or ())):
-            outside = sorted(t for t in tokens if t >= vocab)
-            if outside:
-                raise ValueError(f"request {request_id!r}: {name} has token ids {outside[:5]} outside "
-                                 f"the vocabulary [0, {vocab})")
+        self._check_vocab(request_id, "logit_bias", params.logit_bias or ())
+        self._check_vocab(request_id, "allowed_token_ids", params.allowed_token_ids or ())
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings {params.stop} need a tokenizer")
+        params = self._with_bad_words_ids(request_id, params)
         n = params.n
         children = []
         requests = []
@@ -191,6 +188,39 @@ class LLMEngine:
         for c in children:
             self._child_of[c.request_id] = (parent, c)
 
+    def _check_vocab(self, request_id: str, what: str, token_ids) -> None:
+        """ValueError naming the first ids of ``token_ids`` outside the model's vocabulary."""
+        vocab = self.model_config.vocab_size
+        outside = sorted({t for t in token_ids if not 0 <= t < vocab})
+        if outside:
+            raise ValueError(f"request {request_id!r}: {what} has token ids {outside[:5]} outside "
+                             f"the vocabulary [0, {vocab})")
+
+    def _with_bad_words_ids(self, request_id: str, params: SamplingParams) -> SamplingParams:
+        """``params`` with ``bad_words`` encoded and appended to ``bad_words_token_ids`` (a copy:
+        the caller's object is left alone); every id checked against the vocabulary.
+
+        Each word is encoded as it stands (leading spaces stripped) and with one leading space;
+        the second form is kept only when it starts with another token and has as many tokens
+        (then it is the word's mid-sentence spelling, not the first form plus a space token).
+        """
+        words = list(params.bad_words_token_ids or [])
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError(f"request {request_id!r}: bad_words {params.bad_words} need a tokenizer")
+            for word in params.bad_words:
+                plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+                spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+                if not plain:
+                    raise ValueError(f"request {request_id!r}: bad word {word!r} encodes to no tokens")
+                words.append(list(plain))
+                if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                    words.append(list(spaced))
+        self._check_vocab(request_id, "bad_words", [t for w in words for t in w])
+        if not params.bad_words:
+            return params
+        return dataclasses.replace(params, bad_words_token_ids=words)
+
     def _eos_id(self) -> int | None:
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if eos is None:
@@ -220,6 +250,12 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block (vLLM's ``reset_prefix_cache``), e.g. after
+        changing the weights in place. Only possible while no request holds blocks: returns
+        False, changing nothing, otherwise."""
+        return self.scheduler.reset_prefix_cache()
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -319,7 +355,8 @@ class LLMEngine:
                     self._child_of.pop(c.request_id, None)
             kind = parent.params.output_kind
             if finished or kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(parent, delta=kind == RequestOutputKind.DELTA))
+                outputs.append(self._make_output(parent, delta=kind == RequestOutputKind.DELTA,
+                                                 streamed=kind != RequestOutputKind.FINAL_ONLY))
         return outputs
 
     def _to_logprobs(self, lp) -> dict[int, Logprob]:
@@ -331,21 +368,23 @@ class LLMEngine:
                 out[int(t)] = Logprob(float(l), int(r), dec)
         return out
 
-    def _make_output(self, parent: _Parent, *, delta: bool = False) -> RequestOutput:
+    def _make_output(self, parent: _Parent, *, delta: bool = False, streamed: bool = True) -> RequestOutput:
         """The request's output: everything so far, or with ``delta`` only the tokens, text,
         logprobs and prompt logprobs new since its previous output (None when none are new).
 
-        A DELTA output of an ``n > 1`` request holds only the completions with something new
-        (tokens, text or their finish), as vLLM's streaming outputs do; match them by ``index``.
+        A streamed (CUMULATIVE or DELTA) output of an ``n > 1`` request holds only the
+        completions with something new (tokens, text or their finish), each whole or as its
+        delta, as vLLM V1's streaming outputs do; match them by ``index``. FINAL_ONLY's one
+        output holds every completion.
         """
         completions = []
         for c in parent.children:
             text = c.detok.text if c.detok is not None else ""
-            start, tstart = (c.sent_tokens, c.sent_text) if delta else (0, 0)
-            news = (len(c.token_ids) > start or len(text) > tstart
+            news = (len(c.token_ids) > c.sent_tokens or len(text) > c.sent_text
                     or (c.finish_reason is not None and not c.sent_finished))
+            start, tstart = (c.sent_tokens, c.sent_text) if delta else (0, 0)
             c.sent_finished = c.finish_reason is not None
-            if delta and not news and len(parent.children) > 1:
+            if not news and len(parent.children) > 1 and streamed:
                 continue
             completions.append(CompletionOutput(
                 index=c.index, text=text[tstart:], token_ids=c.token_ids[start:],
@@ -404,6 +443,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """See :meth:`LLMEngine.reset_prefix_cache`."""
+        return self.llm_engine.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

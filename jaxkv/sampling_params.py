@@ -24,7 +24,7 @@ class SamplingType(enum.IntEnum):
 class RequestOutputKind(enum.IntEnum):
     """What ``LLMEngine.step`` returns for a request (vLLM's ``RequestOutputKind``)."""
 
-    CUMULATIVE = 0   # each output holds everything generated so far
+    CUMULATIVE = 0   # everything generated so far (n > 1: the changed completions, each whole)
     DELTA = 1        # only what is new since the previous output (n > 1: changed completions only)
     FINAL_ONLY = 2   # one output, when the request finishes (``LLM.generate`` uses this)
 
@@ -75,6 +75,17 @@ class SamplingParams:
         logit_bias: ``{token id: bias}`` added to the logits before penalties and sampling
             (biases clamped to [-100, 100], as OpenAI's ``logit_bias``).
         allowed_token_ids: Only these token ids can be sampled (non-empty), or None.
+        bad_words: Words that must not be generated (vLLM's ``bad_words``). The engine encodes
+            each (without special tokens) as it stands and with a leading space, keeping the
+            second form only when it is a different word of the same length, as vLLM does; a
+            word's last token is banned whenever the tokens generated just before it equal the
+            rest of the word. Needs a tokenizer. A string is taken as one word.
+        truncate_prompt_tokens: Keep only the prompt's last k tokens (k >= 1; vLLM's left
+            truncation); -1 keeps the most that fit, ``max_model_len - 1`` (one position is
+            left for the output; vLLM keeps ``max_model_len``); None keeps the whole prompt.
+        bad_words_token_ids: The same rule on token-id sequences, for models without a
+            tokenizer (a jaxkv extension; vLLM derives these from ``bad_words`` only). The
+            engine appends the encoded ``bad_words`` to these.
     """
 
     n: int = 1
@@ -100,6 +111,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | str | None = None
+    truncate_prompt_tokens: int | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self):
         if not _is_int(self.n) or self.n < 1:
@@ -166,6 +180,25 @@ class SamplingParams:
             if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
                 raise ValueError(f"allowed_token_ids must be non-negative ints, "
                                  f"got {self.allowed_token_ids[:5]!r}")
+
+        if self.truncate_prompt_tokens is not None and (
+                not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens == 0
+                or self.truncate_prompt_tokens < -1):
+            raise ValueError(f"truncate_prompt_tokens must be an int >= 1 or -1, "
+                             f"got {self.truncate_prompt_tokens!r}")
+        if self.bad_words is not None:
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words[:5]!r}")
+        if self.bad_words_token_ids is not None:
+            if isinstance(self.bad_words_token_ids, (str, bytes)) or not all(
+                    isinstance(w, (list, tuple)) for w in self.bad_words_token_ids):
+                raise TypeError(f"bad_words_token_ids must be a list of token-id lists, "
+                                f"got {self.bad_words_token_ids!r}")
+            self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
+            if any(not w or any(not _is_int(t) or t < 0 for t in w) for w in self.bad_words_token_ids):
+                raise ValueError(f"bad_words_token_ids must be non-empty lists of non-negative ints, "
+                                 f"got {self.bad_words_token_ids[:5]!r}")
 
         if self.greedy:
             # n > 1 with greedy is allowed (vLLM V1): the n completions are identical.

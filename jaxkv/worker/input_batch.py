@@ -27,7 +27,7 @@ from jaxkv.worker.sampler import (
     build_sampling_metadata,
     make_request_key,
     make_unseeded_request_key,
-    uses_penalties,
+    reads_token_ids,
 )
 
 
@@ -221,7 +221,7 @@ class InputBatch:
         counts = self.num_tokens[:n] - self.num_prompt_tokens[:n]
         if num_pending is not None:
             counts = counts + np.asarray(num_pending)
-        history = any(uses_penalties(p) for p in params)   # penalties read the tokens
+        history = any(map(reads_token_ids, params))   # penalties and bad words read the tokens
         return build_sampling_metadata(
             params,
             self.request_keys[:n],

@@ -6,13 +6,15 @@ Everything here runs on the device inside the jitted step. The per-row inputs co
 
 Shape names: ``S`` request rows (padded to a bucket), ``V`` vocab size, ``K`` number of top
 logprobs, ``W`` the width of the penalty history (prompt then output tokens), ``Lb`` / ``La``
-/ ``Lz`` the padded lengths of the banned-token, allowed-token and logit-bias lists.
+/ ``Lz`` the padded lengths of the banned-token, allowed-token and logit-bias lists, ``Bw`` the
+number of bad words per row and ``R`` the longest bad word's length less one.
 
 Order of operations (vLLM V1 ``Sampler.forward``):
   1. logprobs, if requested, from the *raw* logits (vLLM's default ``logprobs_mode =
      "raw_logprobs"``: before bans, penalties, temperature and truncation);
   2. ``allowed_token_ids``: every other token -> -inf; ``logit_bias`` added; banned tokens ->
-     -inf (min_tokens: EOS and stop ids before ``min_tokens`` outputs);
+     -inf (min_tokens: EOS and stop ids before ``min_tokens`` outputs; bad words: a word's last
+     token when the row's latest outputs are the rest of the word);
   3. penalties: repetition (tokens in prompt or output), frequency and presence (output);
   4. greedy rows (``temperature < SAMPLING_EPS``) take the argmax of these logits, exactly;
   5. temperature, then min_p, then top_k / top_p (one sort per row), then a Gumbel-max draw.
@@ -67,6 +69,11 @@ class SamplingMetadata:
                                    #   keeps only those tokens; La = 0 when no row has a list
     bias_token_ids: jax.Array      # [S, Lz] int32, PAD_TOKEN_ID-padded (logit_bias keys)
     bias_values: jax.Array         # [S, Lz] float32, added to those tokens' logits
+    bad_word_prefix_ids: jax.Array  # [S, Bw, R] int32: each bad word but its last token,
+                                    #   right-aligned, PAD_TOKEN_ID on the left
+    bad_word_last_ids: jax.Array    # [S, Bw] int32: each bad word's last token, PAD_TOKEN_ID for none
+    recent_output_ids: jax.Array    # [S, R] int32: the row's last R output tokens on the host,
+                                    #   right-aligned, PAD_TOKEN_ID on the left
     all_greedy: bool = True        # static: skip temperature, truncation and the random draw
     use_penalties: bool = False    # static: apply repetition / frequency / presence penalties
     use_top_k_top_p: bool = False  # static: some random row has top_k > 0 or top_p < 1
@@ -76,6 +83,13 @@ class SamplingMetadata:
     def num_rows(self) -> int:
         return self.temperature.shape[0]
 
+    @property
+    def reads_pending(self) -> bool:
+        """Static: whether sampling reads ``pending_token_ids`` (penalties count it; multi-token
+        bad words match it as the latest output), so the step must fill it in."""
+        return self.use_penalties or (self.bad_word_last_ids.shape[1] > 0
+                                      and self.recent_output_ids.shape[1] > 0)
+
 
 jax.tree_util.register_dataclass(
     SamplingMetadata,
@@ -83,7 +97,8 @@ jax.tree_util.register_dataclass(
         "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty", "key_data", "num_output_tokens", "history_token_ids",
         "num_prompt_tokens", "num_history_tokens", "pending_token_ids", "banned_token_ids",
-        "allowed_token_ids", "bias_token_ids", "bias_values",
+        "allowed_token_ids", "bias_token_ids", "bias_values", "bad_word_prefix_ids",
+        "bad_word_last_ids", "recent_output_ids",
     ],
     meta_fields=["all_greedy", "use_penalties", "use_top_k_top_p", "max_num_logprobs"],
 )
@@ -163,6 +178,34 @@ def apply_banned_tokens(
     cols = jnp.where(banned_ids < 0, logits.shape[0 if vocab_major else 1], banned_ids)
     index = (cols, rows) if vocab_major else (rows, cols)
     return logits.at[index].set(-jnp.inf, mode="drop")
+
+
+def bad_word_bans(
+    prefix_ids: jax.Array,   # [S, Bw, R] int32, right-aligned, PAD_TOKEN_ID on the left
+    last_ids: jax.Array,     # [S, Bw] int32, PAD_TOKEN_ID for no word
+    recent_ids: jax.Array,   # [S, R] int32, last R host-known outputs, PAD_TOKEN_ID on the left
+    pending_ids: jax.Array,  # [S] int32, an output token newer than those, or PAD_TOKEN_ID
+) -> jax.Array:              # [S, Bw] int32: tokens to ban this step, PAD_TOKEN_ID elsewhere
+    """vLLM's bad words: a word's last token is banned when the row's latest output tokens
+    equal the rest of the word; a one-token word is always banned.
+
+    The latest R outputs are ``recent_ids`` shifted left by one with the pending token
+    appended when there is one (async scheduling: the step in flight sampled it). A row with
+    fewer outputs than a word's prefix has padding there, which matches no token.
+    """
+    if last_ids.shape[1] == 0 or prefix_ids.shape[2] == 0:
+        return last_ids
+    latest = jnp.concatenate([recent_ids[:, 1:], pending_ids[:, None]], axis=1)      # [S, R]
+    latest = jnp.where(pending_ids[:, None] >= 0, latest, recent_ids)
+    match = jnp.all((prefix_ids < 0) | (prefix_ids == latest[:, None, :]), axis=2)   # [S, Bw]
+    return jnp.where(match, last_ids, PAD_TOKEN_ID)
+
+
+def _banned_this_step(md: SamplingMetadata) -> jax.Array:  # [S, Lb + Bw] int32
+    """min_tokens' bans and the bad words that match the row's latest outputs."""
+    words = bad_word_bans(md.bad_word_prefix_ids, md.bad_word_last_ids, md.recent_output_ids,
+                          md.pending_token_ids)
+    return jnp.concatenate([md.banned_token_ids, words], axis=1)
 
 
 def apply_allowed_tokens(
@@ -349,7 +392,7 @@ def sample(
 
     logits = apply_allowed_tokens(logits, md.allowed_token_ids)
     logits = apply_logit_bias(logits, md.bias_token_ids, md.bias_values)
-    logits = apply_banned_tokens(logits, md.banned_token_ids)
+    logits = apply_banned_tokens(logits, _banned_this_step(md))
     if md.use_penalties:
         logits = apply_penalties(
             logits, md.history_token_ids, md.num_prompt_tokens, md.num_history_tokens,
@@ -398,7 +441,7 @@ def sample_greedy_vocab_major(
     if not greedy_vocab_major(md):
         raise ValueError("sample_greedy_vocab_major needs all-greedy metadata without penalties "
                          "or logprobs")
-    logits_t = apply_banned_tokens(logits_t.astype(jnp.float32), md.banned_token_ids,
+    logits_t = apply_banned_tokens(logits_t.astype(jnp.float32), _banned_this_step(md),
                                    vocab_major=True)
     return SamplerOutput(argmax(logits_t, axis=0), None, None, None)
 
@@ -445,12 +488,19 @@ def uses_penalties(params) -> bool:
             or getattr(params, "repetition_penalty", 1.0) != 1)
 
 
+def reads_token_ids(params) -> bool:
+    """Whether building a row's metadata needs its tokens: penalties, or a bad word of more
+    than one token (matched against the latest outputs)."""
+    return uses_penalties(params) or any(
+        len(w) > 1 for w in getattr(params, "bad_words_token_ids", None) or ())
+
+
 def build_sampling_metadata(
     params: Sequence,                       # [n] SamplingParams (or duck-typed), real rows
     key_data: np.ndarray,                   # [n, 2] uint32, make_request_key / make_unseeded_...
     num_output_tokens: Sequence[int],       # [n] tokens generated so far per row
-    token_ids: Sequence[Sequence[int]] | None = None,  # [n] prompt then output tokens; for penalties
-    num_prompt_tokens: Sequence[int] | None = None,    # [n] prompt length of each; for penalties
+    token_ids: Sequence[Sequence[int]] | None = None,  # [n] prompt then output tokens (reads_token_ids)
+    num_prompt_tokens: Sequence[int] | None = None,    # [n] prompt length of each (reads_token_ids)
     *,
     num_rows: int,                          # S >= n: the request bucket
     eos_token_id: int | None = None,
@@ -466,7 +516,9 @@ def build_sampling_metadata(
     output) is a power of two >= ``min_history_bucket``, 0 when no row uses penalties: one
     width for both parts, so a run with penalties compiles once per doubling of the longest
     row, not per (prompt, output) pair of sizes. ``min_tokens``: while a row
-    has fewer outputs, its stop token ids (and EOS unless ``ignore_eos``) are banned.
+    has fewer outputs, its stop token ids (and EOS unless ``ignore_eos``) are banned. Bad words
+    (``bad_words_token_ids``) are padded to ``Bw`` words of ``R + 1`` tokens (powers of two
+    from 4, 0 when unused); each row with a multi-token word also gets its last R outputs.
     """
     n = len(params)
     if n > num_rows:
@@ -515,11 +567,11 @@ def build_sampling_metadata(
         if vocab_size is not None:
             max_logprobs = min(max_logprobs, vocab_size)
 
+    if (token_ids is None or num_prompt_tokens is None) and any(map(reads_token_ids, params)):
+        raise ValueError("penalties and multi-token bad words need token_ids and num_prompt_tokens per row")
     num_prompt = np.zeros(num_rows, np.int32)
     num_history = np.zeros(num_rows, np.int32)
     if use_penalties:
-        if token_ids is None or num_prompt_tokens is None:
-            raise ValueError("penalties need token_ids and num_prompt_tokens per row")
         num_prompt[:n] = num_prompt_tokens
         num_history[:n] = [len(x) for x in token_ids]
         width = pow2_at_least(max(int(num_history.max(initial=0)), 1), min_history_bucket)
@@ -536,6 +588,21 @@ def build_sampling_metadata(
     for i, b in enumerate(biases):
         bias_values[i, : len(b)] = list(b.values())
 
+    words = [getattr(p, "bad_words_token_ids", None) or () for p in params]
+    num_words = _pow2_bucket(max(map(len, words), default=0), 4)
+    r = _pow2_bucket(max((len(w) - 1 for ws in words for w in ws), default=0), 4) if num_words else 0
+    word_prefix = np.full((num_rows, num_words, r), PAD_TOKEN_ID, np.int32)
+    word_last = np.full((num_rows, num_words), PAD_TOKEN_ID, np.int32)
+    recent = np.full((num_rows, r), PAD_TOKEN_ID, np.int32)
+    for i, ws in enumerate(words):
+        for b, w in enumerate(ws):
+            word_last[i, b] = w[-1]
+            word_prefix[i, b, r - len(w) + 1:] = w[:-1]
+        if r and any(len(w) > 1 for w in ws):
+            outputs = token_ids[i][int(num_prompt_tokens[i]):]
+            tail = outputs[max(len(outputs) - r, 0):]
+            recent[i, r - len(tail):] = tail
+
     return SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
@@ -543,6 +610,7 @@ def build_sampling_metadata(
         history_token_ids=history, num_prompt_tokens=num_prompt, num_history_tokens=num_history,
         pending_token_ids=np.full(num_rows, PAD_TOKEN_ID, np.int32), banned_token_ids=banned_arr,
         allowed_token_ids=allowed_arr, bias_token_ids=bias_ids, bias_values=bias_values,
+        bad_word_prefix_ids=word_prefix, bad_word_last_ids=word_last, recent_output_ids=recent,
         all_greedy=not bool(np.any(is_random)),
         use_penalties=use_penalties,
         use_top_k_top_p=use_top_k_top_p,

@@ -98,9 +98,10 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
         h_last = hidden[last]                             # [S, hidden]
         sampling = jax.tree_util.tree_unflatten(
             shape.sampling_treedef, [x[f"sampling_{i}"] for i in range(shape.sampling_treedef.num_leaves)])
-        if sampling.use_penalties:
+        if sampling.reads_pending:
             # A row's token sampled by the step in flight is not in its host history yet; it
-            # is this step's input read from last_sampled, so the penalties count it here.
+            # is this step's input read from last_sampled, so the penalties count it (and bad
+            # words match it) here.
             from_prev = jnp.where(valid & (prev_rows >= 0), input_ids, PAD_TOKEN_ID)          # [T]
             pending = jax.ops.segment_max(from_prev, seq, num_segments=shape.num_seqs)        # [S]
             sampling = dataclasses.replace(

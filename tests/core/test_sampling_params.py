@@ -24,6 +24,8 @@ def test_normalisation():
     assert (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, 0, 0.0)
     assert SamplingParams(seed=3).sampling_type is SamplingType.RANDOM_SEED
     assert SamplingParams(max_tokens=None).max_tokens is None
+    assert SamplingParams(bad_words="oops").bad_words == ["oops"]
+    assert SamplingParams(bad_words_token_ids=[(3, 4)]).bad_words_token_ids == [[3, 4]]
 
 
 @pytest.mark.parametrize(
@@ -43,11 +45,21 @@ def test_normalisation():
         ({"logprobs": -5}, "logprobs"),
         ({"stop": ["ok", ""]}, "non-empty"),
         ({"stop_token_ids": [1, -1]}, "stop_token_ids"),
+        ({"bad_words": ["ok", "  "]}, "bad_words must be non-blank strings"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an int >= 1 or -1, got 0"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens.*-2"),
+        ({"bad_words_token_ids": [[1], []]}, "bad_words_token_ids must be non-empty"),
+        ({"bad_words_token_ids": [[1, -2]]}, "bad_words_token_ids.*-2"),
     ],
 )
 def test_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_bad_words_token_ids_must_be_lists_of_lists():
+    with pytest.raises(TypeError, match="list of token-id lists"):
+        SamplingParams(bad_words_token_ids=[1, 2])
 
 
 def test_greedy_allows_n_greater_than_one():

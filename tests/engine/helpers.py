@@ -38,8 +38,12 @@ def make_llm(model, **kwargs) -> LLM:
 _DENSE_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def dense_greedy(model, prompt: list[int], max_tokens: int, pad_to: int = 256) -> list[int]:
-    """Greedy loop on the dense, non-paged forward (causal, so right-padding is harmless)."""
+def dense_greedy(model, prompt: list[int], max_tokens: int, pad_to: int = 256,
+                 banned=None) -> list[int]:
+    """Greedy loop on the dense, non-paged forward (causal, so right-padding is harmless).
+
+    ``banned(outputs so far) -> token ids`` are set to -inf before each argmax.
+    """
     fwd = _DENSE_FORWARD.get(model)
     if fwd is None:   # one compile per model and length, not per call
         ref = weakref.ref(model)   # a strong reference here would keep the key alive
@@ -50,8 +54,10 @@ def dense_greedy(model, prompt: list[int], max_tokens: int, pad_to: int = 256) -
     for _ in range(max_tokens):
         ids = np.zeros((1, length), np.int32)
         ids[0, : len(tokens)] = tokens
-        logits = fwd(jnp.asarray(ids))
-        tok = int(jnp.argmax(logits[0, len(tokens) - 1]))
+        row = np.array(fwd(jnp.asarray(ids))[0, len(tokens) - 1])
+        if banned is not None:
+            row[list(banned(out))] = -np.inf
+        tok = int(np.argmax(row))
         out.append(tok)
         tokens.append(tok)
     return out

@@ -1,5 +1,7 @@
 """Engine behaviour: compiles, seeded sampling, device block tables, logprobs, stop strings, bad input."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -278,13 +280,92 @@ def test_stop_strings(model, async_scheduling):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+class _AngleTokenizer:
+    """Text "<i>" is token i; a leading space turns the first token into its mid-sentence
+    spelling (i + 256) % 512 (as BPE vocabularies spell " word" apart from "word")."""
+
+    eos_token_id = None
+    bos_token_id = None
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=True):
+        ids = [int(t) for t in re.findall(r"<(\d+)>", text)]
+        if text.startswith(" ") and ids:
+            ids[0] = (ids[0] + 256) % 512
+        return ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def _vllm_bad_word_bans(words):
+    """vLLM's rule, literally: ban a word's last token when the outputs end with the rest."""
+    def banned(outputs):
+        return [w[-1] for w in words if len(w) - 1 <= len(outputs)
+                and (len(w) == 1 or outputs[len(outputs) - len(w) + 1:] == w[:-1])]
+    return banned
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_bad_words_match_dense_with_vllm_bans(model, async_scheduling):
+    """Greedy with bad_words equals the dense forward's greedy loop with vLLM's bans applied
+    (both spellings of each word); another request in the batch is unaffected."""
+    p = _prompt(22, 7)                     # the free run repeats no token
+    free = dense_greedy(model, p, 8)
+    two, one = free[2:4], free[6]          # a word the free run generates, and a single token
+    words = [two, [(two[0] + 256) % 512, two[1]], [one], [(one + 256) % 512]]
+    want = dense_greedy(model, p, 8, banned=_vllm_bad_word_bans(words))
+    assert want[:3] == free[:3] and want != free
+    llm = make_llm(model, tokenizer=_AngleTokenizer(), async_scheduling=async_scheduling)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                            bad_words=["<%d><%d>" % tuple(two), f"<{one}>"])
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out, other = llm.generate([p, p], [params, plain], use_tqdm=False)
+    assert out.outputs[0].token_ids == want and other.outputs[0].token_ids == free
+    assert params.bad_words_token_ids is None   # the caller's params are left alone
+    with pytest.raises(ValueError, match=r"bad_words has token ids \[600\] outside the vocabulary"):
+        llm.llm_engine.add_request("bad", p, SamplingParams(bad_words=["<600>"]))
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, model):
+    p = _prompt(5, 30)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, truncate_prompt_tokens=6)
+    long = [5] * 600 + p                 # longer than max_model_len: -1 keeps the last 511
+    (out, kept) = llm.generate([p, long], [params, SamplingParams(
+        max_tokens=1, temperature=0, ignore_eos=True, truncate_prompt_tokens=-1)], use_tqdm=False)
+    assert out.prompt_token_ids == p[-6:] and out.outputs[0].token_ids == dense_greedy(model, p[-6:], 4)
+    assert kept.prompt_token_ids == long[-511:] and len(kept.outputs[0].token_ids) == 1
+
+
+def test_reset_prefix_cache(llm):
+    """Refused (False, nothing changed) while a request holds blocks; afterwards the same
+    prompt finds no cached prefix."""
+    engine = llm.llm_engine
+    p = _prompt(6, 40)                   # two full 16-token blocks
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.generate([p], params, use_tqdm=False)
+    engine.add_request("holds-blocks", p, params)
+    engine.step()
+    assert engine.scheduler.running and not llm.reset_prefix_cache()
+    while engine.has_unfinished_requests():
+        engine.step()
+    (hit,) = llm.generate([p], params, use_tqdm=False)
+    assert hit.num_cached_tokens == 32
+    assert llm.reset_prefix_cache()
+    (miss,) = llm.generate([p], params, use_tqdm=False)
+    assert miss.num_cached_tokens == 0 and miss.outputs[0].token_ids == hit.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("prompt, params, exc, match", [
     ([], None, ValueError, "empty"),
-    ([1, 2, 99999], None, ValueError, "outside the vocabulary"),
+    ([1, 2, 99999], None, ValueError, r"the prompt has token ids \[99999\] outside the vocabulary"),
     ([5] * 600, None, ValueError, "max_model_len"),
     ([1.5, 2], None, TypeError, "ints"),
     ("text", None, ValueError, "no tokenizer"),
     ([1, 2], "greedy", TypeError, "SamplingParams"),
+    ([1, 2], SamplingParams(bad_words=["no"]), ValueError, r"bad_words \['no'\] need a tokenizer"),
+    ([1, 2], SamplingParams(bad_words_token_ids=[[3, 600]]), ValueError, r"bad_words has token ids \[600\]"),
 ])
 def test_bad_input_is_rejected_and_engine_keeps_serving(llm, model, prompt, params, exc, match):
     engine = llm.llm_engine
@@ -363,12 +444,13 @@ def test_output_kinds(model):
             assert {t: x.rank for t, x in a.items()} == {t: x.rank for t, x in b.items()}
             assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=1e-5)
 
-    # n > 1: a DELTA output holds only the completions with something new (vLLM's streaming),
-    # a finished completion is reported once; per index the pieces make up the final output.
+    # n > 1: a streamed output holds only the completions with something new (vLLM V1), a
+    # finished completion is reported once; per index the DELTA pieces make up the final
+    # output, and the last CUMULATIVE completion of each index is it.
     sampled = dict(n=3, max_tokens=10, temperature=1.0, seed=11, stop=["a", "e", "i"], ignore_eos=True)
-    engine.add_request("n3-delta", "abcdef", SamplingParams(**sampled, output_kind=RequestOutputKind.DELTA))
-    engine.add_request("n3-final", "abcdef", SamplingParams(**sampled, output_kind=RequestOutputKind.FINAL_ONLY))
-    got = {"n3-delta": [], "n3-final": []}
+    for name, kind in (("delta", "DELTA"), ("final", "FINAL_ONLY"), ("cumulative", "CUMULATIVE")):
+        engine.add_request(f"n3-{name}", "abcdef", SamplingParams(**sampled, output_kind=RequestOutputKind[kind]))
+    got = {"n3-delta": [], "n3-final": [], "n3-cumulative": []}
     while engine.has_unfinished_requests():
         for out in engine.step():
             got[out.request_id].append(out)
@@ -386,6 +468,16 @@ def test_output_kinds(model):
                 done.add(c.index)
     assert done == {0, 1, 2} and any(len(o.outputs) < 3 for o in got["n3-delta"])
     assert {c.index: c.token_ids for c in final.outputs} == joined
+    latest, done = {}, set()
+    for out in got["n3-cumulative"]:
+        for c in out.outputs:
+            prev = latest.get(c.index, [])
+            assert c.index not in done and c.token_ids[: len(prev)] == prev
+            assert len(c.token_ids) > len(prev) or c.finish_reason is not None   # something new
+            latest[c.index] = c.token_ids
+            if c.finish_reason is not None:
+                done.add(c.index)
+    assert latest == joined and any(len(o.outputs) < 3 for o in got["n3-cumulative"])
 
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     (out,) = llm.generate(["abc"], params, use_tqdm=False)

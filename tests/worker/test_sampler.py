@@ -11,6 +11,7 @@ from jaxkv.worker.sampler import (
     argmax,
     apply_penalties,
     apply_top_k_top_p,
+    bad_word_bans,
     build_sampling_metadata,
     compute_logprobs,
     make_request_key,
@@ -291,6 +292,51 @@ def test_min_tokens_bans_stop_ids_and_eos():
     assert md.banned_token_ids.tolist() == [[6, 5, -1, -1], [-1, -1, -1, -1]]
     out = sample_jit(logits, md).sampled_token_ids
     assert np.asarray(out).tolist()[1] == 5 and np.asarray(out).tolist()[0] not in (5, 6)
+
+
+def test_bad_words_metadata_and_bans():
+    """A word's last token is banned when the latest outputs (host tail, then the pending token
+    under async scheduling) equal the rest of it; one-token words always; prompts never count."""
+    words = [[5], [7, 8, 9], [3, 4]]
+    params = [SamplingParams(temperature=0.0, bad_words_token_ids=words), SamplingParams(temperature=0.0)]
+    md = _md(params, prompts=[[7, 8], [1]], outputs=[[7, 8], [7, 8]])
+    assert md.bad_word_last_ids.tolist() == [[5, 9, 4, -1], [-1] * 4]
+    assert md.bad_word_prefix_ids.shape == (2, 4, 4)
+    assert md.bad_word_prefix_ids[0].tolist() == [[-1] * 4, [-1, -1, 7, 8], [-1, -1, -1, 3], [-1] * 4]
+    assert md.recent_output_ids.tolist() == [[-1, -1, 7, 8], [-1] * 4]   # row 1 has no words
+    assert md.reads_pending and not md.use_penalties
+    bans = jax.jit(bad_word_bans)
+    args = (md.bad_word_prefix_ids, md.bad_word_last_ids, md.recent_output_ids)
+    assert np.asarray(bans(*args, np.array([-1, -1], np.int32))).tolist() == [[5, 9, -1, -1], [-1] * 4]
+    # A pending 3 is the latest output: [7, 8, 9] no longer matches, [3, 4] does.
+    assert np.asarray(bans(*args, np.array([3, -1], np.int32))).tolist() == [[5, -1, 4, -1], [-1] * 4]
+    # Fewer outputs than the prefix: the prompt's [7, 8] does not count (vLLM: outputs only).
+    md = _md(params[:1], prompts=[[7, 8]], outputs=[[8]])
+    assert md.recent_output_ids.tolist() == [[-1, -1, -1, 8]]
+    assert np.asarray(bans(md.bad_word_prefix_ids, md.bad_word_last_ids, md.recent_output_ids,
+                           np.array([-1], np.int32))).tolist() == [[5, -1, -1, -1]]
+    # Only one-token words: no tokens needed, nothing pending to read.
+    md = build_sampling_metadata([SamplingParams(bad_words_token_ids=[[5], [6]])], np.zeros((1, 2), np.uint32),
+                                 [0], num_rows=2)
+    assert md.bad_word_prefix_ids.shape == (2, 4, 0) and not md.reads_pending
+    with pytest.raises(ValueError, match="bad words need token_ids"):
+        build_sampling_metadata(params, np.zeros((2, 2), np.uint32), [0, 0], num_rows=2)
+
+
+def test_sampler_applies_bad_words_on_both_greedy_paths_and_when_sampling():
+    logits = np.zeros((3, V), np.float32)
+    logits[:, 9] = 50.0   # by far the most likely
+    logits[:, 11] = 40.0
+    words = [[7, 8, 9]]
+    params = [SamplingParams(temperature=0.0, bad_words_token_ids=words),
+              SamplingParams(temperature=0.0, bad_words_token_ids=words),
+              SamplingParams(temperature=1.0, seed=0, bad_words_token_ids=words)]
+    md = _md(params, outputs=[[7, 8], [8, 7], [7, 8]])
+    out = np.asarray(sample_jit(logits, md).sampled_token_ids).tolist()
+    assert out == [11, 9, 11]
+    greedy = _md(params[:2], outputs=[[7, 8], [8, 7]])
+    got = jax.jit(sample_greedy_vocab_major)(jnp.asarray(logits[:2].T), greedy).sampled_token_ids
+    assert np.asarray(got).tolist() == [11, 9]
 
 
 def test_metadata_padding_and_static_flags():
