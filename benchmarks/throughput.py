@@ -369,7 +369,7 @@ def print_report(payload: dict) -> None:
               f"({d['pct_of_matmul_probe']:.0f}% of the probe), {p['rows']} rows "
               f"{p['flops_per_s'] / 1e9:.1f} GFLOP/s ({p['pct_of_matmul_probe']:.0f}%)")
     print(f"# {FLOPS_FORMULA}")
-    rows, lat, summary = [], [], []
+    rows, summary = [], []
     for name, res in payload["results"].items():
         if name == "long-decode":
             continue

@@ -10,13 +10,11 @@ from jaxkv.worker.kv_memory import (
     zero_blocks,
 )
 from jaxkv.worker.model_runner import ModelRunner, resolve_backend
-from jaxkv.worker.sampler import (
-    SamplerOutput,
+from jaxkv.worker.sampler import SamplerOutput, compute_logprobs, sample
+from jaxkv.worker.sampling_metadata import (
     SamplingMetadata,
     build_sampling_metadata,
-    compute_logprobs,
     make_request_key,
     make_unseeded_request_key,
-    sample,
 )
 from jaxkv.worker.step import slot_mapping, token_positions

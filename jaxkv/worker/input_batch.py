@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.block_table import BlockTableStager
-from jaxkv.worker.sampler import (
+from jaxkv.worker.sampling_metadata import (
     SamplingMetadata,
     build_sampling_metadata,
     make_request_key,

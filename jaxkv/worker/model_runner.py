@@ -31,7 +31,7 @@ from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops_
 from jaxkv.worker.buckets import pick_bucket, pow2_buckets, token_buckets
 from jaxkv.worker.input_batch import InputBatch
 from jaxkv.worker.packing import pack, unpack_host
-from jaxkv.worker.sampler import build_sampling_metadata
+from jaxkv.worker.sampling_metadata import build_sampling_metadata
 from jaxkv.worker.sampling_adapter import (
     bucket_k,
     prompt_logprobs_fn,

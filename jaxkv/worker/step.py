@@ -17,7 +17,7 @@ from flax import nnx
 from jaxkv.worker import kv_memory
 from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops
 from jaxkv.worker.packing import PackSpec, pack_device, unpack
-from jaxkv.worker.sampler import PAD_TOKEN_ID
+from jaxkv.worker.sampling_metadata import PAD_TOKEN_ID
 from pallas_kernels import PAD_SLOT_ID, AttentionMetadata
 
 

@@ -3,7 +3,6 @@
 import numpy as np
 import pytest
 
-from jaxkv.core import RequestStatus
 from jaxkv.sampling_params import SamplingParams
 from tests.engine.helpers import dense_greedy, make_llm, small_model
 

@@ -5,7 +5,6 @@ memory does not grow with the cache (it is activations and gathered pages, not a
 """
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from tests.engine.helpers import make_llm, small_model

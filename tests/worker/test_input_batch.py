@@ -7,7 +7,8 @@ import pytest
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.block_table import apply_block_table_ops_jit
 from jaxkv.worker.input_batch import InputBatch
-from jaxkv.worker.sampler import make_request_key, make_unseeded_request_key, sample
+from jaxkv.worker.sampler import sample
+from jaxkv.worker.sampling_metadata import make_request_key, make_unseeded_request_key
 
 
 def _rows(batch, group=0):

@@ -12,13 +12,11 @@ from jaxkv.worker.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     bad_word_bans,
-    build_sampling_metadata,
     compute_logprobs,
-    make_request_key,
-    make_unseeded_request_key,
     sample,
     sample_greedy_vocab_major,
 )
+from jaxkv.worker.sampling_metadata import build_sampling_metadata, make_request_key, make_unseeded_request_key
 
 sample_jit = jax.jit(sample)
 V = 32
