@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.sampler import (
@@ -319,6 +321,28 @@ def test_bad_words_metadata_and_bans():
     assert md.bad_word_prefix_ids.shape == (2, 4, 0) and not md.reads_pending
     with pytest.raises(ValueError, match="bad words need token_ids"):
         build_sampling_metadata(params, np.zeros((2, 2), np.uint32), [0, 0], num_rows=2)
+
+
+_bans_jit = jax.jit(bad_word_bans)
+
+
+@settings(max_examples=80, deadline=None)
+@given(words=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=5), min_size=1, max_size=5),
+       outputs=st.lists(st.integers(0, 3), max_size=7), in_flight=st.booleans())
+def test_bad_word_bans_follow_vllms_rule(words, outputs, in_flight):
+    """Against vLLM's rule written out: a word's last token is banned iff the outputs end with
+    the rest of it; the prompt (same tokens) never counts; under async scheduling the newest
+    output is not on the host yet but pending on the device."""
+    want = {w[-1] for w in words if len(w) - 1 <= len(outputs)
+            and (len(w) == 1 or outputs[len(outputs) - len(w) + 1:] == w[:-1])}
+    pending = outputs[-1] if in_flight and outputs else -1
+    known = outputs[:-1] if pending >= 0 else outputs
+    prompt = [0, 1, 2, 3, 0, 1, 2, 3]
+    md = build_sampling_metadata([SamplingParams(bad_words_token_ids=words)], np.zeros((1, 2), np.uint32),
+                                 [len(outputs)], [prompt + known], [len(prompt)], num_rows=1)
+    got = _bans_jit(md.bad_word_prefix_ids, md.bad_word_last_ids, md.recent_output_ids,
+                    np.array([pending], np.int32))
+    assert set(np.asarray(got)[0].tolist()) - {-1} == want
 
 
 def test_sampler_applies_bad_words_on_both_greedy_paths_and_when_sampling():
