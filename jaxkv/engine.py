@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import time
 from collections.abc import Sequence
 
@@ -114,10 +115,10 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
             ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
             if bad:
                 raise TypeError(f"prompt token ids must be ints, got {bad[:3]!r}")
-            return None, ids
+            return None, [int(t) for t in ids]   # numpy integers too
         raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
@@ -130,6 +131,10 @@ class LLMEngine:
             raise TypeError(f"request_id must be a str, got {request_id!r}")
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
         if self._in_flight is not None:
             child_ids = {request_id} | {f"{i}_{request_id}" for i in range(params.n)}
             busy = sorted(child_ids & set(self._in_flight[0].num_scheduled_tokens))

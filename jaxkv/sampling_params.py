@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 
 #: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
@@ -33,8 +34,8 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _is_number(value) -> bool:   # numpy scalars included
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass
@@ -116,6 +117,19 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            if value != value:
+                raise ValueError(f"{name} must not be NaN")
+        for name, one_str_ok in (("stop", True), ("stop_token_ids", False),
+                                 ("allowed_token_ids", False), ("bad_words", True)):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (list, tuple))
+                                          or (one_str_ok and isinstance(value, str))):
+                raise TypeError(f"{name} must be a list{' or a str' if one_str_ok else ''}, got {value!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if self.temperature < 0.0:

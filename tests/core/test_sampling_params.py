@@ -1,5 +1,6 @@
 """SamplingParams: vLLM defaults, normalisation and validation."""
 
+import numpy as np
 import pytest
 
 from jaxkv.sampling_params import SamplingParams, SamplingType
@@ -55,6 +56,26 @@ def test_normalisation():
 def test_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    ({"temperature": "0.5"}, TypeError, "temperature must be a number, got '0.5'"),
+    ({"top_p": None}, TypeError, "top_p must be a number, got None"),
+    ({"repetition_penalty": True}, TypeError, "repetition_penalty must be a number"),
+    ({"temperature": float("nan")}, ValueError, "temperature must not be NaN"),
+    ({"min_p": float("nan")}, ValueError, "min_p must not be NaN"),
+    ({"stop": 5}, TypeError, "stop must be a list or a str, got 5"),
+    ({"stop_token_ids": 5}, TypeError, "stop_token_ids must be a list, got 5"),
+    ({"allowed_token_ids": "abc"}, TypeError, "allowed_token_ids must be a list"),
+    ({"bad_words": 5}, TypeError, "bad_words must be a list or a str"),
+])
+def test_rejects_wrong_types_naming_the_field(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_numpy_scalars_are_numbers():
+    assert SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9)).top_p == pytest.approx(0.9)
 
 
 def test_bad_words_token_ids_must_be_lists_of_lists():

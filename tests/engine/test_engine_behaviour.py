@@ -380,6 +380,19 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(llm, model, prompt, para
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
+def test_priority_and_cache_salt_types_and_numpy_prompt_ids(llm, model):
+    engine = llm.llm_engine
+    with pytest.raises(TypeError, match="priority must be an int, got 'high'"):
+        engine.add_request("bad", [1, 2], priority="high")
+    with pytest.raises(TypeError, match="cache_salt must be a str or None, got 5"):
+        engine.add_request("bad", [1, 2], cache_salt=5)
+    assert not engine.has_unfinished_requests()
+    p = _prompt(3, 6)
+    (out,) = llm.generate([[np.int32(t) for t in p]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                          use_tqdm=False)
+    assert out.prompt_token_ids == p and out.outputs[0].token_ids == dense_greedy(model, p, 3)
+
+
 def test_invalid_sampling_params_and_ids(llm):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
