@@ -132,7 +132,8 @@ def _drain(engine: LLMEngine, timer: StepTimer, prompts, max_tokens) -> dict:
 def _snapshot(engine: LLMEngine) -> dict:
     return dict(generated=engine.num_generated_tokens, scheduled=engine.num_prompt_tokens_computed,
                 prefix_hit=engine.prefix_hit_tokens, preemptions=engine.scheduler.num_preemptions,
-                compiles=engine.runner.num_compiles, compile_s=engine.runner.compile_seconds)
+                compiles=engine.runner.num_compiles, compile_s=engine.runner.compile_seconds,
+                draft=engine.runner.num_draft_tokens, accepted=engine.runner.num_accepted_tokens)
 
 
 def run_workload(engine: LLMEngine, timer: StepTimer, prompts, max_tokens, *,
@@ -170,6 +171,7 @@ def run_workload(engine: LLMEngine, timer: StepTimer, prompts, max_tokens, *,
         "generated_tokens": delta["generated"], "scheduled_tokens": delta["scheduled"],
         "prefix_hit_tokens": delta["prefix_hit"], "preemptions": delta["preemptions"],
         "compiles": delta["compiles"], "compile_s": delta["compile_s"],
+        "spec_draft_tokens": delta["draft"], "spec_accepted_tokens": delta["accepted"],
         "peak_kv_usage": engine.peak_kv_cache_usage, "warm_pass": warm,
     }
 

@@ -125,7 +125,7 @@ def summarize_run(system: str, res: dict, prompts, outs, flops: float, peak_flop
     }
     for k in ("peak_kv_usage", "preemptions", "compiles", "compile_s", "prefix_hit_tokens",
               "scheduled_tokens", "generated_tokens", "warm_pass", "padded_token_slots",
-              "elapsed_all_s"):
+              "elapsed_all_s", "spec_draft_tokens", "spec_accepted_tokens"):
         if k in res:
             row[k] = res[k]
     if "peak_kv_usage" in res:
@@ -316,7 +316,8 @@ class Context:
         self.compile = {}
         kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_memory_bytes=args.kv_cache_memory, attention_backend=args.attention_backend,
-                  seed=args.seed, async_scheduling=args.async_scheduling)
+                  seed=args.seed, async_scheduling=args.async_scheduling,
+                  speculative_config=args.speculative_ngram)
         if any(w != "long-decode" for w in workloads):
             self.engine, self.timer = self._warm(kw, "prefix caching on")
         if "shared-prefix" in workloads:
@@ -439,6 +440,14 @@ def targets(payload: dict) -> list[dict]:
     return out
 
 
+def _ngram_config(text: str) -> dict:
+    parts = [int(x) for x in text.split(",")]
+    if not 1 <= len(parts) <= 3:
+        raise argparse.ArgumentTypeError(f"expected K[,MAX[,MIN]], got {text!r}")
+    k, hi, lo = (parts + [4, 1][len(parts) - 1:])[:3]
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": hi, "prompt_lookup_min": lo}
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxkv.cli import parse_bytes
 
@@ -455,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--async-scheduling", action="store_true",
                    help="jaxkv schedules step N+1 while step N runs (see benchmarks/async_ab.py)")
+    p.add_argument("--speculative-ngram", type=_ngram_config, default=None, metavar="K[,MAX[,MIN]]",
+                   help="n-gram speculative decoding: K drafts a step, lookup n-grams MAX..MIN "
+                        "(default 4..1); e.g. 3 or 3,4,1")
     p.add_argument("--quick", action="store_true", help="scaled-down workloads (see QUICK)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -505,7 +517,7 @@ def main(argv=None) -> dict:
                   num_blocks=ctx.engine.kv_cache_config.num_blocks if ctx.engine else None,
                   block_size=ctx.engine.config.block_size if ctx.engine else None,
                   backend=ctx.engine.runner.backend if ctx.engine else args.attention_backend,
-                  async_scheduling=args.async_scheduling,
+                  async_scheduling=args.async_scheduling, speculative=args.speculative_ngram,
                   baseline="naive-jax" if ctx.naive else "none")
     payload = {"env": env, "config": config, "sizes": dataclasses.asdict(sz), "matmul": mm,
                "flops_formula": FLOPS_FORMULA, "setup": dict(seconds=setup_s, **ctx.compile), "results": {}}

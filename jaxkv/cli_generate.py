@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule step N+1 while step N runs (same tokens; pays on GPU / TPU)")
+    p.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
+                   help="draft K tokens a step by n-gram lookup (4..1) over each request's tokens")
     p.set_defaults(func=cmd_generate)
 
 
@@ -44,7 +46,10 @@ def cmd_generate(args) -> int:
     try:
         llm = LLM(args.model, kv_cache_memory_bytes=args.kv_cache_memory, block_size=args.block_size,
                   max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-                  seed=args.seed, async_scheduling=args.async_scheduling, verbose=True)
+                  seed=args.seed, async_scheduling=args.async_scheduling, verbose=True,
+                  speculative_config=None if not args.speculative_ngram else {
+                      "method": "ngram", "num_speculative_tokens": args.speculative_ngram,
+                      "prompt_lookup_max": 4, "prompt_lookup_min": 1})
     except (ValueError, RuntimeError, OSError) as e:
         print(f"jaxkv generate: {e}", file=sys.stderr)
         return 2
@@ -76,6 +81,9 @@ def cmd_generate(args) -> int:
     print(f"KV cache: {num_blocks} blocks of {engine.config.block_size} tokens, peak use "
           f"{stats['peak_kv_cache_usage'] * 100:.1f}% ({round(stats['peak_kv_cache_usage'] * (num_blocks - 1))} blocks); "
           f"prefix-cache hits {stats['prefix_hit_tokens']} tokens; preemptions {stats['num_preemptions']}")
+    if "spec_num_draft_tokens" in stats:
+        print(f"speculative: {stats['spec_num_accepted_tokens']} of {stats['spec_num_draft_tokens']} "
+              f"drafts accepted ({stats['spec_acceptance_rate'] * 100:.0f}%)")
     return 0
 
 

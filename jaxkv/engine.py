@@ -77,7 +77,8 @@ class LLMEngine:
             model, config.kv_cache_config, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, attention_backend=config.attention_backend,
-            cache_dtype=config.cache_dtype, seed=config.seed, eos_token_id=self._eos_id())
+            cache_dtype=config.cache_dtype, seed=config.seed, eos_token_id=self._eos_id(),
+            speculative_config=config.speculative_config)
         if config.warmup:   # bad_words encoded, so warm-up compiles the widths requests use
             self.runner.warmup(progress=verbose, prefill=config.warmup == "all",
                                sampling=[self._with_bad_words_ids("warmup", p) for p in config.warmup_sampling])
@@ -428,6 +429,10 @@ class LLMEngine:
             scheduled_tokens=self.num_prompt_tokens_computed,
             output_tokens_per_s=(self.num_generated_tokens / self.step_seconds) if self.step_seconds else 0.0,
         )
+        if self.config.speculative_config is not None:   # vLLM's spec-decode counters
+            drafts, accepted = self.runner.num_draft_tokens, self.runner.num_accepted_tokens
+            stats.update(spec_num_draft_tokens=drafts, spec_num_accepted_tokens=accepted,
+                         spec_acceptance_rate=accepted / drafts if drafts else 0.0)
         return stats
 
     def next_request_id(self) -> str:

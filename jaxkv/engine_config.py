@@ -14,6 +14,7 @@ from jaxkv.kv_cache import (
     get_kv_cache_config,
     kv_cache_specs_from_layers,
 )
+from jaxkv.worker.spec_decode import SpeculativeConfig
 
 #: KV budget on devices that report no memory stats (CPU) when none is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
@@ -33,6 +34,7 @@ class EngineConfig:
     kv_cache_config: KVCacheConfig
     scheduler_config: SchedulerConfig
     warmup_sampling: tuple = ()  # SamplingParams whose step variants warmup also compiles
+    speculative_config: SpeculativeConfig | None = None
 
 
 def _positive(name, value):
@@ -62,6 +64,7 @@ def resolve_engine_config(
     tokenizer=None,
     warmup: bool | str = True,
     warmup_sampling=(),
+    speculative_config=None,
     verbose: bool = False,
 ):
     """Loads the model and plans the KV cache. Returns (model, model_config, tokenizer, EngineConfig).
@@ -82,6 +85,12 @@ def resolve_engine_config(
     ``async_scheduling`` pipelines the engine one step deep (``LLMEngine.step``; vLLM's
     ``--async-scheduling``): the same tokens, outputs one ``step()`` later.
 
+    ``speculative_config`` (vLLM's): ``{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": n, "prompt_lookup_min": m}`` drafts up to k tokens per request and
+    step by n-gram lookup over its own tokens and verifies them in the next step (see
+    ``jaxkv.worker.spec_decode``); not with ``async_scheduling``. Steps with drafts are
+    extra compiled variants, compiled on first use.
+
     ``model`` is a name or path for ``models.load_model``, or an already built NNX model
     (then ``tokenizer`` may be given).
     """
@@ -96,6 +105,11 @@ def resolve_engine_config(
     for p in warmup_sampling:
         if not isinstance(p, SamplingParams):
             raise TypeError(f"warmup_sampling entries must be SamplingParams, got {p!r}")
+
+    speculative_config = SpeculativeConfig.from_value(speculative_config)
+    if speculative_config is not None and async_scheduling:
+        raise ValueError("speculative_config does not work with async_scheduling (the drafts "
+                         "come from the tokens the host has; turn one of them off)")
 
     if isinstance(model, str):
         loaded, model_config, tok = load_model(model, dtype=dtype, seed=seed)
@@ -153,5 +167,5 @@ def resolve_engine_config(
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                           cache_dtype=cache_dtype, attention_backend=attention_backend, seed=seed,
                           warmup=warmup, kv_cache_config=kv_config, scheduler_config=sched,
-                          warmup_sampling=tuple(warmup_sampling))
+                          warmup_sampling=tuple(warmup_sampling), speculative_config=speculative_config)
     return loaded, model_config, tokenizer, config

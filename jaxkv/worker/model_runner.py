@@ -36,9 +36,12 @@ from jaxkv.worker.sampling_adapter import (
     bucket_k,
     prompt_logprobs_fn,
     prompt_row,
+    repeat_rows,
     row_logprobs,
     sample_fn,
+    spec_sample_fn,
 )
+from jaxkv.worker.spec_decode import SpeculativeConfig, may_speculate, propose_ngram
 from jaxkv.worker.step import StepShape, build_step_fn
 from models.config import KVCacheBinding
 
@@ -109,6 +112,7 @@ class StepHandle:
     samples: np.ndarray                    # [n] bool: the row samples a token
     prompt_rows: list[int]                 # rows that compute prompt logprobs this step
     sample_rows: dict[str, int]            # req id -> its row, for rows that sample
+    drafts: list[list[int]] = dataclasses.field(default_factory=list)  # per row, drafts scored
 
     @property
     def req_ids(self) -> list[str]:
@@ -131,6 +135,7 @@ class ModelRunner:
                  max_num_batched_tokens: int, max_model_len: int, attention_backend: str = "auto",
                  cache_dtype: str = "float32", seed: int = 0, eos_token_id: int | None = None, k_scale: float | None = None,
                  v_scale: float | None = None, min_token_bucket: int = 16, min_seq_bucket: int = 1,
+                 speculative_config: SpeculativeConfig | None = None,
                  ):
         self.config = kv_cache_config
         self.max_num_seqs = max_num_seqs
@@ -158,6 +163,9 @@ class ModelRunner:
         self.last_sampled = jnp.zeros(max_num_seqs, jnp.int32)   # [R] the last step's tokens by row
         self._in_flight: StepHandle | None = None   # dispatched, not yet collected
         self.eos_token_id = eos_token_id
+        self.speculative_config = speculative_config
+        self.num_draft_tokens = 0       # drafts scored, and of those accepted (vLLM's spec metrics)
+        self.num_accepted_tokens = 0
 
         self.token_buckets = token_buckets(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens)
         self.seq_buckets = pow2_buckets(min(min_seq_bucket, max_num_seqs), max_num_seqs)
@@ -178,7 +186,8 @@ class ModelRunner:
         self._out_specs: dict = {}
         step = build_step_fn(self.graphdef, binding=self.binding, page_bytes=self.page_bytes,
                              sample_fn=sample_fn, prompt_logprobs_fn=prompt_logprobs_fn,
-                             out_specs=self._out_specs)
+                             out_specs=self._out_specs, spec_sample_fn=spec_sample_fn,
+                             repeat_rows=repeat_rows)
         self._step = jax.jit(step, static_argnames=("shape",),
                              donate_argnames=("buffers", "tables", "last_sampled"))
         self.compiled_shapes: set[StepShape] = set()
@@ -280,6 +289,11 @@ class ModelRunner:
         rows = np.repeat(np.arange(n), q_lens)             # [total] row of each token
         offset = np.arange(total) - np.repeat(qsl[:n], q_lens)
         input_ids = np.zeros(T, np.int32)
+        spec = so.scheduled_spec_decode_tokens
+        drafts = [list(spec.get(r, ())) for r in req_ids]
+        num_drafts = np.array([len(d) for d in drafts], np.int32)
+        for i in np.flatnonzero(num_drafts).tolist():   # drafts follow the row's known tokens
+            batch.token_ids_cpu[i, known[i]: known[i] + num_drafts[i]] = drafts[i]
         input_ids[:total] = batch.token_ids_cpu[rows, np.repeat(c, q_lens) + offset]
         prev_rows = np.full(T, -1, np.int32)
         pending = np.zeros(n, np.int32)
@@ -289,8 +303,8 @@ class ModelRunner:
             reads = np.flatnonzero((src >= 0) & (c + q_lens > known))   # input at position `known`
             prev_rows[qsl[reads] + known[reads] - c[reads]] = src[reads]
         ends = c + q_lens
-        if np.any(ends > known + pending):
-            i = int(np.argmax(ends > known + pending))
+        if np.any(ends > known + pending + num_drafts):
+            i = int(np.argmax(ends > known + pending + num_drafts))
             raise RuntimeError(f"request {req_ids[i]!r}: {ends[i]} tokens scheduled, {known[i]} known")
         samples = ends >= known + pending
         ops, ops_layout, zeros = self._table_ops_and_zeros(zero_ids, T, S)
@@ -300,11 +314,14 @@ class ModelRunner:
         extra = {"prev_rows": prev_rows}
         if k_prompt >= 0:
             extra["prompt_targets"] = self._prompt_targets(states, qsl, q_lens, T)
+        num_spec = self.speculative_config.num_speculative_tokens if num_drafts.any() else 0
+        if num_spec:
+            extra.update(self._spec_inputs(qsl, drafts, S, num_spec))
         max_q_len = 1 if int(q_lens.max()) == 1 else T
         shape, packed = self._pack_step(
             input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra,
             max_q_len=max_q_len,
-            prompt_logprobs=bucket_k(k_prompt) if k_prompt > 0 else k_prompt)
+            prompt_logprobs=bucket_k(k_prompt) if k_prompt > 0 else k_prompt, num_spec=num_spec)
         out = self._dispatch(shape, packed)
         prompt_rows = [i for i, st in enumerate(states) if _wants_prompt_logprobs(st)] if k_prompt >= 0 else []
         batch.num_computed_tokens_cpu[:n] = ends   # progress advances at dispatch, as in the core
@@ -312,7 +329,8 @@ class ModelRunner:
             st.num_computed_tokens = end
         handle = StepHandle(shape=shape, out=out, states=states, q_lens=q_lens, qsl=qsl,
                             computed=c, samples=samples, prompt_rows=prompt_rows,
-                            sample_rows={req_ids[i]: i for i in np.flatnonzero(samples).tolist()})
+                            sample_rows={req_ids[i]: i for i in np.flatnonzero(samples).tolist()},
+                            drafts=drafts)
         self._in_flight = handle
         return handle
 
@@ -325,7 +343,9 @@ class ModelRunner:
             self._in_flight = None
         results = self._fetch(handle.shape, handle.out)
         batch = self.input_batch
-        sampled = results["sampled_token_ids"]
+        scored = handle.shape.num_spec + 1       # positions scored per row
+        sampled = results["sampled_token_ids"].reshape(-1, scored)   # [S, K + 1]
+        accepted = results["spec_accepted"].reshape(-1, scored) if scored > 1 else None
         want_lp = "logprobs" in results
         out_tokens: list[list[int]] = []
         logprobs_out: list | None = [] if want_lp else None
@@ -334,35 +354,90 @@ class ModelRunner:
         samples = handle.samples.tolist()
         index = batch.req_id_to_index
         rows, row_toks = [], []
+        spec_out = [] if self.speculative_config is not None else None
         for i in handle.prompt_rows:
             s = handle.states[i]
             prompt_lp[s.req_id] = self._collect_prompt_logprobs(
                 s, results, int(handle.qsl[i]), int(handle.q_lens[i]), int(handle.computed[i]))
         for i, s in enumerate(handle.states):
             if samples[i]:
-                tok = toks[i]
-                s.token_ids.append(tok)
+                new = self._accepted_tokens(toks[i], accepted, i, handle.drafts[i] if handle.drafts else ())
+                s.token_ids.extend(new)
                 row = index.get(s.req_id)
                 if row is not None:
                     rows.append(row)
-                    row_toks.append(tok)
-                out_tokens.append([tok])
-                if want_lp:
+                    row_toks.append(new)
+                out_tokens.append(new)
+                if want_lp:   # rows with logprobs are never drafted: their sample is column 0
                     k = s.sampling_params.logprobs
-                    logprobs_out.append([row_logprobs(results, i, k)] if k is not None else [])
+                    logprobs_out.append([row_logprobs(results, i * scored, k)]
+                                        if k is not None else [])
             else:                                # a partial prefill chunk: nothing sampled
                 out_tokens.append([])
                 if want_lp:
                     logprobs_out.append([])
-        if rows:
-            batch.append_one_token_per_row(np.asarray(rows), np.asarray(row_toks, np.int32))
+            if spec_out is not None:
+                spec_out.append(self._propose(s) if samples[i] else [])
+        for r in range(max(map(len, row_toks), default=0)):   # the r-th new token of each row
+            sel = [j for j, t in enumerate(row_toks) if len(t) > r]
+            batch.append_one_token_per_row(np.asarray([rows[j] for j in sel]),
+                                           np.asarray([row_toks[j][r] for j in sel], np.int32))
         req_ids = handle.req_ids
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=out_tokens, logprobs=logprobs_out,
-                                 prompt_logprobs_dict=prompt_lp)
+                                 prompt_logprobs_dict=prompt_lp, spec_token_ids=spec_out)
+
+    def _accepted_tokens(self, row_tokens: list[int], accepted, i: int, drafts) -> list[int]:
+        """A row's new tokens: with m drafts, its tokens at columns 0 .. m up to and including
+        the first that did not accept its draft (column m, the bonus token, always ends it)."""
+        m = len(drafts)
+        new = []
+        for col in range(m + 1):
+            new.append(row_tokens[col])
+            if col == m or not accepted[i, col]:
+                break
+        if not m:
+            return new
+        self.num_draft_tokens += m
+        self.num_accepted_tokens += len(new) - 1
+        return new
+
+    def _propose(self, s: CachedRequestState) -> list[int]:
+        """Drafts for the request's next step (n-gram lookup over its tokens), within its
+        max_tokens and max_model_len (the step's own sample comes on top of them)."""
+        cfg = self.speculative_config
+        params = s.sampling_params
+        if not may_speculate(params, s.num_generated):
+            return []
+        max_tokens = getattr(params, "max_tokens", None)
+        room = self.max_model_len - 1 - len(s.token_ids)
+        if max_tokens is not None:
+            room = min(room, max_tokens - s.num_generated - 1)
+        k = min(cfg.num_speculative_tokens, room)
+        if k <= 0:
+            return []
+        return propose_ngram(np.asarray(s.token_ids, np.int32), cfg.prompt_lookup_min,
+                             cfg.prompt_lookup_max, k)
+
+    @staticmethod
+    def _spec_inputs(qsl: np.ndarray, drafts: list[list[int]], S: int, k: int) -> dict[str, np.ndarray]:
+        """Positions each row scores and the drafts they check, in K + 1 columns.
+
+        Row i with m drafts scores its last m + 1 tokens (its last confirmed token, then the
+        drafts): column j < m checks draft j, column m samples the bonus token; columns after
+        m repeat the last position (their results are not read). Column j samples output
+        ``num_output_tokens + j``, so a row without drafts samples as without speculation.
+        """
+        index = np.zeros((S, k + 1), np.int32)      # [S, K + 1] token of each scored position
+        check = np.full((S, k + 1), -1, np.int32)   # [S, K + 1] the draft it checks, -1: none
+        for i, d in enumerate(drafts):
+            last, m = max(int(qsl[i + 1]) - 1, 0), len(d)
+            index[i] = np.minimum(np.arange(last - m, last - m + k + 1), last)
+            check[i, :m] = d
+        return {"spec_index": index, "spec_drafts": check}
 
     def _pack_step(self, input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, *,
-                   max_q_len, prompt_logprobs) -> tuple[StepShape, np.ndarray]:
+                   max_q_len, prompt_logprobs, num_spec: int = 0) -> tuple[StepShape, np.ndarray]:
         leaves, treedef = jax.tree_util.tree_flatten(md)
         arrays = {"input_ids": input_ids, "query_start_loc": qsl, "num_computed": num_computed,
                   "num_seqs": np.array([n], np.int32), "block_ops": ops, "zero_blocks": zeros}
@@ -373,7 +448,7 @@ class ModelRunner:
                           width=self.max_blocks_per_req,
                           max_q_len=max_q_len, inputs=spec,
                           ops=ops_layout, sampling_treedef=treedef,
-                          prompt_logprobs=prompt_logprobs)
+                          prompt_logprobs=prompt_logprobs, num_spec=num_spec)
         return shape, packed
 
     def zero_capacity(self, T: int, S: int) -> int:

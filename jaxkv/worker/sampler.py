@@ -318,14 +318,11 @@ def random_sample(
 # ---- the sampler ---------------------------------------------------------------------------
 
 
-def sample(
-    logits: jax.Array,       # [S, V] float (one row per request row)
+def _processed_logits(
+    logits: jax.Array,  # [S, V] float32
     md: SamplingMetadata,
-) -> SamplerOutput:
-    """Samples one token per row (see the module docstring for the order). Jittable."""
-    logits = logits.astype(jnp.float32)
-    raw_logits = logits
-
+) -> jax.Array:         # [S, V] float32: what greedy rows take the argmax of
+    """Allow-lists, logit bias, bans (min_tokens, bad words) and penalties (steps 2-3)."""
     logits = apply_allowed_tokens(logits, md.allowed_token_ids)
     logits = apply_logit_bias(logits, md.bias_token_ids, md.bias_values)
     logits = apply_banned_tokens(logits, _banned_this_step(md))
@@ -334,18 +331,22 @@ def sample(
             logits, md.history_token_ids, md.num_prompt_tokens, md.num_history_tokens,
             md.pending_token_ids, md.presence_penalty, md.frequency_penalty, md.repetition_penalty,
         )
-    token_ids = argmax(logits)  # greedy: exact argmax
+    return logits
 
-    if not md.all_greedy:
-        is_greedy = md.temperature < SAMPLING_EPS
-        temperature = jnp.where(is_greedy, 1.0, md.temperature)
-        scaled = logits / temperature[:, None]
-        scaled = apply_min_p(scaled, md.min_p)
-        if md.use_top_k_top_p:
-            scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
-        random_ids = random_sample(scaled, md.key_data, md.num_output_tokens)
-        token_ids = jnp.where(is_greedy, token_ids, random_ids)
 
+def _scaled_logits(
+    logits: jax.Array,  # [S, V] float32, processed
+    md: SamplingMetadata,
+) -> jax.Array:         # [S, V] float32: the distribution random rows draw from (step 5)
+    """Temperature (1 for greedy rows), then min_p, then top_k / top_p."""
+    temperature = jnp.where(md.temperature < SAMPLING_EPS, 1.0, md.temperature)
+    scaled = apply_min_p(logits / temperature[:, None], md.min_p)
+    if md.use_top_k_top_p:
+        scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
+    return scaled
+
+
+def _with_logprobs(raw_logits: jax.Array, token_ids: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     if md.max_num_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     token_logprob, rank, topk_ids, topk_logprobs = compute_logprobs(
@@ -357,6 +358,60 @@ def sample(
         logprob_token_ids=jnp.concatenate([token_ids[:, None], topk_ids], axis=-1),
         sampled_rank=rank,
     )
+
+
+def sample(
+    logits: jax.Array,       # [S, V] float (one row per request row)
+    md: SamplingMetadata,
+) -> SamplerOutput:
+    """Samples one token per row (see the module docstring for the order). Jittable."""
+    raw_logits = logits.astype(jnp.float32)
+    logits = _processed_logits(raw_logits, md)
+    token_ids = argmax(logits)  # greedy: exact argmax
+    if not md.all_greedy:
+        random_ids = random_sample(_scaled_logits(logits, md), md.key_data, md.num_output_tokens)
+        token_ids = jnp.where(md.temperature < SAMPLING_EPS, token_ids, random_ids)
+    return _with_logprobs(raw_logits, token_ids, md)
+
+
+def sample_and_verify(
+    logits: jax.Array,     # [P, V] float: one row per scored position
+    md: SamplingMetadata,  # P rows: each position's request row, ``num_output_tokens`` its own
+    draft_ids: jax.Array,  # [P] int32: the draft token at the position, PAD_TOKEN_ID for none
+) -> tuple[SamplerOutput, jax.Array]:  # (tokens [P], accepted [P] bool)
+    """Speculative sampling against drafts that came with no probabilities (n-gram drafts,
+    i.e. a draft distribution q that is one-hot on the draft d).
+
+    Per position: greedy rows take the argmax and accept the draft when it is that argmax.
+    Random rows accept d with probability p(d) (p: the processed, scaled distribution; a
+    uniform drawn from the position's own key); on rejection they draw from p with d removed
+    (the residual ``max(p - q, 0)`` normalised). Positions without a draft draw from p as
+    :func:`sample` does. The caller keeps each row's tokens up to and including the first
+    position that did not accept: the output then follows p exactly (standard speculative
+    sampling), and greedy outputs equal non-speculative ones.
+    """
+    raw_logits = logits.astype(jnp.float32)
+    logits = _processed_logits(raw_logits, md)
+    greedy_ids = argmax(logits)
+    has_draft = draft_ids >= 0
+    accepted = has_draft & (greedy_ids == draft_ids)
+    token_ids = greedy_ids
+    if not md.all_greedy:
+        is_greedy = md.temperature < SAMPLING_EPS
+        scaled = _scaled_logits(logits, md)
+        keys = _request_keys(md.key_data, md.num_output_tokens)
+        p_draft = jnp.take_along_axis(jax.nn.softmax(scaled, axis=-1),
+                                      jnp.maximum(draft_ids, 0)[:, None], axis=-1)[:, 0]   # [P]
+        uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)     # [P]
+        take_draft = has_draft & (uniform < p_draft)
+        is_draft = has_draft[:, None] & (jnp.arange(scaled.shape[1])[None, :] == draft_ids[:, None])
+        residual = jnp.where(is_draft, -jnp.inf, scaled)
+        drawn = random_sample(jnp.where(take_draft[:, None], scaled, residual), md.key_data,
+                              md.num_output_tokens)
+        random_ids = jnp.where(take_draft, draft_ids, drawn)
+        token_ids = jnp.where(is_greedy, greedy_ids, random_ids)
+        accepted = jnp.where(is_greedy, accepted, take_draft)
+    return _with_logprobs(raw_logits, token_ids, md), accepted
 
 
 def greedy_vocab_major(md: SamplingMetadata) -> bool:

@@ -6,10 +6,13 @@ them on the device and turn the fetched rows into ``TokenLogprobs`` on the host.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
 from jaxkv.worker.buckets import pow2_at_least
-from jaxkv.worker.sampler import (compute_logprobs, greedy_vocab_major, sample,
+from jaxkv.worker.sampler import (compute_logprobs, greedy_vocab_major, sample, sample_and_verify,
                                   sample_greedy_vocab_major)
 
 
@@ -21,6 +24,26 @@ def sample_fn(logits_fn, md) -> dict:
         out = sample_greedy_vocab_major(logits_fn(True), md)
     else:
         out = sample(logits_fn(False), md)
+    return _result(out)
+
+
+def spec_sample_fn(logits_fn, md, draft_ids) -> dict:
+    """``sample_fn`` over P scored positions with drafts ([P] int32, -1: none): also
+    {"spec_accepted": [P] bool} (see ``sampler.sample_and_verify``)."""
+    out, accepted = sample_and_verify(logits_fn(False), md, draft_ids)
+    return dict(_result(out), spec_accepted=accepted)
+
+
+def repeat_rows(md, n: int):
+    """Sampling metadata of S rows -> S * n rows (row s at s * n .. s * n + n - 1), the j-th
+    copy counting j more outputs (its key folds in the output index it samples)."""
+    rows = md.num_rows
+    md = jax.tree_util.tree_map(lambda a: jnp.repeat(a, n, axis=0), md)
+    offsets = jnp.tile(jnp.arange(n, dtype=jnp.int32), rows)
+    return dataclasses.replace(md, num_output_tokens=md.num_output_tokens + offsets)
+
+
+def _result(out) -> dict:
     result = {"sampled_token_ids": out.sampled_token_ids.astype(jnp.int32)}
     if out.logprobs is not None:
         result.update(logprobs=out.logprobs.astype(jnp.float32),

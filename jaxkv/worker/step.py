@@ -33,6 +33,7 @@ class StepShape:
     ops: BlockTableOpsLayout # layout of the block-table diff inside it
     sampling_treedef: object # pytree structure of the sampling metadata (its static flags)
     prompt_logprobs: int     # top-k of prompt logprobs (-1: none requested this step)
+    num_spec: int = 0        # K: draft tokens scored per row (0: no speculative decoding)
 
 
 def token_positions(query_start_loc, num_computed, num_seqs, num_tokens):
@@ -62,7 +63,7 @@ def slot_mapping(block_table, seq, positions, valid, block_size):
 
 
 def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logprobs_fn,
-                  out_specs: dict):
+                  out_specs: dict, spec_sample_fn=None, repeat_rows=None):
     """Returns ``step(state, buffers, tables, last_sampled, packed, *, shape)`` to be jitted by
     the caller; it returns ``(buffers, tables, last_sampled, packed_out)``.
 
@@ -106,15 +107,26 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
             pending = jax.ops.segment_max(from_prev, seq, num_segments=shape.num_seqs)        # [S]
             sampling = dataclasses.replace(
                 sampling, pending_token_ids=jnp.maximum(pending, PAD_TOKEN_ID).astype(jnp.int32))
-        # logits [S, V] float32, or [V, S] when the sampler asks for them vocab-major
-        out = sample_fn(lambda vocab_major: model.compute_logits(h_last, vocab_major=vocab_major),
-                        sampling)
+        if shape.num_spec:
+            # Speculative decoding: each row scores up to K + 1 positions ("spec_index"
+            # [S, K + 1]: its last confirmed token, then its drafts; repeated to fill) against
+            # its drafts ("spec_drafts" [S, K + 1], -1 where none).
+            scored = shape.num_spec + 1
+            h_pos = hidden[x["spec_index"].reshape(-1)]              # [S * (K + 1), hidden]
+            out = spec_sample_fn(lambda vocab_major: model.compute_logits(h_pos, vocab_major=vocab_major),
+                                 repeat_rows(sampling, scored), x["spec_drafts"].reshape(-1))
+            last_token = out["sampled_token_ids"].reshape(shape.num_seqs, scored)[:, -1]   # [S]
+        else:
+            # logits [S, V] float32, or [V, S] when the sampler asks for them vocab-major
+            out = sample_fn(lambda vocab_major: model.compute_logits(h_last, vocab_major=vocab_major),
+                            sampling)
+            last_token = out["sampled_token_ids"]
         if shape.prompt_logprobs >= 0:
             all_logits = model.compute_logits(hidden)     # [T, V]
             out.update(prompt_logprobs_fn(all_logits, x["prompt_targets"], shape.prompt_logprobs))
         packed_out, out_specs[shape] = pack_device(out)
         rows = min(shape.num_seqs, last_sampled.shape[0])
-        last_sampled = jax.lax.dynamic_update_slice(last_sampled, out["sampled_token_ids"][:rows], (0,))
+        last_sampled = jax.lax.dynamic_update_slice(last_sampled, last_token[:rows], (0,))
         return buffers, tables, last_sampled, packed_out
 
     return step

@@ -1,0 +1,105 @@
+"""Speculative decoding by n-gram prompt lookup (vLLM's ``speculative_config={"method": "ngram"}``).
+
+After a step the runner proposes up to ``num_speculative_tokens`` draft tokens per request: the
+tokens that followed the most recent earlier occurrence of the request's last n tokens (n from
+``prompt_lookup_max`` down to ``prompt_lookup_min``, the longest match wins), searched over its
+prompt and outputs. The scheduler feeds them as extra tokens of the next step; the step scores
+every position and keeps the longest prefix of drafts the target model agrees with, plus one
+token of its own (see ``jaxkv.worker.sampler.sample_and_verify``), so greedy outputs are exactly
+the ones without speculation, and sampled ones follow the same distribution.
+
+Host side only (numpy); no jax import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+METHODS = ("ngram",)
+
+
+def _is_pos_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's n-gram speculative config (names and defaults).
+
+    Attributes:
+      method: "ngram" (prompt lookup; the only method here).
+      num_speculative_tokens: drafts per request and step (k >= 1).
+      prompt_lookup_max / prompt_lookup_min: longest / shortest n-gram matched. vLLM's
+        defaults: both 5 when neither is given, else the missing one equals the other.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if not _is_pos_int(self.num_speculative_tokens):
+            raise ValueError(f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        if not _is_pos_int(lo) or not _is_pos_int(hi) or lo > hi:
+            raise ValueError(f"prompt_lookup_min / prompt_lookup_max must be ints with 1 <= min <= max, "
+                             f"got {self.prompt_lookup_min!r} / {self.prompt_lookup_max!r}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def from_value(cls, value) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, or a dict of its fields (vLLM's ``speculative_config``)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"speculative_config must be a dict or None, got {value!r}")
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}")
+        return cls(**value)
+
+
+def propose_ngram(
+    tokens: np.ndarray,  # [L] int32: the request's prompt then outputs
+    min_n: int,
+    max_n: int,
+    k: int,
+) -> list[int]:
+    """Up to ``k`` draft tokens: what followed the most recent earlier occurrence of the
+    last n tokens, for the largest n in [min_n, max_n] that occurs; [] when none does.
+
+    Example: tokens [1, 2, 3, 9, 1, 2], n = 2: [1, 2] occurred at 0, followed by [3, 9, 1, ...]
+    -> k = 2 gives [3, 9].
+    """
+    length = int(tokens.shape[0])
+    if k <= 0:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        # windows starting at 0 .. length - n - 1: each is followed by at least one token
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start: start + k].tolist()
+    return []
+
+
+def may_speculate(params, num_generated: int) -> bool:
+    """Whether a request's next tokens may be drafted. Rows whose sampling reads each new
+    token's history or reports per-token values (penalties, bad words, logprobs, min_tokens'
+    bans still active) are sampled one token a step instead: correct, just not sped up."""
+    return (getattr(params, "presence_penalty", 0.0) == 0 and getattr(params, "frequency_penalty", 0.0) == 0
+            and getattr(params, "repetition_penalty", 1.0) == 1
+            and not getattr(params, "bad_words_token_ids", None)
+            and getattr(params, "logprobs", None) is None
+            and num_generated >= getattr(params, "min_tokens", 0))

@@ -1,0 +1,101 @@
+"""Speculative decoding (n-gram drafts) end to end: greedy outputs equal the dense forward's,
+other rows of the batch are untouched, limits hold, no block leaks."""
+
+import numpy as np
+import pytest
+
+from jaxkv.engine import LLMEngine
+from jaxkv.sampling_params import SamplingParams
+from tests.engine.helpers import dense_greedy, make_llm, small_model
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-hybrid"])
+def model(request):
+    return small_model(request.param)
+
+
+@pytest.fixture(scope="module")
+def llama():   # the tests that do not depend on the layer kinds run on one family
+    return small_model("tiny-llama")
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    loop = rng.integers(3, 512, size=6).tolist()
+    # repeating prompts give the lookup something to find; random ones mostly do not
+    return [loop * 4, rng.integers(3, 512, size=21).tolist(), loop[:3] * 5 + [7], rng.integers(3, 512, size=40).tolist()]
+
+
+def _no_leaks(llm):
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(num_gpu_blocks_override=12, max_num_seqs=4),
+                                      dict(max_num_batched_tokens=16, max_num_seqs=4)],
+                         ids=["plain", "preempting", "budget-16"])
+def test_greedy_with_drafts_equals_dense(model, settings):
+    """Accepted and rejected drafts both occur; outputs are the dense greedy ones, with
+    preemption (drafts recomputed) and with a token budget that cuts drafts short."""
+    prompts = _prompts(0)
+    llm = make_llm(model, speculative_config=SPEC, **settings)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == dense_greedy(model, p, 20)
+    st = llm.llm_engine.get_stats()
+    assert 0 < st["spec_num_accepted_tokens"] < st["spec_num_draft_tokens"], st
+    if "num_gpu_blocks_override" in settings:
+        assert st["num_preemptions"] > 0
+    _no_leaks(llm)
+
+
+def test_rows_without_drafts_and_limits_match_the_engine_without_speculation(llama):
+    """A batch mixing drafted rows with rows that are never drafted (penalties, logprobs) and
+    with stop ids / max_tokens cutting accepted drafts: the same outputs as without drafts."""
+    loop, noise, short_loop, longer = _prompts(0)
+    prompts = [short_loop, noise, longer, loop]
+    model = llama
+    free = dense_greedy(model, short_loop, 12)   # repeats tokens early: drafts get accepted
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[free[9]]),
+              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)]
+    want = make_llm(model).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(model, speculative_config=SPEC)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+    assert got[0].outputs[0].stop_reason == free[9] and len(got[3].outputs[0].token_ids) == 3
+    for a, b in zip(got[2].outputs[0].logprobs, want[2].outputs[0].logprobs):
+        assert a.keys() == b.keys()
+        assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=1e-5)
+    assert llm.llm_engine.get_stats()["spec_num_draft_tokens"] > 0   # the drafted path ran
+    _no_leaks(llm)
+
+
+def test_sampled_with_drafts_is_reproducible(llama):
+    """Seeded sampling with drafts gives the same tokens again (the second run also hits the
+    prefix cache, so its steps differ)."""
+    prompts = _prompts(2)
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    llm = make_llm(llama, speculative_config=SPEC)
+    first, again = (llm.generate(prompts, params, use_tqdm=False) for _ in range(2))
+    for a, b in zip(first, again):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 12
+    assert llm.llm_engine.get_stats()["spec_num_draft_tokens"] > 0
+    _no_leaks(llm)
+
+
+def test_speculation_with_async_scheduling_is_refused(llama):
+    model = llama
+    with pytest.raises(ValueError, match="does not work with async_scheduling"):
+        LLMEngine.from_config(model, speculative_config=SPEC, async_scheduling=True,
+                              kv_cache_memory_bytes=8 << 20, warmup=False)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLMEngine.from_config(model, speculative_config={"num_speculative_tokens": 0},
+                              kv_cache_memory_bytes=8 << 20, warmup=False)

@@ -1,0 +1,101 @@
+"""Speculative decoding pieces: the n-gram proposer, its config, and draft verification."""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxkv.sampling_params import SamplingParams
+from jaxkv.worker.sampler import sample, sample_and_verify
+from jaxkv.worker.sampling_metadata import build_sampling_metadata, make_request_key
+from jaxkv.worker.spec_decode import SpeculativeConfig, may_speculate, propose_ngram
+
+
+def test_config_defaults_and_validation():
+    c = SpeculativeConfig(num_speculative_tokens=2)
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)   # vLLM's defaults
+    c = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (4, 3, 3)
+    assert SpeculativeConfig.from_value({"prompt_lookup_min": 2}).prompt_lookup_max == 2
+    assert SpeculativeConfig.from_value(None) is None
+    with pytest.raises(ValueError, match="method must be one of"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 1, got 0"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="1 <= min <= max"):
+        SpeculativeConfig(prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match=r"unknown keys \['k'\]"):
+        SpeculativeConfig.from_value({"k": 3})
+    with pytest.raises(TypeError, match="must be a dict"):
+        SpeculativeConfig.from_value("ngram")
+
+
+def test_propose_ngram_literal():
+    t = np.array([1, 2, 3, 9, 1, 2], np.int32)
+    assert propose_ngram(t, 2, 2, 2) == [3, 9]
+    assert propose_ngram(t, 1, 3, 5) == [3, 9, 1, 2]        # runs to the end of the tokens
+    assert propose_ngram(np.array([5, 6, 7], np.int32), 1, 3, 2) == []
+    # The longest n wins, then the most recent occurrence: [7, 8] at 3 beats [8] at 5.
+    t = np.array([7, 8, 1, 7, 8, 2, 8, 3, 7, 8], np.int32)
+    assert propose_ngram(t, 1, 2, 1) == [2]
+    assert propose_ngram(t, 1, 1, 1) == [3]
+    assert propose_ngram(t, 1, 2, 0) == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=30), lo=st.integers(1, 3),
+       span=st.integers(0, 2), k=st.integers(1, 4))
+def test_propose_ngram_matches_a_plain_search(tokens, lo, span, k):
+    hi = lo + span
+    want = []
+    for n in range(hi, lo - 1, -1):
+        if n >= len(tokens):
+            continue
+        starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
+        if starts:
+            want = tokens[starts[-1] + n: starts[-1] + n + k]
+            break
+    assert propose_ngram(np.array(tokens, np.int32), lo, hi, k) == want
+
+
+def test_may_speculate_skips_rows_that_read_each_token():
+    assert may_speculate(SamplingParams(temperature=0.7), 0)
+    for p in (SamplingParams(presence_penalty=0.5), SamplingParams(logprobs=1),
+              SamplingParams(bad_words_token_ids=[[3]])):
+        assert not may_speculate(p, 5)
+    assert not may_speculate(SamplingParams(min_tokens=3), 2) and may_speculate(SamplingParams(min_tokens=3), 3)
+
+
+def _md(params, n_rows, seeds):
+    keys = np.stack([make_request_key(s) for s in seeds])
+    return build_sampling_metadata(params, keys, [0] * n_rows, num_rows=n_rows, vocab_size=8)
+
+
+def test_verify_greedy_accepts_exactly_the_argmax():
+    logits = np.array([[0, 5, 1, 0, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0, 0, 1], [0] * 7 + [2]], np.float32)
+    md = _md([SamplingParams(temperature=0)] * 3, 3, [0, 0, 0])
+    out, acc = jax.jit(sample_and_verify)(logits, md, np.array([1, 7, -1], np.int32))
+    assert np.asarray(out.sampled_token_ids).tolist() == [1, 0, 7]
+    assert np.asarray(acc).tolist() == [True, False, False]
+
+
+def test_verify_random_follows_the_target_distribution():
+    """With a one-hot draft, keeping the draft when accepted and the residual draw otherwise
+    gives tokens distributed as p; the draft is accepted with probability p(draft)."""
+    n = 20000
+    logits = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005], np.float32))
+    p = np.exp(logits) / np.exp(logits).sum()
+    md = _md([SamplingParams(temperature=1.0, seed=s) for s in range(n)], n, list(range(n)))
+    for draft in (0, 3):
+        out, acc = jax.jit(sample_and_verify)(np.tile(logits, (n, 1)), md, np.full(n, draft, np.int32))
+        toks, acc = np.asarray(out.sampled_token_ids), np.asarray(acc)
+        freq = np.bincount(toks, minlength=8) / n
+        np.testing.assert_allclose(freq, p, atol=0.015)
+        assert abs(acc.mean() - p[draft]) < 0.015
+        assert (toks[acc] == draft).all() and (toks[~acc] != draft).all()
+    # No draft: the same draw as plain sampling would make for that output index.
+    out, acc = jax.jit(sample_and_verify)(np.tile(logits, (n, 1)), md, np.full(n, -1, np.int32))
+    np.testing.assert_array_equal(out.sampled_token_ids,
+                                  jax.jit(sample)(np.tile(logits, (n, 1)), md).sampled_token_ids)
+    assert not np.asarray(acc).any()
