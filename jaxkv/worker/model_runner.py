@@ -36,7 +36,7 @@ from jaxkv.worker.sampling_adapter import (
     bucket_k,
     prompt_logprobs_fn,
     prompt_row,
-    repeat_rows,
+    gather_rows,
     row_logprobs,
     sample_fn,
     spec_sample_fn,
@@ -113,6 +113,7 @@ class StepHandle:
     prompt_rows: list[int]                 # rows that compute prompt logprobs this step
     sample_rows: dict[str, int]            # req id -> its row, for rows that sample
     drafts: list[list[int]] = dataclasses.field(default_factory=list)  # per row, drafts scored
+    spec_start: np.ndarray | None = None   # [n] int32 each row's first scored position
 
     @property
     def req_ids(self) -> list[str]:
@@ -164,6 +165,9 @@ class ModelRunner:
         self._in_flight: StepHandle | None = None   # dispatched, not yet collected
         self.eos_token_id = eos_token_id
         self.speculative_config = speculative_config
+        k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
+        # scored positions of a step with drafts: rows + drafts, a power of two (few compiles)
+        self.spec_buckets = pow2_buckets(1, max_num_seqs * (k + 1))
         self.num_draft_tokens = 0       # drafts scored, and of those accepted (vLLM's spec metrics)
         self.num_accepted_tokens = 0
 
@@ -187,7 +191,7 @@ class ModelRunner:
         step = build_step_fn(self.graphdef, binding=self.binding, page_bytes=self.page_bytes,
                              sample_fn=sample_fn, prompt_logprobs_fn=prompt_logprobs_fn,
                              out_specs=self._out_specs, spec_sample_fn=spec_sample_fn,
-                             repeat_rows=repeat_rows)
+                             gather_rows=gather_rows)
         self._step = jax.jit(step, static_argnames=("shape",),
                              donate_argnames=("buffers", "tables", "last_sampled"))
         self.compiled_shapes: set[StepShape] = set()
@@ -314,14 +318,16 @@ class ModelRunner:
         extra = {"prev_rows": prev_rows}
         if k_prompt >= 0:
             extra["prompt_targets"] = self._prompt_targets(states, qsl, q_lens, T)
-        num_spec = self.speculative_config.num_speculative_tokens if num_drafts.any() else 0
-        if num_spec:
-            extra.update(self._spec_inputs(qsl, drafts, S, num_spec))
+        spec_start = None
+        if num_drafts.any():
+            spec_inputs, spec_start = self._spec_inputs(qsl, drafts, S)
+            extra.update(spec_inputs)
         max_q_len = 1 if int(q_lens.max()) == 1 else T
         shape, packed = self._pack_step(
             input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra,
             max_q_len=max_q_len,
-            prompt_logprobs=bucket_k(k_prompt) if k_prompt > 0 else k_prompt, num_spec=num_spec)
+            prompt_logprobs=bucket_k(k_prompt) if k_prompt > 0 else k_prompt,
+            spec_positions=len(extra["spec_index"]) if spec_start is not None else 0)
         out = self._dispatch(shape, packed)
         prompt_rows = [i for i, st in enumerate(states) if _wants_prompt_logprobs(st)] if k_prompt >= 0 else []
         batch.num_computed_tokens_cpu[:n] = ends   # progress advances at dispatch, as in the core
@@ -330,7 +336,7 @@ class ModelRunner:
         handle = StepHandle(shape=shape, out=out, states=states, q_lens=q_lens, qsl=qsl,
                             computed=c, samples=samples, prompt_rows=prompt_rows,
                             sample_rows={req_ids[i]: i for i in np.flatnonzero(samples).tolist()},
-                            drafts=drafts)
+                            drafts=drafts, spec_start=spec_start)
         self._in_flight = handle
         return handle
 
@@ -343,14 +349,14 @@ class ModelRunner:
             self._in_flight = None
         results = self._fetch(handle.shape, handle.out)
         batch = self.input_batch
-        scored = handle.shape.num_spec + 1       # positions scored per row
-        sampled = results["sampled_token_ids"].reshape(-1, scored)   # [S, K + 1]
-        accepted = results["spec_accepted"].reshape(-1, scored) if scored > 1 else None
+        sampled = results["sampled_token_ids"]   # [S], or [P] with drafts
+        accepted = results.get("spec_accepted")   # [P] bool with drafts
+        start = handle.spec_start if handle.spec_start is not None else np.arange(len(handle.states))
         want_lp = "logprobs" in results
         out_tokens: list[list[int]] = []
         logprobs_out: list | None = [] if want_lp else None
         prompt_lp: dict = {}
-        toks = sampled[: len(handle.states)].tolist()
+        toks = sampled.tolist()
         samples = handle.samples.tolist()
         index = batch.req_id_to_index
         rows, row_toks = [], []
@@ -361,16 +367,16 @@ class ModelRunner:
                 s, results, int(handle.qsl[i]), int(handle.q_lens[i]), int(handle.computed[i]))
         for i, s in enumerate(handle.states):
             if samples[i]:
-                new = self._accepted_tokens(toks[i], accepted, i, handle.drafts[i] if handle.drafts else ())
+                new = self._accepted_tokens(toks, accepted, int(start[i]), handle.drafts[i] if handle.drafts else ())
                 s.token_ids.extend(new)
                 row = index.get(s.req_id)
                 if row is not None:
                     rows.append(row)
                     row_toks.append(new)
                 out_tokens.append(new)
-                if want_lp:   # rows with logprobs are never drafted: their sample is column 0
+                if want_lp:   # rows with logprobs are never drafted: one position each
                     k = s.sampling_params.logprobs
-                    logprobs_out.append([row_logprobs(results, i * scored, k)]
+                    logprobs_out.append([row_logprobs(results, int(start[i]), k)]
                                         if k is not None else [])
             else:                                # a partial prefill chunk: nothing sampled
                 out_tokens.append([])
@@ -387,14 +393,15 @@ class ModelRunner:
                                  sampled_token_ids=out_tokens, logprobs=logprobs_out,
                                  prompt_logprobs_dict=prompt_lp, spec_token_ids=spec_out)
 
-    def _accepted_tokens(self, row_tokens: list[int], accepted, i: int, drafts) -> list[int]:
-        """A row's new tokens: with m drafts, its tokens at columns 0 .. m up to and including
-        the first that did not accept its draft (column m, the bonus token, always ends it)."""
+    def _accepted_tokens(self, tokens: list[int], accepted, start: int, drafts) -> list[int]:
+        """A row's new tokens: with m drafts, its tokens at positions start .. start + m up to
+        and including the first that did not accept its draft (the bonus position, start + m,
+        always ends it)."""
         m = len(drafts)
         new = []
-        for col in range(m + 1):
-            new.append(row_tokens[col])
-            if col == m or not accepted[i, col]:
+        for j in range(m + 1):
+            new.append(tokens[start + j])
+            if j == m or not accepted[start + j]:
                 break
         if not m:
             return new
@@ -419,25 +426,41 @@ class ModelRunner:
         return propose_ngram(np.asarray(s.token_ids, np.int32), cfg.prompt_lookup_min,
                              cfg.prompt_lookup_max, k)
 
-    @staticmethod
-    def _spec_inputs(qsl: np.ndarray, drafts: list[list[int]], S: int, k: int) -> dict[str, np.ndarray]:
-        """Positions each row scores and the drafts they check, in K + 1 columns.
+    def _spec_inputs(self, qsl: np.ndarray, drafts: list[list[int]], S: int
+                     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The positions a step with drafts scores: P = rows + drafts, padded to a power of two.
 
         Row i with m drafts scores its last m + 1 tokens (its last confirmed token, then the
-        drafts): column j < m checks draft j, column m samples the bonus token; columns after
-        m repeat the last position (their results are not read). Column j samples output
-        ``num_output_tokens + j``, so a row without drafts samples as without speculation.
+        drafts) at positions start_i .. start_i + m: position start_i + j checks draft j and
+        samples output ``num_output_tokens + j``; start_i + m samples the bonus token. A row
+        without drafts scores one position and samples as without speculation. Padding
+        positions repeat row 0's first one (their results are not read).
+
+        Returns the step inputs and ``start`` [n] int32.
         """
-        index = np.zeros((S, k + 1), np.int32)      # [S, K + 1] token of each scored position
-        check = np.full((S, k + 1), -1, np.int32)   # [S, K + 1] the draft it checks, -1: none
+        n = len(drafts)
+        counts = np.array([len(d) + 1 for d in drafts], np.int32)     # [n]
+        start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
+        total = int(counts.sum())
+        P = pick_bucket(total, self.spec_buckets)
+        row = np.zeros(P, np.int32)                  # [P] the row of each position
+        offset = np.zeros(P, np.int32)               # [P] its output offset j
+        check = np.full(P, -1, np.int32)             # [P] the draft it checks, -1: none
+        row[:total] = np.repeat(np.arange(n), counts)
+        offset[:total] = np.arange(total) - np.repeat(start, counts)
+        last = np.maximum(qsl[1: n + 1] - 1, 0)       # [n] each row's last scheduled token
+        index = np.zeros(P, np.int32)                # [P] the token of each position
+        index[:total] = np.repeat(last - counts + 1, counts) + offset[:total]
+        index[total:] = index[0]
         for i, d in enumerate(drafts):
-            last, m = max(int(qsl[i + 1]) - 1, 0), len(d)
-            index[i] = np.minimum(np.arange(last - m, last - m + k + 1), last)
-            check[i, :m] = d
-        return {"spec_index": index, "spec_drafts": check}
+            check[start[i]: start[i] + len(d)] = d
+        spec_last = np.zeros(S, np.int32)            # [S] each row's bonus position
+        spec_last[:n] = start + counts - 1
+        return ({"spec_index": index, "spec_row": row, "spec_offset": offset, "spec_drafts": check,
+                 "spec_last": spec_last}, start)
 
     def _pack_step(self, input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, *,
-                   max_q_len, prompt_logprobs, num_spec: int = 0) -> tuple[StepShape, np.ndarray]:
+                   max_q_len, prompt_logprobs, spec_positions: int = 0) -> tuple[StepShape, np.ndarray]:
         leaves, treedef = jax.tree_util.tree_flatten(md)
         arrays = {"input_ids": input_ids, "query_start_loc": qsl, "num_computed": num_computed,
                   "num_seqs": np.array([n], np.int32), "block_ops": ops, "zero_blocks": zeros}
@@ -448,7 +471,7 @@ class ModelRunner:
                           width=self.max_blocks_per_req,
                           max_q_len=max_q_len, inputs=spec,
                           ops=ops_layout, sampling_treedef=treedef,
-                          prompt_logprobs=prompt_logprobs, num_spec=num_spec)
+                          prompt_logprobs=prompt_logprobs, spec_positions=spec_positions)
         return shape, packed
 
     def zero_capacity(self, T: int, S: int) -> int:

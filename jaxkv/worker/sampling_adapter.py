@@ -34,12 +34,11 @@ def spec_sample_fn(logits_fn, md, draft_ids) -> dict:
     return dict(_result(out), spec_accepted=accepted)
 
 
-def repeat_rows(md, n: int):
-    """Sampling metadata of S rows -> S * n rows (row s at s * n .. s * n + n - 1), the j-th
-    copy counting j more outputs (its key folds in the output index it samples)."""
-    rows = md.num_rows
-    md = jax.tree_util.tree_map(lambda a: jnp.repeat(a, n, axis=0), md)
-    offsets = jnp.tile(jnp.arange(n, dtype=jnp.int32), rows)
+def gather_rows(md, rows, offsets):
+    """Sampling metadata of S rows -> P positions: position p takes row ``rows[p]`` ([P]
+    int32) and counts ``offsets[p]`` more outputs (its key folds in the output index it
+    samples)."""
+    md = jax.tree_util.tree_map(lambda a: a[rows], md)
     return dataclasses.replace(md, num_output_tokens=md.num_output_tokens + offsets)
 
 

@@ -33,7 +33,7 @@ class StepShape:
     ops: BlockTableOpsLayout # layout of the block-table diff inside it
     sampling_treedef: object # pytree structure of the sampling metadata (its static flags)
     prompt_logprobs: int     # top-k of prompt logprobs (-1: none requested this step)
-    num_spec: int = 0        # K: draft tokens scored per row (0: no speculative decoding)
+    spec_positions: int = 0  # P: positions scored against drafts (0: no speculative decoding)
 
 
 def token_positions(query_start_loc, num_computed, num_seqs, num_tokens):
@@ -63,7 +63,7 @@ def slot_mapping(block_table, seq, positions, valid, block_size):
 
 
 def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logprobs_fn,
-                  out_specs: dict, spec_sample_fn=None, repeat_rows=None):
+                  out_specs: dict, spec_sample_fn=None, gather_rows=None):
     """Returns ``step(state, buffers, tables, last_sampled, packed, *, shape)`` to be jitted by
     the caller; it returns ``(buffers, tables, last_sampled, packed_out)``.
 
@@ -107,15 +107,15 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
             pending = jax.ops.segment_max(from_prev, seq, num_segments=shape.num_seqs)        # [S]
             sampling = dataclasses.replace(
                 sampling, pending_token_ids=jnp.maximum(pending, PAD_TOKEN_ID).astype(jnp.int32))
-        if shape.num_spec:
-            # Speculative decoding: each row scores up to K + 1 positions ("spec_index"
-            # [S, K + 1]: its last confirmed token, then its drafts; repeated to fill) against
-            # its drafts ("spec_drafts" [S, K + 1], -1 where none).
-            scored = shape.num_spec + 1
-            h_pos = hidden[x["spec_index"].reshape(-1)]              # [S * (K + 1), hidden]
+        if shape.spec_positions:
+            # Speculative decoding: P scored positions, each row's last confirmed token then
+            # its drafts ("spec_index" [P]: the token; "spec_row" / "spec_offset" [P]: its row
+            # and output offset; "spec_drafts" [P]: the draft it checks, -1 for none).
+            h_pos = hidden[x["spec_index"]]                          # [P, hidden]
+            md_pos = gather_rows(sampling, x["spec_row"], x["spec_offset"])
             out = spec_sample_fn(lambda vocab_major: model.compute_logits(h_pos, vocab_major=vocab_major),
-                                 repeat_rows(sampling, scored), x["spec_drafts"].reshape(-1))
-            last_token = out["sampled_token_ids"].reshape(shape.num_seqs, scored)[:, -1]   # [S]
+                                 md_pos, x["spec_drafts"])
+            last_token = out["sampled_token_ids"][x["spec_last"]]    # [S] each row's last position
         else:
             # logits [S, V] float32, or [V, S] when the sampler asks for them vocab-major
             out = sample_fn(lambda vocab_major: model.compute_logits(h_last, vocab_major=vocab_major),

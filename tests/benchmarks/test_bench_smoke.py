@@ -125,3 +125,14 @@ def test_async_ab_runs_both_modes_on_the_same_tokens(throughput, tmp_path):
     assert result["summary"]["greedy_tokens_equal"] == "3/3"
     assert len(result["times_s"]["sync"]) == len(result["times_s"]["async"]) == 2
     assert result["summary"]["sync_over_async_min"] > 0 and "jax" in result["env"]
+
+
+def test_spec_decode_ab_runs_both_engines_on_the_same_tokens(throughput, tmp_path):
+    import spec_decode
+
+    path = tmp_path / "spec_decode.json"
+    spec_decode.main(["--max-tokens", "6", "--rounds", "1", "--workload", "copy", "--batch", "all",
+                      "--json", str(path)])
+    (row,) = json.loads(path.read_text())["rows"]
+    assert (row["workload"], row["batch"], row["tokens_equal"]) == ("copy", 4, "4/4")
+    assert row["plain_over_spec"] > 0 and row["drafts"] > 0   # the copy prompts get drafted
