@@ -34,9 +34,9 @@ from jaxkv.worker.packing import pack, unpack_host
 from jaxkv.worker.sampling_metadata import build_sampling_metadata
 from jaxkv.worker.sampling_adapter import (
     bucket_k,
+    gather_rows,
     prompt_logprobs_fn,
     prompt_row,
-    gather_rows,
     row_logprobs,
     sample_fn,
     spec_sample_fn,
