@@ -440,16 +440,8 @@ def targets(payload: dict) -> list[dict]:
     return out
 
 
-def _ngram_config(text: str) -> dict:
-    parts = [int(x) for x in text.split(",")]
-    if not 1 <= len(parts) <= 3:
-        raise argparse.ArgumentTypeError(f"expected K[,MAX[,MIN]], got {text!r}")
-    k, hi, lo = (parts + [4, 1][len(parts) - 1:])[:3]
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": hi, "prompt_lookup_min": lo}
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from jaxkv.cli import parse_bytes
+    from jaxkv.cli import parse_bytes, parse_ngram
 
     p = argparse.ArgumentParser(prog="jaxkv bench", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -464,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--async-scheduling", action="store_true",
                    help="jaxkv schedules step N+1 while step N runs (see benchmarks/async_ab.py)")
-    p.add_argument("--speculative-ngram", type=_ngram_config, default=None, metavar="K[,MAX[,MIN]]",
+    p.add_argument("--speculative-ngram", type=parse_ngram, default=None, metavar="K[,MAX[,MIN]]",
                    help="n-gram speculative decoding: K drafts a step, lookup n-grams MAX..MIN "
                         "(default 4..1); e.g. 3 or 3,4,1")
     p.add_argument("--quick", action="store_true", help="scaled-down workloads (see QUICK)")

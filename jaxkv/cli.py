@@ -24,6 +24,19 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def parse_ngram(text: str) -> dict:
+    """'K[,MAX[,MIN]]' -> the n-gram ``speculative_config`` dict: K drafts a step, n-grams
+    MAX..MIN (default 4..1), e.g. '3' or '3,4,2'."""
+    try:
+        parts = [int(x) for x in str(text).split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3:
+        raise argparse.ArgumentTypeError(f"expected K[,MAX[,MIN]] (e.g. 3 or 3,4,2), got {text!r}")
+    k, hi, lo = (parts + [4, 1][len(parts) - 1:])[:3]
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": hi, "prompt_lookup_min": lo}
+
+
 def _layer_infos(config):
     from models.config import LayerKVInfo, layer_name
 

@@ -15,7 +15,7 @@ DEFAULT_PROMPTS = (
 
 
 def add_parser(sub) -> None:
-    from jaxkv.cli import parse_bytes
+    from jaxkv.cli import parse_bytes, parse_ngram
 
     p = sub.add_parser("generate", help="generate completions (default: SmolLM2-135M-Instruct on CPU)")
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -33,8 +33,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule step N+1 while step N runs (same tokens; pays on GPU / TPU)")
-    p.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
-                   help="draft K tokens a step by n-gram lookup (4..1) over each request's tokens")
+    p.add_argument("--speculative-ngram", type=parse_ngram, default=None, metavar="K[,MAX[,MIN]]",
+                   help="draft K tokens a step by n-gram lookup (MAX..MIN, default 4..1) over each "
+                        "request's tokens")
     p.set_defaults(func=cmd_generate)
 
 
@@ -47,9 +48,7 @@ def cmd_generate(args) -> int:
         llm = LLM(args.model, kv_cache_memory_bytes=args.kv_cache_memory, block_size=args.block_size,
                   max_model_len=args.max_model_len, attention_backend=args.attention_backend,
                   seed=args.seed, async_scheduling=args.async_scheduling, verbose=True,
-                  speculative_config=None if not args.speculative_ngram else {
-                      "method": "ngram", "num_speculative_tokens": args.speculative_ngram,
-                      "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+                  speculative_config=args.speculative_ngram)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"jaxkv generate: {e}", file=sys.stderr)
         return 2

@@ -405,9 +405,8 @@ def sample_and_verify(
         uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)     # [P]
         take_draft = has_draft & (uniform < p_draft)
         is_draft = has_draft[:, None] & (jnp.arange(scaled.shape[1])[None, :] == draft_ids[:, None])
-        residual = jnp.where(is_draft, -jnp.inf, scaled)
-        drawn = random_sample(jnp.where(take_draft[:, None], scaled, residual), md.key_data,
-                              md.num_output_tokens)
+        # p without the draft; at positions without one it is p itself (the plain draw)
+        drawn = random_sample(jnp.where(is_draft, -jnp.inf, scaled), md.key_data, md.num_output_tokens)
         random_ids = jnp.where(take_draft, draft_ids, drawn)
         token_ids = jnp.where(is_greedy, greedy_ids, random_ids)
         accepted = jnp.where(is_greedy, accepted, take_draft)

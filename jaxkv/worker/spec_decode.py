@@ -8,7 +8,7 @@ every position and keeps the longest prefix of drafts the target model agrees wi
 token of its own (see ``jaxkv.worker.sampler.sample_and_verify``), so greedy outputs are exactly
 the ones without speculation, and sampled ones follow the same distribution.
 
-Host side only (numpy); no jax import.
+Host side (numpy): the config, the proposer, and which rows may be drafted.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
+
+from jaxkv.worker.sampling_metadata import uses_penalties
 
 METHODS = ("ngram",)
 
@@ -98,8 +100,7 @@ def may_speculate(params, num_generated: int) -> bool:
     """Whether a request's next tokens may be drafted. Rows whose sampling reads each new
     token's history or reports per-token values (penalties, bad words, logprobs, min_tokens'
     bans still active) are sampled one token a step instead: correct, just not sped up."""
-    return (getattr(params, "presence_penalty", 0.0) == 0 and getattr(params, "frequency_penalty", 0.0) == 0
-            and getattr(params, "repetition_penalty", 1.0) == 1
+    return (not uses_penalties(params)
             and not getattr(params, "bad_words_token_ids", None)
             and getattr(params, "logprobs", None) is None
             and num_generated >= getattr(params, "min_tokens", 0))
