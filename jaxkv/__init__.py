@@ -5,6 +5,7 @@
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
 """
 
+from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxkv.engine import LLM, LLMEngine
 from jaxkv.engine_config import EngineConfig
 from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -12,6 +13,7 @@ from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-    "RequestMetrics", "Logprob", "RequestOutputKind",
+    "RequestMetrics", "Logprob", "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput",
+    "BeamSearchSequence",
 ]
 __version__ = "0.1.0"

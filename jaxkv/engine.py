@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 
 
+from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from jaxkv.core import EngineCoreOutput, Request, RequestStatus, Scheduler
 from jaxkv.detokenizer import IncrementalDetokenizer
 from jaxkv.engine_config import EngineConfig, resolve_engine_config
@@ -236,9 +237,13 @@ class LLMEngine:
         return eos
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Aborts requests (unknown ids raise ValueError; the others are still aborted first)."""
+        """Aborts requests. Ids that are not running (finished already, or never added) are
+        ignored, as in vLLM: a request may finish between the caller's last output and its
+        abort. Ids must be strings (TypeError otherwise)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        unknown = [r for r in ids if r not in self._parents]
+        bad = [r for r in ids if not isinstance(r, str)]
+        if bad:
+            raise TypeError(f"request ids must be str, got {bad}")
         for rid in ids:
             parent = self._parents.pop(rid, None)
             if parent is None:
@@ -248,8 +253,6 @@ class LLMEngine:
                 self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
             for c in parent.children:
                 self._child_of.pop(c.request_id, None)
-        if unknown:
-            raise ValueError(f"cannot abort unknown request ids {unknown}")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -502,6 +505,46 @@ class LLM:
         if bar is not None:
             bar.close()
         return [finished[r] for r in ids]
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search over ``prompts`` (one or a list: strings, token-id lists or prompt
+        dicts), as vLLM's ``LLM.beam_search``; one BeamSearchOutput per prompt, in order, its
+        sequences best first (see :mod:`jaxkv.beam_search`). Each round runs the live beams of
+        every prompt as one batch of one-token requests; prefix caching reuses their blocks."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        engine = self.llm_engine
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_lists = [engine._tokenize(p)[1] for p in prompts]
+        k = 2 * params.beam_width
+        if k > engine.model_config.vocab_size:
+            raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width <= the vocabulary "
+                             f"({engine.model_config.vocab_size})")
+        max_len = engine.config.max_model_len
+        for i, t in enumerate(token_lists):
+            if not t or len(t) >= max_len:
+                raise ValueError(f"prompt {i} has {len(t)} tokens; beam search needs 1 .. "
+                                 f"max_model_len - 1 = {max_len - 1}")
+        one = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=k,
+                             ignore_eos=True, detokenize=False)
+
+        def expand(beams: list[list[int]]) -> list:
+            fits = [i for i, t in enumerate(beams) if len(t) < max_len]
+            outs = self.generate([beams[i] for i in fits], one, use_tqdm=use_tqdm) if fits else []
+            cands: list = [None] * len(beams)
+            for i, o in zip(fits, outs):
+                cands[i] = o.outputs[0].logprobs[0]
+            return cands
+
+        results = run_beam_search(token_lists, params, expand, engine._eos_id())
+        tok = engine.tokenizer
+        if tok is not None:
+            for r in results:
+                for seq in r.sequences:
+                    seq.text = tok.decode(seq.tokens)
+        return results
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:

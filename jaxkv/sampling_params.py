@@ -34,6 +34,11 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_bool(value) -> bool:   # numpy's bool_ scalar too (duck-typed: no numpy import here)
+    return isinstance(value, bool) or (getattr(getattr(value, "dtype", None), "kind", None) == "b"
+                                       and getattr(value, "shape", None) == ())
+
+
 def _is_number(value) -> bool:   # numpy scalars included
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -124,6 +129,12 @@ class SamplingParams:
                 raise TypeError(f"{name} must be a number, got {value!r}")
             if value != value:
                 raise ValueError(f"{name} must not be NaN")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            value = getattr(self, name)
+            if not _is_bool(value):   # "no" would be truthy
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+            setattr(self, name, bool(value))
         for name, one_str_ok in (("stop", True), ("stop_token_ids", False),
                                  ("allowed_token_ids", False), ("bad_words", True)):
             value = getattr(self, name)

@@ -68,6 +68,9 @@ def test_rejects_bad_values(kwargs, match):
     ({"stop_token_ids": 5}, TypeError, "stop_token_ids must be a list, got 5"),
     ({"allowed_token_ids": "abc"}, TypeError, "allowed_token_ids must be a list"),
     ({"bad_words": 5}, TypeError, "bad_words must be a list or a str"),
+    ({"ignore_eos": "no"}, TypeError, "ignore_eos must be a bool, got 'no'"),
+    ({"detokenize": 0}, TypeError, "detokenize must be a bool, got 0"),
+    ({"skip_special_tokens": None}, TypeError, "skip_special_tokens must be a bool"),
 ])
 def test_rejects_wrong_types_naming_the_field(kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -76,6 +79,8 @@ def test_rejects_wrong_types_naming_the_field(kwargs, exc, match):
 
 def test_numpy_scalars_are_numbers():
     assert SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9)).top_p == pytest.approx(0.9)
+    p = SamplingParams(ignore_eos=np.bool_(True))
+    assert p.ignore_eos is True
 
 
 def test_bad_words_token_ids_must_be_lists_of_lists():

@@ -402,9 +402,11 @@ def test_invalid_sampling_params_and_ids(llm):
     engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="unknown request ids"):
-        engine.abort_request(["dup", "nope"])
+    engine.abort_request(["dup", "nope"])   # unknown (or finished) ids are ignored, as in vLLM
     assert not engine.has_unfinished_requests()
+    engine.abort_request("dup")             # twice: already gone
+    with pytest.raises(TypeError, match="must be str"):
+        engine.abort_request([3])
 
 
 def test_kv_budget_too_small(model):
