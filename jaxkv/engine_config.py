@@ -88,7 +88,8 @@ def resolve_engine_config(
     ``speculative_config`` (vLLM's): ``{"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_max": n, "prompt_lookup_min": m}`` drafts up to k tokens per request and
     step by n-gram lookup over its own tokens and verifies them in the next step (see
-    ``jaxkv.worker.spec_decode``); not with ``async_scheduling``. Steps with drafts are
+    ``jaxkv.worker.spec_decode``); not with ``async_scheduling``. ``"disable_by_batch_size":
+    B`` (vLLM's) proposes no drafts after a step of B or more requests. Steps with drafts are
     extra compiled variants, compiled on first use.
 
     ``model`` is a name or path for ``models.load_model``, or an already built NNX model

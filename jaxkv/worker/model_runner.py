@@ -41,7 +41,7 @@ from jaxkv.worker.sampling_adapter import (
     sample_fn,
     spec_sample_fn,
 )
-from jaxkv.worker.spec_decode import SpeculativeConfig, may_speculate, propose_ngram
+from jaxkv.worker.spec_decode import SpeculativeConfig, batch_may_speculate, may_speculate, propose_ngram
 from jaxkv.worker.step import StepShape, build_step_fn
 from models.config import KVCacheBinding
 
@@ -361,6 +361,7 @@ class ModelRunner:
         index = batch.req_id_to_index
         rows, row_toks = [], []
         spec_out = [] if self.speculative_config is not None else None
+        propose = spec_out is not None and batch_may_speculate(self.speculative_config, len(handle.states))
         for i in handle.prompt_rows:
             s = handle.states[i]
             prompt_lp[s.req_id] = self._collect_prompt_logprobs(
@@ -383,7 +384,7 @@ class ModelRunner:
                 if want_lp:
                     logprobs_out.append([])
             if spec_out is not None:
-                spec_out.append(self._propose(s) if samples[i] else [])
+                spec_out.append(self._propose(s) if propose and samples[i] else [])
         for r in range(max(map(len, row_toks), default=0)):   # the r-th new token of each row
             sel = [j for j, t in enumerate(row_toks) if len(t) > r]
             batch.append_one_token_per_row(np.asarray([rows[j] for j in sel]),

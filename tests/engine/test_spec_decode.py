@@ -106,3 +106,31 @@ def test_speculation_with_async_scheduling_is_refused(llama):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLMEngine.from_config(model, speculative_config={"num_speculative_tokens": 0},
                               kv_cache_memory_bytes=8 << 20, warmup=False)
+
+
+def test_disable_by_batch_size_stops_drafting_for_large_batches(llama):
+    """vLLM's ``disable_by_batch_size``: no drafts after a step of that many requests or more;
+    drafting resumes once fewer run, and the outputs stay those without speculation."""
+    model = llama
+    loop = _prompts(0)[0]
+    prompts = [loop[i:] for i in range(4)]
+    lengths = (3, 5, 16, 16)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in lengths]
+    llm = make_llm(model, speculative_config=dict(SPEC, disable_by_batch_size=3))
+    runner = llm.llm_engine.runner
+    seen = []   # (requests in the step, drafts proposed after it)
+    collect = runner.collect
+
+    def recording(handle):
+        out = collect(handle)
+        if handle is not None:
+            seen.append((len(handle.states), sum(map(len, out.spec_token_ids))))
+        return out
+    runner.collect = recording
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [dense_greedy(model, p, m) for p, m in zip(prompts, lengths)]
+    assert all(d == 0 for n, d in seen if n >= 3) and any(d > 0 for n, d in seen if n < 3), seen
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        LLMEngine.from_config(model, speculative_config=dict(SPEC, disable_by_batch_size=0),
+                              kv_cache_memory_bytes=8 << 20, warmup=False)
+    _no_leaks(llm)
