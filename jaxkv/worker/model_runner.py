@@ -375,9 +375,9 @@ class ModelRunner:
                     rows.append(row)
                     row_toks.append(new)
                 out_tokens.append(new)
-                if want_lp:   # rows with logprobs are never drafted: one position each
+                if want_lp:   # one entry per new token: its position's logprobs
                     k = s.sampling_params.logprobs
-                    logprobs_out.append([row_logprobs(results, int(start[i]), k)]
+                    logprobs_out.append([row_logprobs(results, int(start[i]) + j, k) for j in range(len(new))]
                                         if k is not None else [])
             else:                                # a partial prefill chunk: nothing sampled
                 out_tokens.append([])

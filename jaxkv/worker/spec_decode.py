@@ -121,9 +121,9 @@ def batch_may_speculate(config: SpeculativeConfig, num_requests: int) -> bool:
 
 def may_speculate(params, num_generated: int) -> bool:
     """Whether a request's next tokens may be drafted. Rows whose sampling reads each new
-    token's history or reports per-token values (penalties, bad words, logprobs, min_tokens'
-    bans still active) are sampled one token a step instead: correct, just not sped up."""
+    token's history (penalties, bad words, min_tokens' bans still active) are sampled one
+    token a step instead: correct, just not sped up. Logprobs are reported at every scored
+    position, so those rows are drafted."""
     return (not uses_penalties(params)
             and not getattr(params, "bad_words_token_ids", None)
-            and getattr(params, "logprobs", None) is None
             and num_generated >= getattr(params, "min_tokens", 0))

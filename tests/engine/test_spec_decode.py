@@ -65,17 +65,19 @@ def test_greedy_with_drafts_equals_dense(models, family, settings):
 
 
 def test_rows_without_drafts_and_limits_match_the_engine_without_speculation(llama):
-    """A batch mixing drafted rows with rows that are never drafted (penalties, logprobs) and
-    with stop ids / max_tokens cutting accepted drafts: the same outputs as without drafts.
-    Then seeded sampling with drafts is reproducible."""
+    """A batch mixing drafted rows with rows that are never drafted (penalties) and with stop
+    ids / max_tokens cutting accepted drafts: the same outputs as without drafts, and the
+    same logprobs at every position, accepted drafts included. Then seeded sampling with
+    drafts is reproducible."""
     loop, noise, short_loop, longer = _prompts(0)
-    prompts = [short_loop, noise, longer, loop]
+    prompts = [short_loop, noise, longer, loop, loop]
     model = llama
     free = dense_greedy(model, short_loop, 12)   # repeats tokens early: drafts get accepted
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[free[9]]),
               SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, repetition_penalty=1.3),
               SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)]
+              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)]
     want = make_llm(model).generate(prompts, params, use_tqdm=False)
     llm = make_llm(model, speculative_config=SPEC)
     got = llm.generate(prompts, params, use_tqdm=False)
@@ -83,9 +85,13 @@ def test_rows_without_drafts_and_limits_match_the_engine_without_speculation(lla
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
     assert got[0].outputs[0].stop_reason == free[9] and len(got[3].outputs[0].token_ids) == 3
-    for a, b in zip(got[2].outputs[0].logprobs, want[2].outputs[0].logprobs):
-        assert a.keys() == b.keys()
-        assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=1e-5)
+    for i in (2, 4):   # row 4's output repeats a token from its 7th on: drafts get accepted
+        assert len(got[i].outputs[0].logprobs) == len(want[i].outputs[0].logprobs) == params[i].max_tokens
+        for a, b in zip(got[i].outputs[0].logprobs, want[i].outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=1e-5)
+            assert [x.rank for x in a.values()] == [x.rank for x in b.values()]
+        assert got[i].outputs[0].cumulative_logprob == pytest.approx(want[i].outputs[0].cumulative_logprob, abs=1e-4)
     assert llm.llm_engine.get_stats()["spec_num_draft_tokens"] > 0   # the drafted path ran
     _no_leaks(llm)
 

@@ -61,7 +61,8 @@ def test_propose_ngram_matches_a_plain_search(tokens, lo, span, k):
 
 def test_may_speculate_skips_rows_that_read_each_token():
     assert may_speculate(SamplingParams(temperature=0.7), 0)
-    for p in (SamplingParams(presence_penalty=0.5), SamplingParams(logprobs=1),
+    assert may_speculate(SamplingParams(logprobs=1), 0)   # reported at every scored position
+    for p in (SamplingParams(presence_penalty=0.5),
               SamplingParams(bad_words_token_ids=[[3]])):
         assert not may_speculate(p, 5)
     assert not may_speculate(SamplingParams(min_tokens=3), 2) and may_speculate(SamplingParams(min_tokens=3), 3)
