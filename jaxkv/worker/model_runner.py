@@ -191,7 +191,7 @@ class ModelRunner:
         step = build_step_fn(self.graphdef, binding=self.binding, page_bytes=self.page_bytes,
                              sample_fn=sample_fn, prompt_logprobs_fn=prompt_logprobs_fn,
                              out_specs=self._out_specs, spec_sample_fn=spec_sample_fn,
-                             gather_rows=gather_rows)
+                             gather_rows=functools.partial(gather_rows, max_drafts=k))
         self._step = jax.jit(step, static_argnames=("shape",),
                              donate_argnames=("buffers", "tables", "last_sampled"))
         self.compiled_shapes: set[StepShape] = set()

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.worker.buckets import pow2_at_least
+from jaxkv.worker.sampling_metadata import PAD_TOKEN_ID
 from jaxkv.worker.sampler import (compute_logprobs, greedy_vocab_major, sample, sample_and_verify,
                                   sample_greedy_vocab_major)
 
@@ -34,12 +35,41 @@ def spec_sample_fn(logits_fn, md, draft_ids) -> dict:
     return dict(_result(out), spec_accepted=accepted)
 
 
-def gather_rows(md, rows, offsets):
-    """Sampling metadata of S rows -> P positions: position p takes row ``rows[p]`` ([P]
-    int32) and counts ``offsets[p]`` more outputs (its key folds in the output index it
-    samples)."""
+def gather_rows(md, rows, offsets, drafts, *, max_drafts: int):
+    """Sampling metadata of S rows -> P scored positions (speculative decoding).
+
+    Position p takes row ``rows[p]`` ([P] int32) and samples its output number
+    ``num_output_tokens + offsets[p]`` ([P] int32; the key folds that in). It follows the
+    row's drafts before it (``drafts`` [P] int32: the draft each position checks, so position
+    p's predecessors are ``drafts[p - offsets[p] : p]``), so the penalties count them as
+    outputs and bad words match them as the latest outputs: the position sees the history it
+    would have if they are accepted (and its result is dropped if one is not).
+    ``max_drafts`` (static) bounds ``offsets``.
+    """
     md = jax.tree_util.tree_map(lambda a: a[rows], md)
-    return dataclasses.replace(md, num_output_tokens=md.num_output_tokens + offsets)
+    md = dataclasses.replace(md, num_output_tokens=md.num_output_tokens + offsets)
+    bad_words = md.bad_word_last_ids.shape[1] > 0 and md.recent_output_ids.shape[1] > 0
+    if max_drafts == 0 or not (md.use_penalties or bad_words):
+        return md
+    num_pos = rows.shape[0]
+    i = jnp.arange(max_drafts, dtype=jnp.int32)[None, :]                      # [1, k]
+    earlier = i < offsets[:, None]                                           # [P, k]
+    src = jnp.clip(jnp.arange(num_pos, dtype=jnp.int32)[:, None] - offsets[:, None] + i, 0, num_pos - 1)
+    before = jnp.where(earlier, drafts[src], PAD_TOKEN_ID)                   # [P, k] drafts before p
+    if md.use_penalties:
+        width = md.history_token_ids.shape[1] + max_drafts
+        history = jnp.concatenate(
+            [md.history_token_ids, jnp.full((num_pos, max_drafts), PAD_TOKEN_ID, jnp.int32)], axis=1)
+        cols = jnp.where(earlier, md.num_history_tokens[:, None] + i, width)   # [P, k]; width: dropped
+        history = history.at[jnp.arange(num_pos)[:, None], cols].set(before, mode="drop")
+        md = dataclasses.replace(md, history_token_ids=history,
+                                 num_history_tokens=md.num_history_tokens + offsets)
+    if bad_words:   # the latest R outputs: the host's R, then the drafts before p
+        r = md.recent_output_ids.shape[1]
+        latest = jnp.concatenate([md.recent_output_ids, before], axis=1)       # [P, R + k]
+        window = offsets[:, None] + jnp.arange(r, dtype=jnp.int32)[None, :]    # [P, R]
+        md = dataclasses.replace(md, recent_output_ids=jnp.take_along_axis(latest, window, axis=1))
+    return md
 
 
 def _result(out) -> dict:

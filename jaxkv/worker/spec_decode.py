@@ -18,7 +18,6 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jaxkv.worker.sampling_metadata import uses_penalties
 
 METHODS = ("ngram",)
 
@@ -120,10 +119,8 @@ def batch_may_speculate(config: SpeculativeConfig, num_requests: int) -> bool:
 
 
 def may_speculate(params, num_generated: int) -> bool:
-    """Whether a request's next tokens may be drafted. Rows whose sampling reads each new
-    token's history (penalties, bad words, min_tokens' bans still active) are sampled one
-    token a step instead: correct, just not sped up. Logprobs are reported at every scored
-    position, so those rows are drafted."""
-    return (not uses_penalties(params)
-            and not getattr(params, "bad_words_token_ids", None)
-            and num_generated >= getattr(params, "min_tokens", 0))
+    """Whether a request's next tokens may be drafted: every row but one whose min_tokens
+    bans are still active (they are set per row for the step; such a row samples one token
+    a step until they end). Penalties and bad words see each position's earlier drafts
+    (``sampling_adapter.gather_rows``); logprobs are reported at every position."""
+    return num_generated >= getattr(params, "min_tokens", 0)

@@ -112,7 +112,7 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
             # its drafts ("spec_index" [P]: the token; "spec_row" / "spec_offset" [P]: its row
             # and output offset; "spec_drafts" [P]: the draft it checks, -1 for none).
             h_pos = hidden[x["spec_index"]]                          # [P, hidden]
-            md_pos = gather_rows(sampling, x["spec_row"], x["spec_offset"])
+            md_pos = gather_rows(sampling, x["spec_row"], x["spec_offset"], x["spec_drafts"])
             out = spec_sample_fn(lambda vocab_major: model.compute_logits(h_pos, vocab_major=vocab_major),
                                  md_pos, x["spec_drafts"])
             last_token = out["sampled_token_ids"][x["spec_last"]]    # [S] each row's last position

@@ -65,19 +65,24 @@ def test_greedy_with_drafts_equals_dense(models, family, settings):
 
 
 def test_rows_without_drafts_and_limits_match_the_engine_without_speculation(llama):
-    """A batch mixing drafted rows with rows that are never drafted (penalties) and with stop
-    ids / max_tokens cutting accepted drafts: the same outputs as without drafts, and the
-    same logprobs at every position, accepted drafts included. Then seeded sampling with
-    drafts is reproducible."""
+    """A batch of drafted rows with penalties, bad words, logprobs, stop ids and max_tokens
+    cutting accepted drafts: the same outputs as without drafts (each scored position sees
+    the drafts before it in its penalties and bad words), and the same logprobs at every
+    position. Then seeded sampling with drafts is reproducible."""
     loop, noise, short_loop, longer = _prompts(0)
-    prompts = [short_loop, noise, longer, loop, loop]
+    prompts = [short_loop, noise, longer, loop, loop, loop, loop]
     model = llama
     free = dense_greedy(model, short_loop, 12)   # repeats tokens early: drafts get accepted
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[free[9]]),
               SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, repetition_penalty=1.3),
               SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)]
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3),
+              # a negative frequency penalty makes loop's output repeat 14 (drafts accepted);
+              # the bad word [14, 14, 14] turns that into the cycle 14, 14, 428
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=-1.0),
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=-1.0,
+                             bad_words_token_ids=[[14, 14, 14]])]
     want = make_llm(model).generate(prompts, params, use_tqdm=False)
     llm = make_llm(model, speculative_config=SPEC)
     got = llm.generate(prompts, params, use_tqdm=False)
