@@ -11,9 +11,13 @@ attention with soft-capping). Public surface:
             model.compute_logits(hidden [R, hidden]) -> [R, V] float32
             model.compute_logits(hidden [R, hidden], vocab_major=True) -> [V, R] float32
             model.kv_layer_infos() -> {layer_name: LayerKVInfo}
+            model.config: vocab_size, head_dim, max_position_embeddings, dtype, eos_token_id
+  layers:   attend_paged (one attention layer's paged step: write K/V, attend; what a model of
+            your own calls, see README "Serving a model of your own")
   weights:  load_hf_weights, hf_state_dict
   testing:  dense_forward (non-paged reference, [Bt, L] -> [Bt, L, V])
 """
+from models.attention import attend_paged
 from models.build import MODEL_CLASSES, build_model
 from models.config import (KVCacheBinding, LayerKVInfo, ModelConfig, RopeScaling, get_config,
                            layer_name)
@@ -25,7 +29,7 @@ from models.transformer import CausalLM
 from models.weights import hf_state_dict, load_hf_weights
 
 __all__ = [
-    "CausalLM", "Gemma2ForCausalLM", "KVCacheBinding", "LayerKVInfo", "LlamaForCausalLM",
+    "CausalLM", "Gemma2ForCausalLM", "attend_paged", "KVCacheBinding", "LayerKVInfo", "LlamaForCausalLM",
     "MODEL_CLASSES", "ModelConfig", "RopeScaling", "SUPPORTED_MODEL_TYPES", "build_model",
     "dense_forward", "dense_hidden", "get_config", "hf_state_dict", "layer_name",
     "load_hf_weights",

@@ -17,6 +17,38 @@ from models.layers import RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_fr
 from pallas_kernels import AttentionMetadata, kv_cache_byte_view, paged_attention, write_kv
 
 
+def attend_paged(q: jax.Array,             # [T, Hq, D]
+                 k: jax.Array,             # [T, Hkv, D]
+                 v: jax.Array,             # [T, Hkv, D]
+                 buffer: jax.Array,        # [N * page_bytes] uint8: the layer's KV tensor
+                 md: AttentionMetadata,    # the layer's KV-cache group
+                 binding: KVCacheBinding,
+                 *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
+                 ) -> tuple[jax.Array, jax.Array]:  # o [T, Hq, D], the new buffer
+    """One attention layer's paged step: write this step's K/V at ``md.slot_mapping``, then
+    attend over the cache (causal within the step, plus ``sliding_window`` / ``soft_cap``).
+
+    What a model's layer calls with ``buffer = kv_buffers[tensor]`` and ``md =
+    attn_metadata[group]``, ``(group, tensor) = binding.lookup(its layer name)``; the layer
+    names are those the model's ``kv_layer_infos()`` returns. Carry the returned buffer on
+    (the engine donates the buffers to the step, so nothing is copied).
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    buffer = write_kv(buffer, k, v, md.slot_mapping, block_size=binding.block_size,
+                      dtype=binding.cache_dtype, k_scale=binding.k_scale, v_scale=binding.v_scale,
+                      backend="cpu" if binding.cpu_kernels else "xla")
+    # The byte view (a reshape): backends bitcast only what they read, so no whole-cache
+    # conversion (a full copy on XLA:CPU) ever happens.
+    pages = kv_cache_byte_view(buffer, block_size=binding.block_size, num_kv_heads=num_kv_heads,
+                               head_size=head_dim, dtype=binding.cache_dtype)
+    o = paged_attention(q, pages, md.seq_lens, md.query_start_loc, md.block_tables, md.num_seqs,
+                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                        k_scale=binding.k_scale, v_scale=binding.v_scale,
+                        max_q_len=md.max_q_len or None, backend=binding.backend,
+                        interpret=binding.interpret, kv_dtype=binding.cache_dtype)
+    return o, buffer
+
+
 class Attention(nnx.Module):
     """GQA attention of one decoder layer (HF names: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm)."""
 
@@ -69,18 +101,6 @@ class Attention(nnx.Module):
                      binding: KVCacheBinding,
                      ) -> tuple[jax.Array, jax.Array]:  # o [T, Hq, D], new buffer
         """Writes this step's K/V at ``md.slot_mapping``, then attends over the paged cache."""
-        buffer = write_kv(buffer, k, v, md.slot_mapping, block_size=binding.block_size,
-                          dtype=binding.cache_dtype, k_scale=binding.k_scale, v_scale=binding.v_scale,
-                          backend="cpu" if binding.cpu_kernels else "xla")
-        # The byte view (a reshape): backends bitcast only what they read, so no whole-cache
-        # conversion (a full copy on XLA:CPU) ever happens.
-        pages = kv_cache_byte_view(buffer, block_size=binding.block_size,
-                                   num_kv_heads=self.num_kv_heads, head_size=self.head_dim,
-                                   dtype=binding.cache_dtype)
-        o = paged_attention(q, pages, md.seq_lens, md.query_start_loc, md.block_tables, md.num_seqs,
-                            sm_scale=self.sm_scale, sliding_window=self.sliding_window,
-                            soft_cap=self.soft_cap, k_scale=binding.k_scale, v_scale=binding.v_scale,
-                            max_q_len=md.max_q_len or None, backend=binding.backend,
-                            interpret=binding.interpret, kv_dtype=binding.cache_dtype)
-        return o, buffer
+        return attend_paged(q, k, v, buffer, md, binding, sm_scale=self.sm_scale,
+                            sliding_window=self.sliding_window, soft_cap=self.soft_cap)
 
