@@ -29,6 +29,7 @@ def add_parser(sub) -> None:
                    help="KV cache budget, e.g. 256MiB (default: 512MiB on CPU, 90%% of free memory on GPU)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests per step (vLLM's --max-num-seqs)")
     p.add_argument("--attention-backend", default="auto", help="auto | xla | cpu | pallas | reference")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--async-scheduling", action="store_true",
@@ -36,6 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--speculative-ngram", type=parse_ngram, default=None, metavar="K[,MAX[,MIN]]",
                    help="draft K tokens a step by n-gram lookup (MAX..MIN, default 4..1) over each "
                         "request's tokens")
+    p.add_argument("--beam-width", type=int, default=None, metavar="N",
+                   help="beam search (vLLM's LLM.beam_search) with N beams instead of sampling")
     p.set_defaults(func=cmd_generate)
 
 
@@ -43,10 +46,19 @@ def cmd_generate(args) -> int:
     from jaxkv.engine import LLM
     from jaxkv.sampling_params import SamplingParams
 
+    beam = None
+    if args.beam_width is not None:   # checked before the model loads
+        from jaxkv.beam_search import BeamSearchParams
+        try:
+            beam = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens)
+        except (ValueError, TypeError) as e:
+            print(f"jaxkv generate: {e}", file=sys.stderr)
+            return 2
     t0 = time.perf_counter()
     try:
         llm = LLM(args.model, kv_cache_memory_bytes=args.kv_cache_memory, block_size=args.block_size,
-                  max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  attention_backend=args.attention_backend,
                   seed=args.seed, async_scheduling=args.async_scheduling, verbose=True,
                   speculative_config=args.speculative_ngram)
     except (ValueError, RuntimeError, OSError) as e:
@@ -61,6 +73,8 @@ def cmd_generate(args) -> int:
                    for i in range(len(prompts))]
     elif not args.no_chat and tok.chat_template:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    if beam is not None:
+        return _beam_search(llm, args, beam, prompts, load_s)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed if args.temperature > 0 else None)
     t1 = time.perf_counter()
@@ -83,6 +97,27 @@ def cmd_generate(args) -> int:
     if "spec_num_draft_tokens" in stats:
         print(f"speculative: {stats['spec_num_accepted_tokens']} of {stats['spec_num_draft_tokens']} "
               f"drafts accepted ({stats['spec_acceptance_rate'] * 100:.0f}%)")
+    return 0
+
+
+def _beam_search(llm, args, params, prompts, load_s: float) -> int:
+    engine = llm.llm_engine
+    tok = engine.tokenizer
+    t1 = time.perf_counter()
+    results = llm.beam_search(prompts, params)
+    gen_s = time.perf_counter() - t1
+    for i, (p, r) in enumerate(zip(prompts, results)):
+        n_prompt = len(engine._tokenize(p)[1])
+        shown = (args.prompt or DEFAULT_PROMPTS)[i] if tok is not None else f"{n_prompt} token ids"
+        print(f"--- [{i}] {shown}")
+        for rank, seq in enumerate(r.sequences):
+            new = seq.tokens[n_prompt:]
+            text = tok.decode(new).strip() if tok is not None else " ".join(map(str, new))
+            print(f"  beam {rank}: cum logprob {seq.cum_logprob:.3f}, finish {seq.finish_reason}: {text}")
+    stats = engine.get_stats()
+    print(f"\nmodel {args.model} on {engine.runner.backend} ({_device()}), load {load_s:.1f} s; "
+          f"beam search width {args.beam_width}, {args.max_tokens} rounds in {gen_s:.2f} s "
+          f"(includes {stats['num_compiles']} compiles); prefix-cache hits {stats['prefix_hit_tokens']} tokens")
     return 0
 
 

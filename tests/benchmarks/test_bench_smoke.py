@@ -136,3 +136,20 @@ def test_spec_decode_ab_runs_both_engines_on_the_same_tokens(throughput, tmp_pat
     (row,) = json.loads(path.read_text())["rows"]
     assert (row["workload"], row["batch"], row["tokens_equal"]) == ("copy", 4, "4/4")
     assert row["plain_over_spec"] > 0 and row["drafts"] > 0   # the copy prompts get drafted
+
+
+def test_jaxkv_generate_cli_sampling_and_beam_search(capsys):
+    """The README's main command on the offline random-weight model: sampling with n-gram
+    drafts, then beam search; bad flags give exit code 2 and a message."""
+    from jaxkv.cli import main
+
+    common = ["generate", "--model", "tiny-llama", "--max-tokens", "3", "--max-model-len", "64",
+              "--max-num-seqs", "2", "--kv-cache-memory", "8MiB", "--prompt", "a", "--prompt", "b"]
+    assert main(common + ["--speculative-ngram", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(3 tokens, finish: length)") == 2 and "speculative:" in out
+    assert main(common + ["--beam-width", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("beam 1: cum logprob") == 2
+    assert main(common + ["--beam-width", "0"]) == 2
+    assert "beam_width must be an int >= 1" in capsys.readouterr().err
