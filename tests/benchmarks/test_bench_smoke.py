@@ -138,6 +138,15 @@ def test_spec_decode_ab_runs_both_engines_on_the_same_tokens(throughput, tmp_pat
     assert row["plain_over_spec"] > 0 and row["drafts"] > 0   # the copy prompts get drafted
 
 
+def test_ngram_proposer_benchmark_checks_and_times_both(throughput, tmp_path):
+    import ngram_proposer
+
+    path = tmp_path / "ngram.json"
+    ngram_proposer.main(["--lengths", "64,300", "--vocabs", "8", "--json", str(path)])
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [64, 300] and all(r["speedup"] > 0 for r in rows)
+
+
 def test_jaxkv_generate_cli_sampling_and_beam_search(capsys):
     """The README's main command on the offline random-weight model: sampling with n-gram
     drafts, then beam search; bad flags give exit code 2 and a message."""
