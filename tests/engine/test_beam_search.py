@@ -148,3 +148,13 @@ def test_eos_completes_hypotheses(model):
     stops = [s for s in got.sequences if s.finish_reason == "stop"]
     assert stops and stops[0].tokens == prompt + [first] and stops[0].stop_reason == first
     _no_leaks(llm)
+
+
+def test_beams_stop_at_max_model_len(model):
+    """A beam that fills max_model_len completes there ("length"), as in vLLM."""
+    llm = make_llm(model, max_model_len=32)
+    prompt = np.random.default_rng(7).integers(3, 512, 30).tolist()
+    (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))
+    assert [len(s.tokens) for s in out.sequences] == [32, 32]
+    assert all(s.finish_reason == "length" for s in out.sequences)
+    _no_leaks(llm)
