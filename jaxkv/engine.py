@@ -462,8 +462,11 @@ class LLM:
         return self.llm_engine.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generates completions for ``prompts`` (one prompt or a list); outputs in input order."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generates completions for ``prompts`` (one prompt or a list); outputs in input order.
+
+        ``priority`` (one int per prompt, lower first) orders the requests when the engine's
+        ``scheduling_policy`` is "priority", as vLLM's ``LLM.generate(priority=...)``."""
         engine = self.llm_engine
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                  and isinstance(prompts[0], int)):
@@ -478,15 +481,18 @@ class LLM:
         for sp in params:
             if sp is not None and not isinstance(sp, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
         # One output per request, when it finishes (as vLLM's LLM.generate): the engine skips
         # building the per-step outputs nobody reads.
         params = [dataclasses.replace(sp or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
                   for sp in params]
         ids = []
         try:
-            for p, sp in zip(prompts, params):
+            for p, sp, prio in zip(prompts, params, priorities):
                 rid = engine.next_request_id()
-                engine.add_request(rid, p, sp)
+                engine.add_request(rid, p, sp, priority=prio)
                 ids.append(rid)
         except Exception:
             if ids:

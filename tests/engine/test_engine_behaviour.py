@@ -393,6 +393,19 @@ def test_priority_and_cache_salt_types_and_numpy_prompt_ids(llm, model):
     assert out.prompt_token_ids == p and out.outputs[0].token_ids == dense_greedy(model, p, 3)
 
 
+def test_generate_priority_orders_requests(model):
+    """LLM.generate(priority=...) with the "priority" policy: one request at a time, lowest
+    value first (as vLLM)."""
+    llm = make_llm(model, scheduling_policy="priority", max_num_seqs=1)
+    prompts = [_prompt(i, 5) for i in range(3)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                        use_tqdm=False, priority=[2, 0, 1])
+    order = sorted(range(3), key=lambda i: outs[i].metrics.first_token_time)
+    assert order == [1, 2, 0]
+    with pytest.raises(ValueError, match="2 priorities for 3 prompts"):
+        llm.generate(prompts, priority=[0, 1])
+
+
 def test_invalid_sampling_params_and_ids(llm):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
