@@ -16,7 +16,6 @@ import numbers
 import time
 from collections.abc import Sequence
 
-
 from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from jaxkv.core import EngineCoreOutput, Request, RequestStatus, Scheduler
 from jaxkv.detokenizer import IncrementalDetokenizer

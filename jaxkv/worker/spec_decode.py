@@ -18,7 +18,6 @@ from collections.abc import Mapping
 
 import numpy as np
 
-
 METHODS = ("ngram",)
 
 
