@@ -1,20 +1,22 @@
 """Async scheduling A/B: the same engine with ``async_scheduling`` off and on, in ONE process.
 
     python benchmarks/async_ab.py [--model tiny-llama] [--model-config K=V,...] [--requests 64]
-        [--prompt 32:256] [--max-tokens 64] [--rounds 6] [--json PATH]
+        [--prompt 32:256] [--max-tokens 64] [--rounds 6] [--json PATH] [--plot]
 
 Both engines get the same weights, the same greedy requests (the ``fixed`` workload of
 ``throughput.py`` by default) and are warmed up with one untimed pass; then timed passes
 alternate (sync, async, async, sync, ...) so that drift of shared machines hits both alike.
 Prints the wall time of each pass, min and median per mode, sync / async (> 1: async is
-faster) and whether the greedy tokens are equal. Async scheduling can only gain where the
-host and the device do not share the cores the step runs on: on a CPU-only machine the host's
-Python competes with XLA's threads for the same cores.
+faster) and whether the greedy tokens are equal; writes JSON, and with ``--plot`` a PNG next
+to it (seconds per pass, sync vs async: each round, min, median). Async scheduling can only
+gain where the host and the device do not share the cores the step runs on: on a CPU-only
+machine the host's Python competes with XLA's threads for the same cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
 import sys
 import time
@@ -54,6 +56,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=str(bc.RESULTS_DIR / "async_ab.json"))
+    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -102,6 +105,14 @@ def main(argv=None) -> dict:
     payload = {"env": env, "workload": workload, "rounds": args.rounds,
                "times_s": {"sync": times[False], "async": times[True]}, "summary": summary}
     print(f"# wrote {bc.write_json(args.json, payload)}", file=sys.stderr)
+    if args.plot:
+        groups = {f"round {r}": {"sync": a, "async": b} for r, (a, b) in enumerate(zip(times[False], times[True]))}
+        groups.update(min={"sync": summary["sync_min_s"], "async": summary["async_min_s"]},
+                      median={"sync": summary["sync_median_s"], "async": summary["async_median_s"]})
+        title = bc.plot_title(f"async scheduling A/B, {args.model}, {args.requests} requests", env)
+        png = bc.plot_bars(pathlib.Path(args.json).with_suffix(".png"), title, groups, "seconds per pass")
+        if png:
+            print(f"# wrote {png}", file=sys.stderr)
     return payload
 
 

@@ -1,13 +1,16 @@
 """A/B of the XLA attention backend: this checkout against another git revision, in ONE process.
 
-    python benchmarks/attention_ab.py [--rev REV] [--new xla|cpu] [--cases a,b] [--rounds N] [--json PATH]
+    python benchmarks/attention_ab.py [--rev REV] [--new xla|cpu] [--cases a,b] [--rounds N]
+        [--layers N] [--json PATH] [--plot]
 
 On shared, noisy cores two separate runs can differ by 20-40%, so the two versions are compiled
 side by side and timed in alternating rounds; min and median over the rounds are printed, with
-old / new (> 1 means this checkout is faster) and the largest output difference. The old
-``pallas_kernels/xla_backend.py`` is read with ``git show REV:...`` and imported next to the
-current one; it shares the rest of ``pallas_kernels`` (tiles, layout) with this checkout, so
-the A/B is only meaningful while those helpers keep their signatures.
+old / new (> 1 means this checkout is faster) and the largest output difference; writes JSON
+(default benchmarks/results/attention_ab.json), and with ``--plot`` a PNG next to it (min ms
+per case, old vs new). The old ``pallas_kernels/xla_backend.py`` is read with
+``git show REV:...`` and imported next to the current one; it shares the rest of
+``pallas_kernels`` (tiles, layout) with this checkout, so the A/B is only meaningful while
+those helpers keep their signatures.
 
 Each timed call runs the backend ``--layers`` times in one jit (the outputs chained, as layers
 are in the engine's step), on the byte view of the cache, as the engine calls it. Shapes:
@@ -20,8 +23,8 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -31,6 +34,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+import bench_common as bc  # after ROOT is on sys.path (it imports pallas_kernels)
 
 #: name -> (kind, rows, low, high): decode rows with contexts U[low, high); "shared": decode rows
 #: whose block tables all point at row 0's pages (one common prefix, as with prefix caching);
@@ -114,7 +119,8 @@ def main(argv=None) -> int:
                    help="this checkout's side: the XLA backend, or the cpu backend (C++ kernel)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=str(bc.RESULTS_DIR / "attention_ab.json"))
+    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)")
     args = p.parse_args(argv)
     import jax
 
@@ -128,10 +134,11 @@ def main(argv=None) -> int:
         if not cpu_backend.available():
             p.error(f"--new cpu: the CPU attention kernel is unavailable: {cpu_backend.build_error()}")
         new_fn = cpu_backend.paged_attention_cpu
-    env = {"jax": jax.__version__, "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
-           "new": args.new, "rev": args.rev, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "layers": args.layers}
-    print(f"# attention A/B: XLA backend at {args.rev} (old) vs this checkout's {args.new} backend "
-          f"(new); {env}")
+    env = bc.environment()
+    workload = dict(cases=args.cases, rev=args.rev, new=args.new, layers=args.layers, rounds=args.rounds,
+                    shapes="Hq 8, Hkv 2, D 64, f32, block 16")
+    print("\n".join(bc.header_lines(f"attention A/B: XLA backend at {args.rev} (old) vs this checkout's "
+                                    f"{args.new} backend (new)", env, workload)))
     print("| case | old min / median ms | new min / median ms | old / new (min) | max abs diff |")
     print("|---|---|---|---|---|")
     rows = []
@@ -156,10 +163,15 @@ def main(argv=None) -> int:
         print(f"| {name} | {r['old_min_ms']:.2f} / {r['old_median_ms']:.2f} | "
               f"{r['new_min_ms']:.2f} / {r['new_median_ms']:.2f} | {r['speedup']:.2f}x | "
               f"{r['diff']:.1e} |", flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=2)
+    print(f"# wrote {bc.write_json(args.json, {'env': env, 'workload': workload, 'rows': rows})}", file=sys.stderr)
+    if args.plot:
+        groups = {r["case"]: {f"old ({args.rev})": r["old_min_ms"], f"new ({args.new})": r["new_min_ms"]}
+                  for r in rows}
+        png = bc.plot_bars(pathlib.Path(args.json).with_suffix(".png"),
+                           bc.plot_title(f"attention A/B, {args.layers} layers", env), groups,
+                           "min ms per call")
+        if png:
+            print(f"# wrote {png}", file=sys.stderr)
     return 0
 
 

@@ -165,6 +165,9 @@ def _json_default(o):
     return str(o)
 
 
+NO_MATPLOTLIB = "# --plot: matplotlib is not installed (pip install 'jaxkv[bench]'); no PNG written"
+
+
 def have_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -173,12 +176,16 @@ def have_matplotlib() -> bool:
     return True
 
 
+def plot_title(what: str, env: dict) -> str:
+    """A PNG's title: what it shows, then the hardware (a plot carries it as a table does)."""
+    return f"{what}\n{env['cpu']}, {env['cores']} cores"
+
+
 def plot_bars(path: str | pathlib.Path, title: str, groups: dict[str, dict[str, float]],
               ylabel: str) -> pathlib.Path | None:
     """Grouped bar chart ``{group: {series: value}}`` to a PNG; None (and a note) without matplotlib."""
     if not have_matplotlib():
-        print("# --plot: matplotlib is not installed (pip install 'jaxkv[bench]'); no PNG written",
-              file=sys.stderr)
+        print(NO_MATPLOTLIB, file=sys.stderr)
         return None
     import matplotlib
 

@@ -1,9 +1,11 @@
 """CPU table: XLA backend vs interpret-mode Pallas vs jax's reference, decode and mixed batches.
 
-    python benchmarks/kernels.py [OUT_DIR] [--smoke] [--repeats N]
+    python benchmarks/kernels.py [OUT_DIR] [--smoke] [--repeats N] [--plot]
 
 OUT_DIR defaults to $OUT, then $JAXKV_BENCH_DIR, then benchmarks/results/. Writes
-kernels_cpu.json and kernels_cpu.md there and prints the table.
+kernels_cpu.json and kernels_cpu.md there and prints the table; ``--plot`` also writes
+kernels_cpu.png (median ms per workload and backend; pallas-interpret left out, being ~100x
+slower it would flatten the other bars).
 
 jax's reference (jax.experimental.pallas.ops.gpu.paged_attention.paged_attention_reference) is
 decode-only and reads DENSE, contiguous [S, L, Hkv, D] K/V (materialised outside the timing), so
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import pathlib
 import sys
 
 import jax
@@ -25,8 +28,9 @@ from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 import pallas_kernels as pk
 from pallas_kernels.layout import typed_to_bytes
 
-from _kernel_bench_common import (Workload, bytes_read, environment, make_inputs, markdown_table,
-                                  out_dir, time_fn, write_results)
+import bench_common as bc
+from _kernel_bench_common import (Workload, bytes_read, make_inputs, markdown_table, out_dir, time_fn,
+                                  write_results)
 
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_size=64)   # Llama-3.2-1B-like attention
 
@@ -103,12 +107,17 @@ def main(argv=None) -> int:
     p.add_argument("out", nargs="?", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a test of this script)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)")
     a = p.parse_args(argv)
-    env = environment()
-    print(f"# jaxkv kernels on {env['backend']} ({env['cpu']}, {env['cores']} cores, load "
-          f"{env['load_avg']}); jax {env['jax']}")
+    env = bc.environment()
+    ws = workloads(a.smoke)
+    workload = dict(workloads=",".join(w.name for w in ws), smoke=a.smoke, repeats=1 if a.smoke else a.repeats,
+                    heads=f"q {ws[0].num_q_heads} / kv {ws[0].num_kv_heads}", head_size=ws[0].head_size,
+                    block_size=ws[0].block_size, q_dtype="bfloat16")
+    print("\n".join(bc.header_lines("jaxkv attention kernels: XLA vs cpu vs interpret-mode Pallas vs jax's "
+                                    "reference", env, workload)))
     rows = []
-    for i, w in enumerate(workloads(a.smoke)):
+    for i, w in enumerate(ws):
         print(f"# {w}", flush=True)
         rows += run(w, repeats=1 if a.smoke else a.repeats, interpret_ok=a.smoke or i in (0, 4))
     cols = ["workload", "backend", "cache_dtype", "tokens", "ms", "min_ms", "GB/s", "x_vs_xla",
@@ -116,10 +125,19 @@ def main(argv=None) -> int:
     table = markdown_table(rows, cols)
     print(table)
     paths = write_results(out_dir(a.out), "kernels_cpu_smoke" if a.smoke else "kernels_cpu",
-                          {"environment": env, "rows": rows,
+                          {"environment": env, "workload": workload, "rows": rows,
                            "note": "2 shared noisy CPU cores; GB/s counts K/V+q bytes needed"},
                           table)
     print("wrote", *paths)
+    if a.plot:
+        groups = {}
+        for r in rows:
+            if r["backend"] != "pallas-interpret":
+                groups.setdefault(r["workload"], {})[r["backend"]] = r["ms"]
+        png = bc.plot_bars(pathlib.Path(paths[0]).with_suffix(".png"),
+                           bc.plot_title(f"paged attention kernels, {env['backend']}", env), groups, "ms (median)")
+        if png:
+            print("wrote", png)
     return 0
 
 

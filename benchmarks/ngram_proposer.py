@@ -1,6 +1,7 @@
 """The n-gram proposer's host cost per request and step, against the plain sliding-window search.
 
     python benchmarks/ngram_proposer.py [--lengths 256,4096,16384] [--vocabs 32000,50] [--json PATH]
+        [--plot]
 
 A drafted request runs ``propose_ngram`` over its whole token history after every step, so
 its cost grows with the context. The baseline is the straightforward numpy search (every
@@ -8,13 +9,16 @@ window of n tokens compared with the last n, for n from max down to min), which 
 until session 11; jaxkv's proposer compares every token with the last one once and extends
 only those candidates backwards. Both must return the same drafts (checked on every input).
 Random tokens from a large vocabulary (few candidates) and a small one (many), n-grams 5..1,
-k = 4; median of 7 repeats of 50 calls.
+k = 4; median of 7 repeats of 50 calls. Writes JSON, and with ``--plot`` a PNG next to it
+(microseconds per call vs tokens, one line per implementation and vocabulary).
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -51,6 +55,7 @@ def main(argv=None) -> dict:
     p.add_argument("--vocabs", default="32000,50")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=str(bc.RESULTS_DIR / "ngram_proposer.json"))
+    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)")
     args = p.parse_args(argv)
     env = bc.environment()
     workload = dict(lengths=args.lengths, vocabs=args.vocabs, ngram="5..1", k=4, calls=50, repeats=7)
@@ -71,7 +76,16 @@ def main(argv=None) -> dict:
     print(bc.table(rows, ["vocab", "tokens", "baseline_us", "jaxkv_us", "speedup"],
                    "microseconds per call (median); speedup = baseline / jaxkv"))
     payload = {"env": env, "workload": workload, "rows": rows}
-    bc.write_json(args.json, payload)
+    print(f"# wrote {bc.write_json(args.json, payload)}", file=sys.stderr)
+    if args.plot:
+        series = {}
+        for impl in ("baseline", "jaxkv"):
+            for vocab in dict.fromkeys(r["vocab"] for r in rows):
+                rs = [r for r in rows if r["vocab"] == vocab]
+                series[f"{impl}, vocab {vocab}"] = ([r["tokens"] for r in rs], [r[f"{impl}_us"] for r in rs])
+        png = bc.plot_lines(pathlib.Path(args.json).with_suffix(".png"),
+                            bc.plot_title("n-gram proposer", env), series, "tokens", "microseconds per call")
+        print(f"# wrote {png}" if png else bc.NO_MATPLOTLIB, file=sys.stderr)
     return payload
 
 

@@ -3,10 +3,15 @@
 Workload: N running requests (default 256) decoding one token a step, block size 16,
 prefix caching on (every prompt shares a 64-token prefix), a pool large enough that no
 request is preempted. The fake model output is built between the two timed calls (it is
-the worker's work). Reports microseconds per request per step.
+the worker's work). Reports microseconds per request per step; writes JSON, and with
+``--plot`` a PNG next to it (microseconds per step: schedule, update, total).
 
     python benchmarks/scheduler_overhead.py [--num-requests 256] [--steps 300]
-        [--hash-algo sha256|builtin] [--output benchmarks/results/scheduler_overhead.json]
+        [--hash-algo sha256|builtin] [--output benchmarks/results/scheduler_overhead.json] [--plot]
+
+The timed code is the plain-Python host core; this script imports no jax itself, nor
+``bench_common`` (which does), though the ``jaxkv`` package's ``__init__`` still loads jax.
+matplotlib is imported only for ``--plot``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,27 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def _plot(path: str, title: str, metrics: dict) -> str | None:
+    """One bar per metric to a PNG at ``path``; None (and a note) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("# --plot: matplotlib is not installed (pip install 'jaxkv[bench]'); no PNG written",
+              file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    ax.bar(list(metrics), list(metrics.values()))
+    ax.set_ylabel("microseconds per step")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def run(num_requests: int, steps: int, block_size: int, prompt_len: int, hash_algo: str) -> dict:
@@ -103,13 +129,16 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--hash-algo", default="sha256", choices=["sha256", "builtin"])
     parser.add_argument("--output", default="benchmarks/results/scheduler_overhead.json")
+    parser.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)")
     args = parser.parse_args(argv)
 
     env = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu": _cpu_name(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "cpu_count": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     workload = {
         "num_requests": args.num_requests,
@@ -122,8 +151,11 @@ def main(argv=None) -> None:
         "phase": "decode (1 token per request per step)",
     }
     result = run(args.num_requests, args.steps, args.block_size, args.prompt_len, args.hash_algo)
-    print(f"# jaxkv scheduler overhead  python {env['python']}  {env['cpu']} x{env['cpu_count']}")
-    print(f"# workload: {workload}")
+    print("# jaxkv scheduler overhead (host only, no jax)")
+    print(f"# hardware: {env['cpu']}, {env['cores']} usable cores (os reports {env['cpu_count']})")
+    print(f"# versions: python {env['python']}; {env['platform']}")
+    print(f"# date: {env['time']}")
+    print("# workload: " + ", ".join(f"{k}={v}" for k, v in workload.items()))
     print(f"{'metric':<34}{'value':>12}")
     for key, value in result.items():
         print(f"{key:<34}{value:>12.3f}")
@@ -132,6 +164,17 @@ def main(argv=None) -> None:
         with open(args.output, "w") as f:
             json.dump({"env": env, "workload": workload, "result": result}, f, indent=2)
         print(f"# wrote {args.output}")
+    if args.plot:
+        metrics = {"schedule\n(median)": result["schedule_us_per_step_median"],
+                   "update\n(median)": result["update_us_per_step_median"],
+                   "total\n(median)": result["total_us_per_step_median"],
+                   "total\n(mean)": result["total_us_per_step_mean"]}
+        title = (f"scheduler host cost, {args.num_requests} decoding requests "
+                 f"({result['us_per_request_per_step']:.2f} us per request per step)\n"
+                 f"{env['cpu']}, {env['cores']} cores")
+        png = _plot(os.path.splitext(args.output or "scheduler_overhead.json")[0] + ".png", title, metrics)
+        if png:
+            print(f"# wrote {png}")
 
 
 if __name__ == "__main__":

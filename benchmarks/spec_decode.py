@@ -2,6 +2,7 @@
 
     python benchmarks/spec_decode.py [--model smollm2-135m-instruct] [--k 4] [--lookup 4,2]
         [--max-tokens 64] [--rounds 3] [--workload copy|open|all] [--batch 1|all|both] [--json PATH]
+        [--plot]
 
 Two workloads of greedy chat requests on a real model (n-gram drafts only pay where the output
 repeats its context, which a random-weight model never does):
@@ -10,12 +11,15 @@ repeats its context, which a random-weight model never does):
 Each runs at batch 1 (one request at a time: the latency case, where a step's weights cost the
 same for 1 or k + 1 tokens) and with all requests at once. Timed passes alternate the two
 engines (plain, spec, spec, plain, ...); prints seconds per pass, the plain / spec ratio
-(> 1: speculation is faster), the draft acceptance and whether the greedy tokens are equal.
+(> 1: speculation is faster), the draft acceptance and whether the greedy tokens are equal;
+writes JSON, and with ``--plot`` a PNG next to it (median seconds per pass, plain vs spec, per
+workload and batch).
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import statistics
 import sys
 import time
@@ -66,6 +70,7 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", default="both", choices=("1", "all", "both"),
                    help="one request at a time, all at once, or both")
     p.add_argument("--json", default=str(bc.RESULTS_DIR / "spec_decode.json"))
+    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -118,6 +123,13 @@ def main(argv=None) -> dict:
     print(bc.table(rows, cols, "median pass (s); plain / spec > 1: speculation is faster"))
     payload = {"env": env, "workload": workload, "rounds": args.rounds, "rows": rows}
     print(f"# wrote {bc.write_json(args.json, payload)}", file=sys.stderr)
+    if args.plot:
+        groups = {f"{r['workload']} batch {r['batch']}": {"plain": r["plain_s"], "spec": r["spec_s"]} for r in rows}
+        png = bc.plot_bars(pathlib.Path(args.json).with_suffix(".png"),
+                           bc.plot_title(f"n-gram speculation, k {args.k}\n{args.model}", env),
+                           groups, "median seconds per pass")
+        if png:
+            print(f"# wrote {png}", file=sys.stderr)
     return payload
 
 

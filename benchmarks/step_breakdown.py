@@ -5,9 +5,11 @@ three times in fresh processes: as is, with paged attention replaced by the iden
 difference is attention), and with the KV write removed. Reports median device time of
 pure-decode steps at batch 64 and of full 2048-token prefill steps, plus the host share.
 
-    python benchmarks/step_breakdown.py [--json benchmarks/results/step_breakdown.json]
+    python benchmarks/step_breakdown.py [--json benchmarks/results/step_breakdown.json] [--plot]
 
-The variants change the model's math, so only their times mean anything.
+Writes JSON, and with ``--plot`` a PNG next to it (the summary's milliseconds: decode and
+prefill step, attention, KV write). The variants change the model's math, so only their
+times mean anything.
 """
 
 from __future__ import annotations
@@ -15,13 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
 
 import numpy as np
 
+import bench_common as bc
+
 VARIANTS = ("full", "no-attention", "no-kv-write")
+WORKLOAD = dict(model="tiny-llama", dtype="float32", requests=64, prompt="U[32,256]", max_tokens=40, greedy=True,
+                max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_MiB=256, variants=",".join(VARIANTS),
+                measured="pass 2 of 2, steps that compile skipped")
 
 
 def _child(variant: str) -> dict:
@@ -76,14 +84,13 @@ def _child(variant: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", default="benchmarks/results/step_breakdown.json")
+    p.add_argument("--json", default=str(bc.RESULTS_DIR / "step_breakdown.json"))
+    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)")
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(_child(args.child)))
         return 0
-    import jax
-
     results = {}
     for v in VARIANTS:
         out = subprocess.run([sys.executable, __file__, "--child", v], capture_output=True, text=True,
@@ -99,15 +106,24 @@ def main(argv=None) -> int:
         if full["prefill_2048_device_ms"] and noattn["prefill_2048_device_ms"] else None,
         "host_pct_of_step_time": full["host_pct"],
     }
-    env = {"jax": jax.__version__, "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    print(f"# tiny-llama fp32, batch 64 decode / 2048-token prefill steps; {env}")
+    env = bc.environment()
+    print("\n".join(bc.header_lines("where a step's time goes: batch 64 decode / 2048-token prefill steps",
+                                    env, WORKLOAD)))
     print("| quantity | ms (or %) |\n|---|---|")
     for k, v in summary.items():
         print(f"| {k} | {v:.1f} |" if v is not None else f"| {k} | - |")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"env": env, "variants": results, "summary": summary}, f, indent=2)
+    payload = {"env": env, "workload": WORKLOAD, "variants": results, "summary": summary}
+    print(f"# wrote {bc.write_json(args.json, payload)}", file=sys.stderr)
+    if args.plot:
+        groups = {"decode (batch 64)": {"step": summary["decode_step_ms"],
+                                        "attention": summary["decode_attention_ms"],
+                                        "KV write": summary["decode_kv_write_ms"]},
+                  "prefill (2048 tokens)": {"step": summary["prefill_step_ms"],
+                                            "attention": summary["prefill_attention_ms"]}}
+        title = bc.plot_title(f"tiny-llama device time; host {summary['host_pct_of_step_time']:.0f}% of a step", env)
+        png = bc.plot_bars(pathlib.Path(args.json).with_suffix(".png"), title, groups, "ms (median)")
+        if png:
+            print(f"# wrote {png}", file=sys.stderr)
     return 0
 
 

@@ -2,18 +2,22 @@
 
 Checks the JSON's fields, that the naive JAX baseline decodes the same greedy tokens as jaxkv
 on the same weights (so jaxkv / baseline compares equal work), and that ``jaxkv bench``
-forwards its arguments.
+forwards its arguments. Each script runs once with ``--plot``: a PNG lies next to its JSON when
+matplotlib is installed, none otherwise (CI does not install it).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
+import subprocess
 import sys
 
 import pytest
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 SMALL_MODEL = ("num_hidden_layers=2,hidden_size=64,intermediate_size=128,vocab_size=256,"
                "num_attention_heads=4,num_key_value_heads=2,head_dim=16,max_position_embeddings=64")
@@ -36,10 +40,26 @@ def throughput():
 
 
 @pytest.fixture(scope="module")
-def result(throughput, tmp_path_factory):
+def result_path(throughput, tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "throughput.json"
-    throughput.main(ARGS + ["--workload", "all", "--repeats", "2", "--json", str(path)])
-    return json.loads(path.read_text())
+    throughput.main(ARGS + ["--workload", "all", "--repeats", "2", "--json", str(path), "--plot"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def result(result_path):
+    return json.loads(result_path.read_text())
+
+
+def assert_png(json_path: pathlib.Path, suffix: str = "") -> None:
+    """``--plot`` drew ``<json stem><suffix>.png`` next to the JSON iff matplotlib is installed."""
+    png = json_path.with_name(json_path.stem + suffix + ".png")
+    assert png.is_file() == HAVE_MATPLOTLIB, (png, HAVE_MATPLOTLIB)
+
+
+def test_throughput_plot_writes_pngs_next_to_the_json(result_path):
+    assert_png(result_path)
+    assert_png(result_path, "_long_decode")
 
 
 def test_json_has_the_header_and_every_workload(result):
@@ -120,8 +140,9 @@ def test_async_ab_runs_both_modes_on_the_same_tokens(throughput, tmp_path):
     path = tmp_path / "async_ab.json"
     async_ab.main(["--model-config", SMALL_MODEL, "--requests", "3", "--prompt", "4:12", "--max-tokens", "3",
                    "--rounds", "2", "--max-num-batched-tokens", "32", "--kv-cache-memory", "2MiB",
-                   "--json", str(path)])
+                   "--json", str(path), "--plot"])
     result = json.loads(path.read_text())
+    assert_png(path)
     assert result["summary"]["greedy_tokens_equal"] == "3/3"
     assert len(result["times_s"]["sync"]) == len(result["times_s"]["async"]) == 2
     assert result["summary"]["sync_over_async_min"] > 0 and "jax" in result["env"]
@@ -132,7 +153,8 @@ def test_spec_decode_ab_runs_both_engines_on_the_same_tokens(throughput, tmp_pat
 
     path = tmp_path / "spec_decode.json"
     spec_decode.main(["--max-tokens", "6", "--rounds", "1", "--workload", "copy", "--batch", "all",
-                      "--json", str(path)])
+                      "--json", str(path), "--plot"])
+    assert_png(path)
     (row,) = json.loads(path.read_text())["rows"]
     assert (row["workload"], row["batch"], row["tokens_equal"]) == ("copy", 4, "4/4")
     assert row["plain_over_spec"] > 0 and row["drafts"] > 0   # the copy prompts get drafted
@@ -142,9 +164,26 @@ def test_ngram_proposer_benchmark_checks_and_times_both(throughput, tmp_path):
     import ngram_proposer
 
     path = tmp_path / "ngram.json"
-    ngram_proposer.main(["--lengths", "64,300", "--vocabs", "8", "--json", str(path)])
+    ngram_proposer.main(["--lengths", "64,300", "--vocabs", "8", "--json", str(path), "--plot"])
     rows = json.loads(path.read_text())["rows"]
     assert [r["tokens"] for r in rows] == [64, 300] and all(r["speedup"] > 0 for r in rows)
+    assert_png(path)
+
+
+def test_attention_ab_one_small_case(throughput, tmp_path):
+    """The XLA backend at HEAD against itself: one small case, one layer, one round."""
+    if subprocess.run(["git", "-C", str(BENCH), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("attention_ab.py reads the old backend with git show: not a git checkout")
+    import attention_ab
+
+    path = tmp_path / "attention_ab.json"
+    assert attention_ab.main(["--cases", "decode-8xU16..512", "--rounds", "1", "--layers", "1",
+                              "--json", str(path), "--plot"]) == 0
+    result = json.loads(path.read_text())
+    (row,) = result["rows"]
+    assert row["case"] == "decode-8xU16..512" and row["old_min_ms"] > 0 and row["new_min_ms"] > 0
+    assert row["diff"] < 1e-5 and result["workload"]["rev"] == "HEAD" and "cores" in result["env"]
+    assert_png(path)
 
 
 def test_jaxkv_generate_cli_sampling_and_beam_search(capsys):

@@ -33,5 +33,7 @@ def test_scheduler_overhead_benchmark_smoke(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "result.json"
-    module.main(["--num-requests", "8", "--steps", "5", "--output", str(out)])
+    module.main(["--num-requests", "8", "--steps", "5", "--output", str(out), "--plot"])
     assert '"us_per_request_per_step"' in out.read_text()
+    # --plot: a PNG next to the JSON when matplotlib is installed (CI does not install it)
+    assert (tmp_path / "result.png").is_file() == (importlib.util.find_spec("matplotlib") is not None)
