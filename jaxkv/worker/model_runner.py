@@ -41,7 +41,7 @@ from jaxkv.worker.sampling_adapter import (
     sample_fn,
     spec_sample_fn,
 )
-from jaxkv.worker.spec_decode import SpeculativeConfig, batch_may_speculate, may_speculate, propose_ngram
+from jaxkv.worker.spec_decode import SpeculativeConfig, batch_may_speculate, propose_ngram
 from jaxkv.worker.step import StepShape, build_step_fn
 from models.config import KVCacheBinding
 
@@ -415,8 +415,6 @@ class ModelRunner:
         max_tokens and max_model_len (the step's own sample comes on top of them)."""
         cfg = self.speculative_config
         params = s.sampling_params
-        if not may_speculate(params, s.num_generated):
-            return []
         max_tokens = getattr(params, "max_tokens", None)
         room = self.max_model_len - 1 - len(s.token_ids)
         if max_tokens is not None:

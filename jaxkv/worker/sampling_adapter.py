@@ -43,11 +43,15 @@ def gather_rows(md, rows, offsets, drafts, *, max_drafts: int):
     row's drafts before it (``drafts`` [P] int32: the draft each position checks, so position
     p's predecessors are ``drafts[p - offsets[p] : p]``), so the penalties count them as
     outputs and bad words match them as the latest outputs: the position sees the history it
-    would have if they are accepted (and its result is dropped if one is not).
+    would have if they are accepted (and its result is dropped if one is not). min_tokens'
+    bans hold only at the positions before the row's ``min_tokens``-th output.
     ``max_drafts`` (static) bounds ``offsets``.
     """
     md = jax.tree_util.tree_map(lambda a: a[rows], md)
     md = dataclasses.replace(md, num_output_tokens=md.num_output_tokens + offsets)
+    if md.banned_token_ids.shape[1]:   # min_tokens: positions past the row's last banned output are free
+        md = dataclasses.replace(md, banned_token_ids=jnp.where(
+            offsets[:, None] < md.num_banned_outputs[:, None], md.banned_token_ids, PAD_TOKEN_ID))
     bad_words = md.bad_word_last_ids.shape[1] > 0 and md.recent_output_ids.shape[1] > 0
     if max_drafts == 0 or not (md.use_penalties or bad_words):
         return md

@@ -45,6 +45,8 @@ class SamplingMetadata:
                                    #   scheduling: sampled by the step in flight; the step fills
                                    #   it from its inputs), PAD_TOKEN_ID for none
     banned_token_ids: jax.Array    # [S, Lb] int32, PAD_TOKEN_ID-padded; set to -inf this step
+    num_banned_outputs: jax.Array  # [S] int32: the bans hold for the row's next this many outputs
+                                   #   (min_tokens - outputs; scored draft positions past it are free)
     allowed_token_ids: jax.Array   # [S, La] int32, PAD_TOKEN_ID-padded; a row with any entry
                                    #   keeps only those tokens; La = 0 when no row has a list
     bias_token_ids: jax.Array      # [S, Lz] int32, PAD_TOKEN_ID-padded (logit_bias keys)
@@ -77,6 +79,7 @@ jax.tree_util.register_dataclass(
         "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
         "repetition_penalty", "key_data", "num_output_tokens", "history_token_ids",
         "num_prompt_tokens", "num_history_tokens", "pending_token_ids", "banned_token_ids",
+        "num_banned_outputs",
         "allowed_token_ids", "bias_token_ids", "bias_values", "bad_word_prefix_ids",
         "bad_word_last_ids", "recent_output_ids",
     ],
@@ -175,6 +178,7 @@ def build_sampling_metadata(
     steps[:n] = num_output_tokens
 
     banned: list[list[int]] = []
+    ban_outputs = np.zeros(num_rows, np.int32)
     max_logprobs = None
     for i, p in enumerate(params):
         temperature[i] = p.temperature
@@ -187,6 +191,7 @@ def build_sampling_metadata(
             if eos_token_id is not None and not getattr(p, "ignore_eos", False):
                 stop_ids.append(eos_token_id)
             banned.append(stop_ids)
+            ban_outputs[i] = p.min_tokens - steps[i]
         else:
             banned.append([])
         k = getattr(p, "logprobs", None)
@@ -247,6 +252,7 @@ def build_sampling_metadata(
         key_data=keys, num_output_tokens=steps,
         history_token_ids=history, num_prompt_tokens=num_prompt, num_history_tokens=num_history,
         pending_token_ids=np.full(num_rows, PAD_TOKEN_ID, np.int32), banned_token_ids=banned_arr,
+        num_banned_outputs=ban_outputs,
         allowed_token_ids=allowed_arr, bias_token_ids=bias_ids, bias_values=bias_values,
         bad_word_prefix_ids=word_prefix, bad_word_last_ids=word_last, recent_output_ids=recent,
         all_greedy=not bool(np.any(is_random)),

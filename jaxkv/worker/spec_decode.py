@@ -8,7 +8,7 @@ every position and keeps the longest prefix of drafts the target model agrees wi
 token of its own (see ``jaxkv.worker.sampler.sample_and_verify``), so greedy outputs are exactly
 the ones without speculation, and sampled ones follow the same distribution.
 
-Host side (numpy): the config, the proposer, and which rows may be drafted.
+Host side (numpy): the config, the proposer, and whether a step's requests get drafts (``disable_by_batch_size``).
 """
 
 from __future__ import annotations
@@ -115,11 +115,3 @@ def batch_may_speculate(config: SpeculativeConfig, num_requests: int) -> bool:
     """Whether requests of a step that ran ``num_requests`` requests get drafts for the next."""
     limit = config.disable_by_batch_size
     return limit is None or num_requests < limit
-
-
-def may_speculate(params, num_generated: int) -> bool:
-    """Whether a request's next tokens may be drafted: every row but one whose min_tokens
-    bans are still active (they are set per row for the step; such a row samples one token
-    a step until they end). Penalties and bad words see each position's earlier drafts
-    (``sampling_adapter.gather_rows``); logprobs are reported at every position."""
-    return num_generated >= getattr(params, "min_tokens", 0)

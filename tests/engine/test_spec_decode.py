@@ -65,12 +65,12 @@ def test_greedy_with_drafts_equals_dense(models, family, settings):
 
 
 def test_rows_without_drafts_and_limits_match_the_engine_without_speculation(llama):
-    """A batch of drafted rows with penalties, bad words, logprobs, stop ids and max_tokens
-    cutting accepted drafts: the same outputs as without drafts (each scored position sees
+    """A batch of drafted rows with penalties, bad words, min_tokens, logprobs, stop ids and
+    max_tokens cutting accepted drafts: the same outputs as without drafts (each scored position sees
     the drafts before it in its penalties and bad words), and the same logprobs at every
     position. Then seeded sampling with drafts is reproducible."""
     loop, noise, short_loop, longer = _prompts(0)
-    prompts = [short_loop, noise, longer, loop, loop, loop, loop]
+    prompts = [short_loop, noise, longer, loop, loop, loop, loop, loop]
     model = llama
     free = dense_greedy(model, short_loop, 12)   # repeats tokens early: drafts get accepted
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[free[9]]),
@@ -82,7 +82,10 @@ def test_rows_without_drafts_and_limits_match_the_engine_without_speculation(lla
               # the bad word [14, 14, 14] turns that into the cycle 14, 14, 428
               SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=-1.0),
               SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=-1.0,
-                             bad_words_token_ids=[[14, 14, 14]])]
+                             bad_words_token_ids=[[14, 14, 14]]),
+              # min_tokens bans the stop id 428 for the first 5 outputs only, drafted or not
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=-1.0,
+                             min_tokens=5, stop_token_ids=[428])]
     want = make_llm(model).generate(prompts, params, use_tqdm=False)
     llm = make_llm(model, speculative_config=SPEC)
     got = llm.generate(prompts, params, use_tqdm=False)

@@ -10,7 +10,7 @@ from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.sampler import _processed_logits, sample, sample_and_verify
 from jaxkv.worker.sampling_adapter import gather_rows
 from jaxkv.worker.sampling_metadata import build_sampling_metadata, make_request_key
-from jaxkv.worker.spec_decode import SpeculativeConfig, may_speculate, propose_ngram
+from jaxkv.worker.spec_decode import SpeculativeConfig, propose_ngram
 
 
 def test_config_defaults_and_validation():
@@ -60,14 +60,6 @@ def test_propose_ngram_matches_a_plain_search(tokens, lo, span, k):
     assert propose_ngram(np.array(tokens, np.int32), lo, hi, k) == want
 
 
-def test_may_speculate_skips_rows_that_read_each_token():
-    assert may_speculate(SamplingParams(temperature=0.7), 0)
-    for p in (SamplingParams(logprobs=1), SamplingParams(presence_penalty=0.5),
-              SamplingParams(bad_words_token_ids=[[3, 4]])):
-        assert may_speculate(p, 0)
-    assert not may_speculate(SamplingParams(min_tokens=3), 2) and may_speculate(SamplingParams(min_tokens=3), 3)
-
-
 def _md(params, n_rows, seeds):
     keys = np.stack([make_request_key(s) for s in seeds])
     return build_sampling_metadata(params, keys, [0] * n_rows, num_rows=n_rows, vocab_size=8)
@@ -104,33 +96,39 @@ def test_verify_random_follows_the_target_distribution():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_positions_see_the_drafts_before_them(seed):
-    """Each scored position's penalties and bad-word bans equal those of its row's metadata
-    built on the host with the drafts before the position appended as outputs."""
+    """Each scored position's penalties, bad-word bans and min_tokens bans equal those of its
+    row's metadata built on the host with the drafts before the position appended as outputs."""
     rng = np.random.default_rng(seed)
     vocab, k = 16, 3
     params = [SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.7,
                              bad_words_token_ids=[[5, 6], [7, 8, 9]]),
               SamplingParams(temperature=0, presence_penalty=1.2),
-              SamplingParams(temperature=0, bad_words_token_ids=[[2, 3, 4], [11]])]
-    tokens = [rng.integers(0, vocab, n).tolist() for n in (9, 6, 12)]
-    num_prompt = [4, 6, 5]
+              SamplingParams(temperature=0, bad_words_token_ids=[[2, 3, 4], [11]]),
+              # 2 outputs so far: EOS (1) and 12 banned at positions 0 and 1 only
+              SamplingParams(temperature=0, min_tokens=4, stop_token_ids=[12])]
+    tokens = [rng.integers(0, vocab, n).tolist() for n in (9, 6, 12, 7)]
+    num_prompt = [4, 6, 5, 5]
     counts = [len(t) - p for t, p in zip(tokens, num_prompt)]
-    drafts = [[5, 6], [3], [2, 3]]              # row 0's draft 5 makes 6 a bad word after it
+    drafts = [[5, 6], [3], [2, 3], [7, 8, 9]]   # row 0's draft 5 makes 6 a bad word after it
     rows, offsets, checks = [], [], []
     for r, d in enumerate(drafts):
         for j in range(len(d) + 1):
             rows.append(r)
             offsets.append(j)
             checks.append(d[j] if j < len(d) else -1)
-    keys = np.stack([make_request_key(0)] * 3)
+    keys = np.stack([make_request_key(0)] * 4)
     md = build_sampling_metadata(params, keys, counts, tokens, num_prompt, num_rows=4, vocab_size=vocab,
-                                 min_history_bucket=16)
+                                 min_history_bucket=16, eos_token_id=1)
     logits = rng.normal(size=(len(rows), vocab)).astype(np.float32)
     got = jax.jit(lambda lg, m, r, o, c: _processed_logits(lg, gather_rows(m, r, o, c, max_drafts=k)))(
         logits, md, np.array(rows, np.int32), np.array(offsets, np.int32), np.array(checks, np.int32))
     for p, (r, j) in enumerate(zip(rows, offsets)):
         ref = build_sampling_metadata([params[r]], keys[:1], [counts[r] + j], [tokens[r] + drafts[r][:j]],
-                                      [num_prompt[r]], num_rows=1, vocab_size=vocab, min_history_bucket=16)
+                                      [num_prompt[r]], num_rows=1, vocab_size=vocab, min_history_bucket=16,
+                                      eos_token_id=1)
         want = jax.jit(_processed_logits)(logits[p: p + 1], ref)
         np.testing.assert_allclose(np.asarray(got)[p], np.asarray(want)[0], rtol=1e-6, err_msg=f"position {p}")
-    assert np.isneginf(np.asarray(got)[1, 6])   # row 0 after its draft 5: the word [5, 6]
+    got = np.asarray(got)
+    assert np.isneginf(got[1, 6])   # row 0 after its draft 5: the word [5, 6]
+    last = rows.index(3)            # row 3's positions: bans at offsets 0, 1, not 2, 3
+    assert [bool(np.isneginf(got[last + j, 12])) for j in range(4)] == [True, True, False, False]
