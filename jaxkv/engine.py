@@ -78,7 +78,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, attention_backend=config.attention_backend,
             cache_dtype=config.cache_dtype, seed=config.seed, eos_token_id=self._eos_id(),
-            speculative_config=config.speculative_config)
+            speculative_config=config.speculative_config, logprobs_mode=config.logprobs_mode)
         if config.warmup:   # bad_words encoded, so warm-up compiles the widths requests use
             self.runner.warmup(progress=verbose, prefill=config.warmup == "all",
                                sampling=[self._with_bad_words_ids("warmup", p) for p in config.warmup_sampling])

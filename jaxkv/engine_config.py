@@ -14,6 +14,7 @@ from jaxkv.kv_cache import (
     get_kv_cache_config,
     kv_cache_specs_from_layers,
 )
+from jaxkv.worker.sampler import LOGPROBS_MODES
 from jaxkv.worker.spec_decode import SpeculativeConfig
 
 #: KV budget on devices that report no memory stats (CPU) when none is given.
@@ -35,6 +36,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     warmup_sampling: tuple = ()  # SamplingParams whose step variants warmup also compiles
     speculative_config: SpeculativeConfig | None = None
+    logprobs_mode: str = "raw_logprobs"   # vLLM's: what sampled tokens' logprobs are computed from
 
 
 def _positive(name, value):
@@ -65,6 +67,7 @@ def resolve_engine_config(
     warmup: bool | str = True,
     warmup_sampling=(),
     speculative_config=None,
+    logprobs_mode: str = "raw_logprobs",
     verbose: bool = False,
 ):
     """Loads the model and plans the KV cache. Returns (model, model_config, tokenizer, EngineConfig).
@@ -92,6 +95,12 @@ def resolve_engine_config(
     B`` (vLLM's) proposes no drafts after a step of B or more requests. Steps with drafts are
     extra compiled variants, compiled on first use.
 
+    ``logprobs_mode`` (vLLM's): what the logprobs of sampled tokens are computed from:
+    "raw_logprobs" (default: the model's distribution), "raw_logits", "processed_logprobs" /
+    "processed_logits" (the distribution each row samples from: after allow-lists, bias, bans
+    and penalties, then temperature, min_p, top-k / top-p; masked tokens -inf). Prompt
+    logprobs stay raw logprobs.
+
     ``model`` is a name or path for ``models.load_model``, or an already built NNX model
     (then ``tokenizer`` may be given).
     """
@@ -107,6 +116,8 @@ def resolve_engine_config(
         if not isinstance(p, SamplingParams):
             raise TypeError(f"warmup_sampling entries must be SamplingParams, got {p!r}")
 
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     speculative_config = SpeculativeConfig.from_value(speculative_config)
     if speculative_config is not None and async_scheduling:
         raise ValueError("speculative_config does not work with async_scheduling (the drafts "
@@ -168,5 +179,6 @@ def resolve_engine_config(
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                           cache_dtype=cache_dtype, attention_backend=attention_backend, seed=seed,
                           warmup=warmup, kv_cache_config=kv_config, scheduler_config=sched,
-                          warmup_sampling=tuple(warmup_sampling), speculative_config=speculative_config)
+                          warmup_sampling=tuple(warmup_sampling), speculative_config=speculative_config,
+                          logprobs_mode=logprobs_mode)
     return loaded, model_config, tokenizer, config

@@ -137,6 +137,7 @@ class ModelRunner:
                  cache_dtype: str = "float32", seed: int = 0, eos_token_id: int | None = None, k_scale: float | None = None,
                  v_scale: float | None = None, min_token_bucket: int = 16, min_seq_bucket: int = 1,
                  speculative_config: SpeculativeConfig | None = None,
+                 logprobs_mode: str = "raw_logprobs",
                  ):
         self.config = kv_cache_config
         self.max_num_seqs = max_num_seqs
@@ -189,8 +190,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._out_specs: dict = {}
         step = build_step_fn(self.graphdef, binding=self.binding, page_bytes=self.page_bytes,
-                             sample_fn=sample_fn, prompt_logprobs_fn=prompt_logprobs_fn,
-                             out_specs=self._out_specs, spec_sample_fn=spec_sample_fn,
+                             sample_fn=functools.partial(sample_fn, logprobs_mode=logprobs_mode),
+                             prompt_logprobs_fn=prompt_logprobs_fn, out_specs=self._out_specs,
+                             spec_sample_fn=functools.partial(spec_sample_fn, logprobs_mode=logprobs_mode),
                              gather_rows=functools.partial(gather_rows, max_drafts=k))
         self._step = jax.jit(step, static_argnames=("shape",),
                              donate_argnames=("buffers", "tables", "last_sampled"))

@@ -11,7 +11,9 @@ number of bad words per row and ``R`` the longest bad word's length less one.
 
 Order of operations (vLLM V1 ``Sampler.forward``):
   1. logprobs, if requested, from the *raw* logits (vLLM's default ``logprobs_mode =
-     "raw_logprobs"``: before bans, penalties, temperature and truncation);
+     "raw_logprobs"``: before bans, penalties, temperature and truncation; ``LOGPROBS_MODES``
+     lists the others: the raw logits themselves, or the processed distribution a row samples
+     from, after step 5, as logprobs or logits);
   2. ``allowed_token_ids``: every other token -> -inf; ``logit_bias`` added; banned tokens ->
      -inf (min_tokens: EOS and stop ids before ``min_tokens`` outputs; bad words: a word's last
      token when the row's latest outputs are the rest of the word);
@@ -39,6 +41,12 @@ from jaxkv.worker.sampling_metadata import PAD_TOKEN_ID, SamplingMetadata
 #: PRNG implementation of the per-request key data ([2] uint32 per request).
 PRNG_IMPL = "threefry2x32"
 
+#: vLLM's ``logprobs_mode`` values: what the reported logprobs are computed from. "raw_*": the
+#: model's logits; "processed_*": the logits the row samples from (allow-lists, bias, bans,
+#: penalties, then temperature, min_p, top-k / top-p; greedy rows at temperature 1, untruncated),
+#: masked tokens -inf. "*_logprobs" normalises them (log-softmax), "*_logits" reports them as is.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
@@ -64,6 +72,7 @@ def compute_logprobs(
     logits: jax.Array,      # [P, V] float, raw logits (one row per position)
     target_ids: jax.Array,  # [P] int32, the token whose logprob and rank are wanted
     num_logprobs: int,      # static K >= 0
+    *, normalize: bool = True,   # static: False reports the logits themselves
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Logprob and rank of ``target_ids`` plus the top-K logprobs of each row.
 
@@ -75,7 +84,9 @@ def compute_logprobs(
       target_logprob [P] float32, rank [P] int32, topk_ids [P, K] int32,
       topk_logprobs [P, K] float32 (descending).
     """
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [P, V]
+    logprobs = logits.astype(jnp.float32)                                # [P, V]
+    if normalize:
+        logprobs = jax.nn.log_softmax(logprobs, axis=-1)
     target_ids = target_ids.astype(jnp.int32)
     target_logprob = jnp.take_along_axis(logprobs, target_ids[:, None], axis=-1)[:, 0]  # [P]
     rank = jnp.sum(logprobs >= target_logprob[:, None], axis=-1, dtype=jnp.int32)  # [P]
@@ -346,11 +357,17 @@ def _scaled_logits(
     return scaled
 
 
-def _with_logprobs(raw_logits: jax.Array, token_ids: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+def _with_logprobs(raw_logits: jax.Array, token_ids: jax.Array, md: SamplingMetadata, mode: str,
+                   processed=None) -> SamplerOutput:
+    """The sampled tokens with their logprobs (``mode``: one of ``LOGPROBS_MODES``; the
+    processed modes read ``processed()``, the logits the rows sample from)."""
     if md.max_num_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {mode!r}")
+    source = raw_logits if mode.startswith("raw") else processed()
     token_logprob, rank, topk_ids, topk_logprobs = compute_logprobs(
-        raw_logits, token_ids, md.max_num_logprobs
+        source, token_ids, md.max_num_logprobs, normalize=mode.endswith("logprobs")
     )
     return SamplerOutput(
         sampled_token_ids=token_ids,
@@ -363,21 +380,25 @@ def _with_logprobs(raw_logits: jax.Array, token_ids: jax.Array, md: SamplingMeta
 def sample(
     logits: jax.Array,       # [S, V] float (one row per request row)
     md: SamplingMetadata,
+    *, logprobs_mode: str = "raw_logprobs",   # static, one of LOGPROBS_MODES
 ) -> SamplerOutput:
     """Samples one token per row (see the module docstring for the order). Jittable."""
     raw_logits = logits.astype(jnp.float32)
     logits = _processed_logits(raw_logits, md)
     token_ids = argmax(logits)  # greedy: exact argmax
+    scaled = logits             # greedy rows' distribution: temperature 1, untruncated
     if not md.all_greedy:
-        random_ids = random_sample(_scaled_logits(logits, md), md.key_data, md.num_output_tokens)
+        scaled = _scaled_logits(logits, md)
+        random_ids = random_sample(scaled, md.key_data, md.num_output_tokens)
         token_ids = jnp.where(md.temperature < SAMPLING_EPS, token_ids, random_ids)
-    return _with_logprobs(raw_logits, token_ids, md)
+    return _with_logprobs(raw_logits, token_ids, md, logprobs_mode, lambda: scaled)
 
 
 def sample_and_verify(
     logits: jax.Array,     # [P, V] float: one row per scored position
     md: SamplingMetadata,  # P rows: each position's request row, ``num_output_tokens`` its own
     draft_ids: jax.Array,  # [P] int32: the draft token at the position, PAD_TOKEN_ID for none
+    *, logprobs_mode: str = "raw_logprobs",   # static, one of LOGPROBS_MODES
 ) -> tuple[SamplerOutput, jax.Array]:  # (tokens [P], accepted [P] bool)
     """Speculative sampling against drafts that came with no probabilities (n-gram drafts,
     i.e. a draft distribution q that is one-hot on the draft d).
@@ -396,6 +417,7 @@ def sample_and_verify(
     has_draft = draft_ids >= 0
     accepted = has_draft & (greedy_ids == draft_ids)
     token_ids = greedy_ids
+    scaled = logits             # greedy rows' distribution: temperature 1, untruncated
     if not md.all_greedy:
         is_greedy = md.temperature < SAMPLING_EPS
         scaled = _scaled_logits(logits, md)
@@ -410,7 +432,7 @@ def sample_and_verify(
         random_ids = jnp.where(take_draft, draft_ids, drawn)
         token_ids = jnp.where(is_greedy, greedy_ids, random_ids)
         accepted = jnp.where(is_greedy, accepted, take_draft)
-    return _with_logprobs(raw_logits, token_ids, md), accepted
+    return _with_logprobs(raw_logits, token_ids, md, logprobs_mode, lambda: scaled), accepted
 
 
 def greedy_vocab_major(md: SamplingMetadata) -> bool:

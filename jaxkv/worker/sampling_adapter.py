@@ -17,21 +17,22 @@ from jaxkv.worker.sampler import (compute_logprobs, greedy_vocab_major, sample, 
                                   sample_greedy_vocab_major)
 
 
-def sample_fn(logits_fn, md) -> dict:
+def sample_fn(logits_fn, md, *, logprobs_mode: str = "raw_logprobs") -> dict:
     """Samples from ``logits_fn(vocab_major)`` (-> [S, V], or [V, S] when ``vocab_major``):
-    {"sampled_token_ids": [S], and [S, K+1] logprobs when asked}. All-greedy metadata without
-    penalties or logprobs takes the logits vocab-major (the faster LM head on XLA:CPU)."""
+    {"sampled_token_ids": [S], and [S, K+1] logprobs when asked (``logprobs_mode``, static:
+    see ``sampler.LOGPROBS_MODES``)}. All-greedy metadata without penalties or logprobs takes
+    the logits vocab-major (the faster LM head on XLA:CPU)."""
     if greedy_vocab_major(md):
         out = sample_greedy_vocab_major(logits_fn(True), md)
     else:
-        out = sample(logits_fn(False), md)
+        out = sample(logits_fn(False), md, logprobs_mode=logprobs_mode)
     return _result(out)
 
 
-def spec_sample_fn(logits_fn, md, draft_ids) -> dict:
+def spec_sample_fn(logits_fn, md, draft_ids, *, logprobs_mode: str = "raw_logprobs") -> dict:
     """``sample_fn`` over P scored positions with drafts ([P] int32, -1: none): also
     {"spec_accepted": [P] bool} (see ``sampler.sample_and_verify``)."""
-    out, accepted = sample_and_verify(logits_fn(False), md, draft_ids)
+    out, accepted = sample_and_verify(logits_fn(False), md, draft_ids, logprobs_mode=logprobs_mode)
     return dict(_result(out), spec_accepted=accepted)
 
 

@@ -219,6 +219,44 @@ def test_logprobs_and_prompt_logprobs_match_dense(llm, model):
                                atol=1e-3)
 
 
+def test_logprobs_modes_report_the_distribution_asked_for(model):
+    """vLLM's logprobs_mode: "processed_logprobs" is the log-softmax of the logits a row samples
+    from (penalties; then temperature and top-k, or temperature 1 for greedy rows; masked
+    tokens -inf), "raw_logits" the model's logits: both against the dense forward along the
+    generated tokens."""
+    prompt = _prompt(11, 9)
+    sampled = SamplingParams(max_tokens=4, temperature=0.7, top_k=3, seed=3, logprobs=4, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=4, temperature=0, repetition_penalty=1.3, logprobs=4, ignore_eos=True)
+    fwd = jax.jit(lambda ids: dense_forward(model, ids))
+    for mode in ("processed_logprobs", "raw_logits"):
+        outs = make_llm(model, logprobs_mode=mode).generate([prompt, prompt], [sampled, greedy], use_tqdm=False)
+        for out, sp in zip(outs, (sampled, greedy)):
+            tokens = prompt + out.outputs[0].token_ids
+            ids = np.zeros((1, 64), np.int32)
+            ids[0, : len(tokens)] = tokens
+            logits = np.asarray(fwd(jnp.asarray(ids))[0], np.float64)
+            for j, lp in enumerate(out.outputs[0].logprobs):
+                row = logits[len(prompt) + j - 1].copy()
+                if mode == "processed_logprobs":
+                    if sp.repetition_penalty != 1:
+                        seen = sorted(set(tokens[: len(prompt) + j]))
+                        row[seen] = np.where(row[seen] > 0, row[seen] / sp.repetition_penalty,
+                                             row[seen] * sp.repetition_penalty)
+                    if not sp.greedy:
+                        row = row / sp.temperature
+                        row = np.where(row < np.sort(row)[-sp.top_k], -np.inf, row)
+                    finite = row[np.isfinite(row)]
+                    row = row - (finite.max() + np.log(np.exp(finite - finite.max()).sum()))
+                assert len(lp) >= 4
+                for t, got in lp.items():
+                    if np.isneginf(row[t]):
+                        assert got.logprob == -np.inf, (mode, j, t)
+                    else:
+                        assert got.logprob == pytest.approx(row[t], abs=2e-4), (mode, j, t)
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        make_llm(model, logprobs_mode="processed")
+
+
 def test_allowed_token_ids_and_logit_bias_match_dense(llm, model):
     """Greedy with an allow-list follows the dense forward's argmax over the allowed tokens; a
     +100 bias wins every step; out-of-vocabulary ids are refused and the engine goes on."""
