@@ -186,10 +186,12 @@ def test_attention_ab_one_small_case(throughput, tmp_path):
     assert_png(path)
 
 
-def test_jaxkv_generate_cli_sampling_and_beam_search(capsys):
+def test_jaxkv_generate_cli_sampling_and_beam_search(capsys, monkeypatch):
     """The README's main command on the offline random-weight model: sampling with n-gram
     drafts, then beam search; bad flags give exit code 2 and a message."""
     from jaxkv.cli import main
+
+    monkeypatch.setenv("JAXKV_NO_COMPILE_CACHE", "1")   # the CLI's cache is global jax config
 
     common = ["generate", "--model", "tiny-llama", "--max-tokens", "3", "--max-model-len", "64",
               "--max-num-seqs", "2", "--kv-cache-memory", "8MiB", "--prompt", "a", "--prompt", "b"]
