@@ -9,9 +9,8 @@ the worker's work). Reports microseconds per request per step; writes JSON, and 
     python benchmarks/scheduler_overhead.py [--num-requests 256] [--steps 300]
         [--hash-algo sha256|builtin] [--output benchmarks/results/scheduler_overhead.json] [--plot]
 
-The timed code is the plain-Python host core; this script imports no jax itself, nor
-``bench_common`` (which does), though the ``jaxkv`` package's ``__init__`` still loads jax.
-matplotlib is imported only for ``--plot``.
+The timed code is the plain-Python host core; this script loads no jax (nor ``bench_common``,
+which imports it). matplotlib is imported only for ``--plot``.
 """
 
 from __future__ import annotations

@@ -6,10 +6,25 @@
 """
 
 from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from jaxkv.engine import LLM, LLMEngine
-from jaxkv.engine_config import EngineConfig
 from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+
+# The engine imports jax; it loads on first use of these names, so that the host core
+# (``import jaxkv.core``), which has no jax import, can be used without loading jax.
+_LAZY = {"LLM": "jaxkv.engine", "LLMEngine": "jaxkv.engine", "EngineConfig": "jaxkv.engine_config"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",

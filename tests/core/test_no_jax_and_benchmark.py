@@ -3,6 +3,8 @@
 import ast
 import importlib.util
 import pathlib
+import subprocess
+import sys
 
 import jaxkv.core
 import jaxkv.sampling_params
@@ -25,6 +27,14 @@ def test_core_never_imports_jax():
     for path in files:
         bad = [m for m in _imported_modules(path) if m.split(".")[0] in ("jax", "jaxlib", "flax", "numpy")]
         assert not bad, f"{path.name} imports {bad}"
+
+
+def test_importing_the_core_loads_no_jax():
+    """``import jaxkv.core`` (and the host-side names of ``jaxkv``) work without loading jax:
+    the engine, which needs it, loads on first use of ``jaxkv.LLM``."""
+    code = ("import sys, jaxkv.core, jaxkv; from jaxkv import SamplingParams, BeamSearchParams; "
+            "assert 'jax' not in sys.modules, 'jax loaded'; jaxkv.LLM; assert 'jax' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT.parents[1])
 
 
 def test_scheduler_overhead_benchmark_smoke(tmp_path):
