@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxkv import BeamSearchParams
 from jaxkv.beam_search import beam_search_score, run_beam_search
@@ -158,3 +160,34 @@ def test_beams_stop_at_max_model_len(model):
     assert [len(s.tokens) for s in out.sequences] == [32, 32]
     assert all(s.finish_reason == "length" for s in out.sequences)
     _no_leaks(llm)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), vocab=st.integers(2, 4), depth=st.integers(1, 3),
+       lp=st.sampled_from([0.0, 1.0, 2.0]), eos=st.booleans())
+def test_wide_beams_are_exhaustive_search(seed, vocab, depth, lp, eos):
+    """With beams wider than every sequence there is (and 2 * width >= the vocabulary), nothing
+    is pruned: the result is the best sequences by score among all of them, EOS ending some."""
+    rng = np.random.default_rng(seed)
+    table: dict = {}
+
+    def dist(prefix):   # a fixed random next-token distribution per prefix
+        if prefix not in table:
+            p = rng.dirichlet(np.ones(vocab))
+            table[prefix] = {t: Logprob(float(np.log(p[t]))) for t in range(vocab)}
+        return table[prefix]
+
+    eos_id = 0 if eos else None
+    width = vocab ** depth
+    params = BeamSearchParams(beam_width=width, max_tokens=depth, length_penalty=lp)
+    (out,) = run_beam_search([[9]], params, lambda beams: [dist(tuple(b)) for b in beams], eos_id)
+
+    def complete(seq, cum):   # every finished sequence by plain recursion
+        if len(seq) - 1 == depth or (eos_id is not None and len(seq) > 1 and seq[-1] == eos_id):
+            yield seq, cum
+            return
+        for t, l in dist(tuple(seq)).items():
+            yield from complete(seq + [t], cum + l.logprob)
+    every = sorted(complete([9], 0.0), key=lambda sc: beam_search_score(sc[0], sc[1], eos_id, lp), reverse=True)
+    assert [s.tokens for s in out.sequences] == [s for s, _ in every[:width]]
+    assert [s.cum_logprob for s in out.sequences] == pytest.approx([c for _, c in every[:width]])
