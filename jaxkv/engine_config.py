@@ -68,6 +68,8 @@ def resolve_engine_config(
     warmup_sampling=(),
     speculative_config=None,
     logprobs_mode: str = "raw_logprobs",
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
     verbose: bool = False,
 ):
     """Loads the model and plans the KV cache. Returns (model, model_config, tokenizer, EngineConfig).
@@ -101,6 +103,8 @@ def resolve_engine_config(
     and penalties, then temperature, min_p, top-k / top-p; masked tokens -inf). Prompt
     logprobs stay raw logprobs.
 
+    ``tensor_parallel_size`` / ``pipeline_parallel_size`` (vLLM's) must be 1: one device.
+
     ``model`` is a name or path for ``models.load_model``, or an already built NNX model
     (then ``tokenizer`` may be given).
     """
@@ -116,6 +120,11 @@ def resolve_engine_config(
         if not isinstance(p, SamplingParams):
             raise TypeError(f"warmup_sampling entries must be SamplingParams, got {p!r}")
 
+    for name, size in (("tensor_parallel_size", tensor_parallel_size),
+                       ("pipeline_parallel_size", pipeline_parallel_size)):
+        if size != 1:   # accepted at 1, as vLLM scripts pass them habitually
+            raise ValueError(f"{name}={size!r}: jaxkv runs on one device; tensor and pipeline "
+                             f"parallelism are not implemented (README, 'Not here (yet)')")
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     speculative_config = SpeculativeConfig.from_value(speculative_config)

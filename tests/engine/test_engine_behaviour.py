@@ -460,6 +460,12 @@ def test_invalid_sampling_params_and_ids(llm):
         engine.abort_request([3])
 
 
+def test_parallel_sizes_other_than_one_are_refused(model):
+    make_llm(model, tensor_parallel_size=1, pipeline_parallel_size=1)   # vLLM scripts pass these
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: jaxkv runs on one device"):
+        make_llm(model, tensor_parallel_size=2)
+
+
 def test_kv_budget_too_small(model):
     with pytest.raises(ValueError, match="largest max_model_len that fits"):
         LLMEngine.from_config(model, kv_cache_memory_bytes=64 << 10, max_model_len=512,
