@@ -218,8 +218,9 @@ def _finish(plt, fig, ax, title: str, path) -> pathlib.Path:
 
 def plot_lines(path: str | pathlib.Path, title: str, series: dict[str, tuple[list, list]],
                xlabel: str, ylabel: str) -> pathlib.Path | None:
-    """Line chart ``{label: (xs, ys)}`` (log2 x axis) to a PNG; None without matplotlib."""
+    """Line chart ``{label: (xs, ys)}`` (log2 x axis) to a PNG; None (and a note) without matplotlib."""
     if not have_matplotlib():
+        print(NO_MATPLOTLIB, file=sys.stderr)
         return None
     import matplotlib
 

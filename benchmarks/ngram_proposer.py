@@ -85,7 +85,8 @@ def main(argv=None) -> dict:
                 series[f"{impl}, vocab {vocab}"] = ([r["tokens"] for r in rs], [r[f"{impl}_us"] for r in rs])
         png = bc.plot_lines(pathlib.Path(args.json).with_suffix(".png"),
                             bc.plot_title("n-gram proposer", env), series, "tokens", "microseconds per call")
-        print(f"# wrote {png}" if png else bc.NO_MATPLOTLIB, file=sys.stderr)
+        if png:
+            print(f"# wrote {png}", file=sys.stderr)
     return payload
 
 

@@ -467,10 +467,7 @@ class LLM:
         ``priority`` (one int per prompt, lower first) orders the requests when the engine's
         ``scheduling_policy`` is "priority", as vLLM's ``LLM.generate(priority=...)``."""
         engine = self.llm_engine
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                                 and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
@@ -519,10 +516,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         engine = self.llm_engine
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                                 and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        token_lists = [engine._tokenize(p)[1] for p in prompts]
+        token_lists = [engine._tokenize(p)[1] for p in _prompt_list(prompts)]
         k = 2 * params.beam_width
         if k > engine.model_config.vocab_size:
             raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width <= the vocabulary "
@@ -561,6 +555,14 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a string, a token-id list or a prompt dict) or a list of them -> a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                             and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _progress(total: int):

@@ -357,15 +357,15 @@ def _scaled_logits(
     return scaled
 
 
-def _with_logprobs(raw_logits: jax.Array, token_ids: jax.Array, md: SamplingMetadata, mode: str,
-                   processed=None) -> SamplerOutput:
-    """The sampled tokens with their logprobs (``mode``: one of ``LOGPROBS_MODES``; the
-    processed modes read ``processed()``, the logits the rows sample from)."""
+def _with_logprobs(raw_logits: jax.Array,   # [S, V] float32, the model's
+                   processed: jax.Array,    # [S, V] float32, what the rows sample from
+                   token_ids: jax.Array, md: SamplingMetadata, mode: str) -> SamplerOutput:
+    """The sampled tokens with their logprobs (``mode``: one of ``LOGPROBS_MODES``)."""
     if md.max_num_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     if mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {mode!r}")
-    source = raw_logits if mode.startswith("raw") else processed()
+    source = raw_logits if mode.startswith("raw") else processed
     token_logprob, rank, topk_ids, topk_logprobs = compute_logprobs(
         source, token_ids, md.max_num_logprobs, normalize=mode.endswith("logprobs")
     )
@@ -391,7 +391,7 @@ def sample(
         scaled = _scaled_logits(logits, md)
         random_ids = random_sample(scaled, md.key_data, md.num_output_tokens)
         token_ids = jnp.where(md.temperature < SAMPLING_EPS, token_ids, random_ids)
-    return _with_logprobs(raw_logits, token_ids, md, logprobs_mode, lambda: scaled)
+    return _with_logprobs(raw_logits, scaled, token_ids, md, logprobs_mode)
 
 
 def sample_and_verify(
@@ -432,7 +432,7 @@ def sample_and_verify(
         random_ids = jnp.where(take_draft, draft_ids, drawn)
         token_ids = jnp.where(is_greedy, greedy_ids, random_ids)
         accepted = jnp.where(is_greedy, accepted, take_draft)
-    return _with_logprobs(raw_logits, token_ids, md, logprobs_mode, lambda: scaled), accepted
+    return _with_logprobs(raw_logits, scaled, token_ids, md, logprobs_mode), accepted
 
 
 def greedy_vocab_major(md: SamplingMetadata) -> bool:
