@@ -317,7 +317,8 @@ class Context:
         kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_memory_bytes=args.kv_cache_memory, attention_backend=args.attention_backend,
                   seed=args.seed, async_scheduling=args.async_scheduling,
-                  speculative_config=args.speculative_ngram)
+                  speculative_config=args.speculative_ngram,
+                  tensor_parallel_size=args.tensor_parallel_size)
         if any(w != "long-decode" for w in workloads):
             self.engine, self.timer = self._warm(kw, "prefix caching on")
         if "shared-prefix" in workloads:
@@ -459,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-ngram", type=parse_ngram, default=None, metavar="K[,MAX[,MIN]]",
                    help="n-gram speculative decoding: K drafts a step, lookup n-grams MAX..MIN "
                         "(default 4..1); e.g. 3 or 3,4,1")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="jaxkv on N devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N); "
+                        "the naive baseline stays on one")
     p.add_argument("--quick", action="store_true", help="scaled-down workloads (see QUICK)")
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -510,6 +514,7 @@ def main(argv=None) -> dict:
                   block_size=ctx.engine.config.block_size if ctx.engine else None,
                   backend=ctx.engine.runner.backend if ctx.engine else args.attention_backend,
                   async_scheduling=args.async_scheduling, speculative=args.speculative_ngram,
+                  tensor_parallel_size=args.tensor_parallel_size,
                   baseline="naive-jax" if ctx.naive else "none")
     payload = {"env": env, "config": config, "sizes": dataclasses.asdict(sz), "matmul": mm,
                "flops_formula": FLOPS_FORMULA, "setup": dict(seconds=setup_s, **ctx.compile), "results": {}}

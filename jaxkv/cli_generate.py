@@ -37,12 +37,16 @@ def add_parser(sub) -> None:
     p.add_argument("--speculative-ngram", type=parse_ngram, default=None, metavar="K[,MAX[,MIN]]",
                    help="draft K tokens a step by n-gram lookup (MAX..MIN, default 4..1) over each "
                         "request's tokens")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N devices (on CPU: N host devices, set up here)")
     p.add_argument("--beam-width", type=int, default=None, metavar="N",
                    help="beam search (vLLM's LLM.beam_search) with N beams instead of sampling")
     p.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args) -> int:
+    if args.tensor_parallel_size > 1:
+        _host_devices(args.tensor_parallel_size)
     from jaxkv.engine import LLM
     from jaxkv.sampling_params import SamplingParams
 
@@ -60,7 +64,8 @@ def cmd_generate(args) -> int:
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   attention_backend=args.attention_backend,
                   seed=args.seed, async_scheduling=args.async_scheduling, verbose=True,
-                  speculative_config=args.speculative_ngram)
+                  speculative_config=args.speculative_ngram,
+                  tensor_parallel_size=args.tensor_parallel_size)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"jaxkv generate: {e}", file=sys.stderr)
         return 2
@@ -89,7 +94,8 @@ def cmd_generate(args) -> int:
     stats = engine.get_stats()
     num_blocks = engine.kv_cache_config.num_blocks
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"\nmodel {args.model} on {engine.runner.backend} ({_device()}), load {load_s:.1f} s")
+    tp = f" x {args.tensor_parallel_size} (tensor parallel)" if args.tensor_parallel_size > 1 else ""
+    print(f"\nmodel {args.model} on {engine.runner.backend} ({_device()}{tp}), load {load_s:.1f} s")
     print(f"{n_out} tokens in {gen_s:.2f} s = {n_out / gen_s:.1f} tok/s "
           f"(includes {stats['num_compiles'] - c0} compiles, {stats['compile_seconds'] - cs0:.1f} s; "
           f"load includes {c0} warm-up compiles)")
@@ -122,6 +128,17 @@ def _beam_search(llm, args, params, prompts, load_s: float) -> int:
           f"beam search width {args.beam_width}, {args.max_tokens} rounds in {gen_s:.2f} s "
           f"(includes {stats['num_compiles'] - c0} compiles); prefix-cache hits {stats['prefix_hit_tokens']} tokens")
     return 0
+
+
+def _host_devices(n: int) -> None:
+    """Asks for ``n`` CPU host devices. XLA reads XLA_FLAGS when jax's backends start (the
+    first device query, after this; importing jax does not start them). The flag only
+    concerns the host platform, so on GPU / TPU nothing changes."""
+    import os
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def _device() -> str:

@@ -23,6 +23,7 @@ from jaxkv.engine_config import EngineConfig, resolve_engine_config
 from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.worker.model_runner import ModelRunner
+from models.sharding import make_tp_mesh
 
 
 @dataclasses.dataclass
@@ -78,7 +79,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, attention_backend=config.attention_backend,
             cache_dtype=config.cache_dtype, seed=config.seed, eos_token_id=self._eos_id(),
-            speculative_config=config.speculative_config, logprobs_mode=config.logprobs_mode)
+            speculative_config=config.speculative_config, logprobs_mode=config.logprobs_mode,
+            mesh=make_tp_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None)
         if config.warmup:   # bad_words encoded, so warm-up compiles the widths requests use
             self.runner.warmup(progress=verbose, prefill=config.warmup == "all",
                                sampling=[self._with_bad_words_ids("warmup", p) for p in config.warmup_sampling])

@@ -16,6 +16,7 @@ from jaxkv.kv_cache import (
 )
 from jaxkv.worker.sampler import LOGPROBS_MODES
 from jaxkv.worker.spec_decode import SpeculativeConfig
+from models.sharding import check_device_count
 
 #: KV budget on devices that report no memory stats (CPU) when none is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
@@ -37,6 +38,7 @@ class EngineConfig:
     warmup_sampling: tuple = ()  # SamplingParams whose step variants warmup also compiles
     speculative_config: SpeculativeConfig | None = None
     logprobs_mode: str = "raw_logprobs"   # vLLM's: what sampled tokens' logprobs are computed from
+    tensor_parallel_size: int = 1         # devices the model and KV heads are split over
 
 
 def _positive(name, value):
@@ -103,7 +105,12 @@ def resolve_engine_config(
     and penalties, then temperature, min_p, top-k / top-p; masked tokens -inf). Prompt
     logprobs stay raw logprobs.
 
-    ``tensor_parallel_size`` / ``pipeline_parallel_size`` (vLLM's) must be 1: one device.
+    ``tensor_parallel_size`` (vLLM's) splits the model over that many devices (a ``"tp"``
+    mesh over the first n of ``jax.devices()``, ``models.sharding``): attention heads, KV heads
+    and the MLP's intermediate are split, so each must divide by it, and every device keeps
+    its own KV heads' pages. As in vLLM, the KV budget (``kv_cache_memory_bytes`` or
+    ``gpu_memory_utilization``) is per device, so n devices hold n times the tokens of one.
+    ``pipeline_parallel_size`` must be 1.
 
     ``model`` is a name or path for ``models.load_model``, or an already built NNX model
     (then ``tokenizer`` may be given).
@@ -120,11 +127,10 @@ def resolve_engine_config(
         if not isinstance(p, SamplingParams):
             raise TypeError(f"warmup_sampling entries must be SamplingParams, got {p!r}")
 
-    for name, size in (("tensor_parallel_size", tensor_parallel_size),
-                       ("pipeline_parallel_size", pipeline_parallel_size)):
-        if size != 1:   # accepted at 1, as vLLM scripts pass them habitually
-            raise ValueError(f"{name}={size!r}: jaxkv runs on one device; tensor and pipeline "
-                             f"parallelism are not implemented (README, 'Not here (yet)')")
+    if pipeline_parallel_size != 1:   # accepted at 1, as vLLM scripts pass it habitually
+        raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size!r}: pipeline "
+                         f"parallelism is not implemented (README, 'Not here (yet)')")
+    check_device_count(tensor_parallel_size)   # ValueError saying how to get more devices
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     speculative_config = SpeculativeConfig.from_value(speculative_config)
@@ -158,8 +164,9 @@ def resolve_engine_config(
                          f"max_num_seqs={max_num_seqs} (every running request needs a token a step)")
     cache_dtype = model_config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
-    specs = kv_cache_specs_from_layers(loaded.kv_layer_infos(), block_size=block_size,
-                                       cache_dtype=cache_dtype)
+    specs = kv_cache_specs_from_layers(
+        _per_device_layers(loaded, model_config, tensor_parallel_size),
+        block_size=block_size, cache_dtype=cache_dtype)
     stats = None
     try:
         stats = jax.devices()[0].memory_stats()
@@ -189,5 +196,23 @@ def resolve_engine_config(
                           cache_dtype=cache_dtype, attention_backend=attention_backend, seed=seed,
                           warmup=warmup, kv_cache_config=kv_config, scheduler_config=sched,
                           warmup_sampling=tuple(warmup_sampling), speculative_config=speculative_config,
-                          logprobs_mode=logprobs_mode)
+                          logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size)
     return loaded, model_config, tokenizer, config
+
+
+def _per_device_layers(model, model_config, tp: int) -> dict:
+    """The model's ``kv_layer_infos()`` with each layer's KV heads split over ``tp`` devices
+    (vLLM sizes each worker's cache by its own heads). ValueError when a head count does not
+    divide by ``tp`` (vLLM would replicate KV heads there; jaxkv does not)."""
+    infos = model.kv_layer_infos()
+    if tp == 1:
+        return infos
+    heads = getattr(model_config, "num_attention_heads", None)
+    if heads is not None and heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads={heads}")
+    for name, info in infos.items():
+        if info.num_kv_heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the {info.num_kv_heads} "
+                             f"KV heads of {name} (jaxkv does not replicate KV heads)")
+    return {name: dataclasses.replace(info, num_kv_heads=info.num_kv_heads // tp)
+            for name, info in infos.items()}

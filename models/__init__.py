@@ -15,6 +15,8 @@ attention with soft-capping). Public surface:
   layers:   attend_paged (one attention layer's paged step: write K/V, attend; what a model of
             your own calls, see README "Serving a model of your own")
   weights:  load_hf_weights, hf_state_dict
+  sharding: tensor parallelism: DEFAULT_TP_RULES (parameter name -> split), IF_DIVISIBLE,
+            make_tp_mesh, shard_state; a model may set ``tp_partition_rules``
   testing:  dense_forward (non-paged reference, [Bt, L] -> [Bt, L, V])
 """
 from models.attention import attend_paged
@@ -25,6 +27,7 @@ from models.dense_reference import dense_forward, dense_hidden
 from models.hf_config import SUPPORTED_MODEL_TYPES
 from models.hybrid import Gemma2ForCausalLM
 from models.llama import LlamaForCausalLM
+from models.sharding import DEFAULT_TP_RULES, IF_DIVISIBLE, make_tp_mesh, shard_state
 from models.transformer import CausalLM
 from models.weights import hf_state_dict, load_hf_weights
 
@@ -32,7 +35,7 @@ __all__ = [
     "CausalLM", "Gemma2ForCausalLM", "attend_paged", "KVCacheBinding", "LayerKVInfo", "LlamaForCausalLM",
     "MODEL_CLASSES", "ModelConfig", "RopeScaling", "SUPPORTED_MODEL_TYPES", "build_model",
     "dense_forward", "dense_hidden", "get_config", "hf_state_dict", "layer_name",
-    "load_hf_weights",
+    "load_hf_weights", "DEFAULT_TP_RULES", "IF_DIVISIBLE", "make_tp_mesh", "shard_state",
 ]
 
 # Checkpoints, tokenizer and the name/path loader (issue 5 part B).

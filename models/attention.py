@@ -8,12 +8,16 @@ whole sequence with plain jnp. Both go through the same ``project`` and ``o_proj
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from models.config import KVCacheBinding, ModelConfig
 from models.layers import RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
+from models.sharding import TP_AXIS
 from pallas_kernels import AttentionMetadata, kv_cache_byte_view, paged_attention, write_kv
 
 
@@ -32,7 +36,24 @@ def attend_paged(q: jax.Array,             # [T, Hq, D]
     attn_metadata[group]``, ``(group, tensor) = binding.lookup(its layer name)``; the layer
     names are those the model's ``kv_layer_infos()`` returns. Carry the returned buffer on
     (the engine donates the buffers to the step, so nothing is copied).
+
+    Under tensor parallelism (``binding.mesh``) q, k and v are split by heads and the buffer
+    by KV heads over the mesh's ``"tp"`` axis, and each device attends with its own heads
+    over its own shard (``shard_map``; no communication: GQA groups never cross devices).
     """
+    attend = functools.partial(_attend_local, binding=binding, sm_scale=sm_scale,
+                               sliding_window=sliding_window, soft_cap=soft_cap)
+    if binding.mesh is None:
+        return attend(q, k, v, buffer, md)
+    heads = PartitionSpec(None, TP_AXIS, None)
+    return jax.shard_map(attend, mesh=binding.mesh,
+                         in_specs=(heads, heads, heads, PartitionSpec(TP_AXIS), PartitionSpec()),
+                         out_specs=(heads, PartitionSpec(TP_AXIS)), check_vma=False,
+                         )(q, k, v, buffer, md)
+
+
+def _attend_local(q, k, v, buffer, md, *, binding, sm_scale, sliding_window, soft_cap):
+    """``attend_paged`` on one device: q [T, Hq, D], k / v [T, Hkv, D], buffer its own pages."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     buffer = write_kv(buffer, k, v, md.slot_mapping, block_size=binding.block_size,
                       dtype=binding.cache_dtype, k_scale=binding.k_scale, v_scale=binding.v_scale,

@@ -211,6 +211,10 @@ class KVCacheBinding:
     of each group): layers = (("model.layers.0.self_attn", 1, 0), ("model.layers.1.self_attn", 0, 0),
     ("model.layers.2.self_attn", 1, 1), ("model.layers.3.self_attn", 0, 1)).
     Hashable: pass it as a static argument of the jitted step.
+
+    ``mesh`` (a ``jax.sharding.Mesh`` with a ``"tp"`` axis, or None on one device): under
+    tensor parallelism every KV buffer is split over ``"tp"`` by KV heads (each device's shard
+    is a flat buffer of its own heads' pages) and ``attend_paged`` runs once per device.
     """
 
     layers: tuple[tuple[str, int, int], ...]
@@ -220,6 +224,7 @@ class KVCacheBinding:
     interpret: bool = False
     k_scale: float | None = None
     v_scale: float | None = None
+    mesh: Any = None
 
     def __post_init__(self):
         layers = tuple((str(n), int(g), int(t)) for n, g, t in self.layers)

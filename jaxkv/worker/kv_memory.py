@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.kv_cache import PAGE_ALIGN_BYTES, KVCacheConfig
+from models.sharding import TP_AXIS
 
 
 def page_size_bytes(config: KVCacheConfig) -> int:
@@ -34,8 +36,12 @@ def check_page_alignment(config: KVCacheConfig) -> None:
             )
 
 
-def allocate_kv_buffers(config: KVCacheConfig, *, sharding=None) -> tuple[jax.Array, ...]:
+def allocate_kv_buffers(config: KVCacheConfig, *, mesh=None) -> tuple[jax.Array, ...]:
     """Zero-filled flat uint8 buffers, one per tensor: ``[num_blocks * page_bytes]`` each.
+
+    With a tensor-parallel ``mesh`` (``"tp"`` axis of size n) ``config`` is one device's plan
+    (its own KV heads' pages) and each buffer is ``[n * num_blocks * page_bytes]`` split over
+    ``"tp"``: device i's shard is a flat buffer of ``num_blocks`` pages of its own heads.
 
     Zeros, not ``jnp.empty``: from jax 0.11 ``empty`` may return uninitialised memory, and a
     fresh block must never expose NaN bit patterns to a kernel that masks by multiplication.
@@ -49,8 +55,12 @@ def allocate_kv_buffers(config: KVCacheConfig, *, sharding=None) -> tuple[jax.Ar
                 f"tensor shared by {t.shared_by} has {t.size} bytes, expected "
                 f"num_blocks * page = {config.num_blocks} * {page}"
             )
-        buf = jnp.zeros((t.size,), jnp.uint8, device=sharding)
-        buffers.append(buf)
+        if mesh is None:
+            buffers.append(jnp.zeros((t.size,), jnp.uint8))
+        else:
+            shards = mesh.shape[TP_AXIS]
+            buffers.append(jnp.zeros((shards * t.size,), jnp.uint8,
+                                     device=NamedSharding(mesh, PartitionSpec(TP_AXIS))))
     return tuple(buffers)
 
 
@@ -93,10 +103,21 @@ def zero_blocks(buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int,
 
 def zero_blocks_all(buffers: tuple[jax.Array, ...],  # per KV tensor: [N * page_bytes] uint8
                     block_ids: jax.Array,             # [K] int32, as in zero_blocks
-                    *, page_bytes: int, cpu_kernel: bool = False) -> tuple[jax.Array, ...]:
-    """``zero_blocks`` on every KV tensor's buffer (a block id names one page in each)."""
-    return tuple(zero_blocks(b, block_ids, page_bytes=page_bytes, cpu_kernel=cpu_kernel)
-                 for b in buffers)
+                    *, page_bytes: int, cpu_kernel: bool = False, mesh=None,
+                    ) -> tuple[jax.Array, ...]:
+    """``zero_blocks`` on every KV tensor's buffer (a block id names one page in each).
+
+    With a tensor-parallel ``mesh`` (buffers split over ``"tp"`` as ``allocate_kv_buffers``
+    makes them) each device zeroes the pages in its own shard.
+    """
+    def zero(bufs, ids):
+        return tuple(zero_blocks(b, ids, page_bytes=page_bytes, cpu_kernel=cpu_kernel) for b in bufs)
+
+    if mesh is None:
+        return zero(tuple(buffers), block_ids)
+    shard = PartitionSpec(TP_AXIS)
+    return jax.shard_map(zero, mesh=mesh, in_specs=((shard,) * len(buffers), PartitionSpec()),
+                         out_specs=(shard,) * len(buffers), check_vma=False)(tuple(buffers), block_ids)
 
 
 def read_blocks(buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int) -> jax.Array:

@@ -44,6 +44,7 @@ from jaxkv.worker.sampling_adapter import (
 from jaxkv.worker.spec_decode import SpeculativeConfig, batch_may_speculate, propose_ngram
 from jaxkv.worker.step import StepShape, build_step_fn
 from models.config import KVCacheBinding
+from models.sharding import shard_state
 
 BACKENDS = ("auto", "xla", "cpu", "pallas", "reference")
 
@@ -130,6 +131,8 @@ class ModelRunner:
       attention_backend: "auto" | "xla" | "cpu" | "pallas" | "reference".
       cache_dtype: KV-cache dtype name ("float32", "bfloat16", "float16", "fp8").
       seed: engine seed for requests without their own.
+      mesh: a ``"tp"`` mesh for tensor parallelism (``models.sharding``), or None (one device);
+        ``kv_cache_config`` is then one device's plan (its own KV heads).
     """
 
     def __init__(self, model, kv_cache_config: KVCacheConfig, *, max_num_seqs: int,
@@ -138,8 +141,10 @@ class ModelRunner:
                  v_scale: float | None = None, min_token_bucket: int = 16, min_seq_bucket: int = 1,
                  speculative_config: SpeculativeConfig | None = None,
                  logprobs_mode: str = "raw_logprobs",
+                 mesh=None,
                  ):
         self.config = kv_cache_config
+        self.mesh = mesh
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -152,11 +157,13 @@ class ModelRunner:
         self.binding = KVCacheBinding(
             layers=tuple((name, g, t) for name, (g, t) in kv_cache_config.layer_binding().items()),
             block_size=self.block_size, cache_dtype=cache_dtype, backend=backend,
-            interpret=interpret, k_scale=k_scale, v_scale=v_scale)
+            interpret=interpret, k_scale=k_scale, v_scale=v_scale, mesh=mesh)
         self.page_bytes = kv_memory.page_size_bytes(kv_cache_config)
 
         self.graphdef, self.state = nnx.split(model)
-        self.buffers = kv_memory.allocate_kv_buffers(kv_cache_config)
+        if mesh is not None:   # tensor parallel: weights split by models.sharding's rules
+            self.state = shard_state(self.state, mesh, getattr(model, "tp_partition_rules", None))
+        self.buffers = kv_memory.allocate_kv_buffers(kv_cache_config, mesh=mesh)
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.input_batch = InputBatch(max_num_seqs, max_model_len,
                                       [self.max_blocks_per_req] * self.num_groups, engine_seed=seed)
@@ -185,7 +192,7 @@ class ModelRunner:
         self.zero_buckets = pow2_buckets(per_step, max(per_step, self.config.num_blocks))
         self._zero_pages = jax.jit(   # pages beyond a step's capacity, zeroed before it
             functools.partial(kv_memory.zero_blocks_all, page_bytes=self.page_bytes,
-                              cpu_kernel=self.binding.cpu_kernels), donate_argnums=0)
+                              cpu_kernel=self.binding.cpu_kernels, mesh=mesh), donate_argnums=0)
 
         self.requests: dict[str, CachedRequestState] = {}
         self._out_specs: dict = {}

@@ -9,15 +9,18 @@ so is ``last_sampled`` [R]: each step's sampled tokens by batch row, which the n
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.worker import kv_memory
 from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops
 from jaxkv.worker.packing import PackSpec, pack_device, unpack
 from jaxkv.worker.sampling_metadata import PAD_TOKEN_ID
+from models.sharding import TP_AXIS
 from pallas_kernels import PAD_SLOT_ID, AttentionMetadata
 
 
@@ -77,7 +80,7 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
         tables = apply_block_table_ops(tables, x["block_ops"], layout=shape.ops)
         if x["zero_blocks"].shape[0]:
             buffers = kv_memory.zero_blocks_all(buffers, x["zero_blocks"], page_bytes=page_bytes,
-                                                cpu_kernel=binding.cpu_kernels)
+                                                cpu_kernel=binding.cpu_kernels, mesh=binding.mesh)
         num_seqs = x["num_seqs"][0]
         qsl = x["query_start_loc"]                        # [S + 1]
         num_computed = x["num_computed"]                  # [S]
@@ -92,6 +95,17 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
                 slot_mapping=slot_mapping(bt, seq, positions, valid, binding.block_size),
                 num_seqs=num_seqs, max_q_len=shape.max_q_len))
         model = nnx.merge(graphdef, state)
+
+        def logits_of(h, vocab_major):   # h [R, hidden] -> [R, V] float32, or [V, R] vocab-major
+            logits = model.compute_logits(h, vocab_major=vocab_major)
+            if binding.mesh is not None:
+                # Tensor parallel: the LM head is split by vocabulary, so each device computes
+                # its slice of the logits, gathered once here (as vLLM does) so the sampler runs
+                # whole. Both constraints: with the second alone XLA may gather the weight instead.
+                split = PartitionSpec(TP_AXIS, None) if vocab_major else PartitionSpec(None, TP_AXIS)
+                for spec in (split, PartitionSpec()):
+                    logits = jax.lax.with_sharding_constraint(logits, NamedSharding(binding.mesh, spec))
+            return logits
         prev_rows = x["prev_rows"]                        # [T] row of last_sampled, or -1
         input_ids = jnp.where(prev_rows >= 0, last_sampled[jnp.maximum(prev_rows, 0)], x["input_ids"])
         hidden, buffers = model(input_ids, positions, tuple(buffers), tuple(mds), binding)
@@ -113,16 +127,14 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
             # and output offset; "spec_drafts" [P]: the draft it checks, -1 for none).
             h_pos = hidden[x["spec_index"]]                          # [P, hidden]
             md_pos = gather_rows(sampling, x["spec_row"], x["spec_offset"], x["spec_drafts"])
-            out = spec_sample_fn(lambda vocab_major: model.compute_logits(h_pos, vocab_major=vocab_major),
-                                 md_pos, x["spec_drafts"])
+            out = spec_sample_fn(functools.partial(logits_of, h_pos), md_pos, x["spec_drafts"])
             last_token = out["sampled_token_ids"][x["spec_last"]]    # [S] each row's last position
         else:
             # logits [S, V] float32, or [V, S] when the sampler asks for them vocab-major
-            out = sample_fn(lambda vocab_major: model.compute_logits(h_last, vocab_major=vocab_major),
-                            sampling)
+            out = sample_fn(functools.partial(logits_of, h_last), sampling)
             last_token = out["sampled_token_ids"]
         if shape.prompt_logprobs >= 0:
-            all_logits = model.compute_logits(hidden)     # [T, V]
+            all_logits = logits_of(hidden, False)         # [T, V]
             out.update(prompt_logprobs_fn(all_logits, x["prompt_targets"], shape.prompt_logprobs))
         packed_out, out_specs[shape] = pack_device(out)
         rows = min(shape.num_seqs, last_sampled.shape[0])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -203,3 +204,10 @@ def test_jaxkv_generate_cli_sampling_and_beam_search(capsys, monkeypatch):
     assert out.count("beam 1: cum logprob") == 2
     assert main(common + ["--beam-width", "0"]) == 2
     assert "beam_width must be an int >= 1" in capsys.readouterr().err
+    # -tp asks for host devices through XLA_FLAGS; this process's jax has started with one, so
+    # the engine refuses clearly (tests/engine/test_tensor_parallel.py runs 2 devices).
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
+    assert main(common + ["-tp", "2"]) == 2
+    assert "tensor_parallel_size=2 needs 2 devices, jax sees 1" in capsys.readouterr().err
+    assert os.environ["XLA_FLAGS"] == ("--xla_cpu_use_thunk_runtime=true "
+                                       "--xla_force_host_platform_device_count=2")

@@ -460,10 +460,17 @@ def test_invalid_sampling_params_and_ids(llm):
         engine.abort_request([3])
 
 
-def test_parallel_sizes_other_than_one_are_refused(model):
+def test_parallel_sizes_refused_clearly(model):
+    """Tensor parallelism itself is tested on 2 host devices (tests/engine/test_tensor_parallel.py)."""
     make_llm(model, tensor_parallel_size=1, pipeline_parallel_size=1)   # vLLM scripts pass these
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: jaxkv runs on one device"):
-        make_llm(model, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        make_llm(model, pipeline_parallel_size=2)
+    for bad in (0, True, 1.0):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be a positive int"):
+            make_llm(model, tensor_parallel_size=bad)
+    n = jax.device_count() + 1
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={n} needs {n} devices"):
+        make_llm(model, tensor_parallel_size=n)
 
 
 def test_kv_budget_too_small(model):
