@@ -97,7 +97,8 @@ def resolve_engine_config(
     step by n-gram lookup over its own tokens and verifies them in the next step (see
     ``jaxkv.worker.spec_decode``); not with ``async_scheduling``. ``"disable_by_batch_size":
     B`` (vLLM's) proposes no drafts after a step of B or more requests. Steps with drafts are
-    extra compiled variants, compiled on first use.
+    extra compiled variants: ``warmup`` also compiles the decode steps with drafts (28 for 64
+    requests and k = 3); steps mixing prefill with drafts compile on first use.
 
     ``logprobs_mode`` (vLLM's): what the logprobs of sampled tokens are computed from:
     "raw_logprobs" (default: the model's distribution), "raw_logits", "processed_logprobs" /

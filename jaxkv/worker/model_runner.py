@@ -512,10 +512,11 @@ class ModelRunner:
         return ops, layout, zeros
 
     def _empty_step(self, T: int, S: int, *, max_q_len: int, sampling=None,
-                    num_output_tokens: int = 0) -> tuple[StepShape, np.ndarray]:
+                    num_output_tokens: int = 0, spec_positions: int = 0) -> tuple[StepShape, np.ndarray]:
         """Shape and inputs of a step of T tokens and S rows with no request in it: greedy, or
         with the sampling flags of one row of ``sampling`` (SamplingParams) that has
-        ``num_output_tokens`` outputs (only its flags matter: no row is scheduled)."""
+        ``num_output_tokens`` outputs (only its flags matter: no row is scheduled); with
+        ``spec_positions`` P, a step that scores P positions against drafts (none here)."""
         if sampling is None:
             md = build_sampling_metadata([], np.zeros((0, 2), np.uint32), [], [], [], num_rows=S)
         else:
@@ -523,10 +524,16 @@ class ModelRunner:
                                          [num_output_tokens], [[]], [0], num_rows=S,
                                          eos_token_id=self.eos_token_id, vocab_size=self.vocab_size)
         ops, layout, zeros = self._table_ops_and_zeros((), T, S)
+        extra = {"prev_rows": np.full(T, -1, np.int32)}
+        if spec_positions:   # the fields and order of _spec_inputs
+            zero_p = np.zeros(spec_positions, np.int32)
+            extra.update(spec_index=zero_p, spec_row=zero_p, spec_offset=zero_p,
+                         spec_drafts=np.full(spec_positions, -1, np.int32),
+                         spec_last=np.zeros(S, np.int32))
         return self._pack_step(np.zeros(T, np.int32), np.zeros(S + 1, np.int32),
-                               np.zeros(S, np.int32), 0, ops, layout, zeros, md,
-                               {"prev_rows": np.full(T, -1, np.int32)},
-                               max_q_len=max_q_len, prompt_logprobs=-1)
+                               np.zeros(S, np.int32), 0, ops, layout, zeros, md, extra,
+                               max_q_len=max_q_len, prompt_logprobs=-1,
+                               spec_positions=spec_positions)
 
     def step_shapes(self, *, prefill: bool) -> list[tuple[int, int, int]]:
         """(T, S, max_q_len) of the greedy steps ``warmup`` compiles: the pure-decode step of
@@ -541,12 +548,30 @@ class ModelRunner:
                         shapes.append((T, S, T))
         return shapes
 
+    def spec_step_shapes(self) -> list[tuple[int, int, int]]:
+        """(T, S, P) of the decode steps with drafts: n rows in request bucket S, at least one
+        with a draft, score t = n + drafts positions (n < t <= n (k + 1), t within the token
+        budget); such a step has T = token bucket of t and P = positions bucket of t. Empty
+        without speculative decoding. Example: 64 rows, k = 3, budget 2048 -> 28 shapes."""
+        if self.speculative_config is None:
+            return []
+        k = self.speculative_config.num_speculative_tokens
+        shapes, prev = [], 0
+        for S in self.seq_buckets:
+            for t in range(prev + 2, min(S * (k + 1), self.max_num_batched_tokens) + 1):
+                shape = (pick_bucket(t, self.token_buckets), S, pick_bucket(t, self.spec_buckets))
+                if shape not in shapes:
+                    shapes.append(shape)
+            prev = S
+        return shapes
+
     def warmup(self, *, progress: bool = True, prefill: bool = False, sampling=()) -> None:
         """Compiles the greedy steps of ``step_shapes(prefill=prefill)``: by default the
         pure-decode step of every request bucket, so steady-state greedy decoding never
         compiles (attention walks each sequence's own blocks in a loop, so the context length
         is not part of the shape); with ``prefill`` every prefill / mixed step too (many more
-        shapes), so no greedy step compiles later.
+        shapes), so no greedy step compiles later. With speculative decoding, also every
+        decode step with drafts (``spec_step_shapes``).
 
         ``sampling`` (SamplingParams) adds each one's variant of those shapes: its flags, and
         with ``min_tokens`` both the variant that bans stop ids and the one after it. A batch
@@ -557,11 +582,12 @@ class ModelRunner:
             variants.append((p, 0))
             if getattr(p, "min_tokens", 0):
                 variants.append((p, p.min_tokens))
-        jobs = [(shape, v) for shape in self.step_shapes(prefill=prefill) for v in variants]
+        jobs = [((T, S, q, 0), v) for T, S, q in self.step_shapes(prefill=prefill) for v in variants]
+        jobs += [((T, S, T, P), v) for T, S, P in self.spec_step_shapes() for v in variants]
         t0 = time.perf_counter()
-        for k, ((T, S, max_q_len), (params, outputs)) in enumerate(jobs):
+        for k, ((T, S, max_q_len, P), (params, outputs)) in enumerate(jobs):
             shape, packed = self._empty_step(T, S, max_q_len=max_q_len, sampling=params,
-                                             num_output_tokens=outputs)
+                                             num_output_tokens=outputs, spec_positions=P)
             if shape not in self.compiled_shapes:
                 self._run(shape, packed)
             if progress:
