@@ -64,7 +64,9 @@ def make_tp_mesh(size: int, devices=None) -> Mesh:
     return Mesh(np.array(check_device_count(size, devices)), (TP_AXIS,))
 
 
-def _dotted(path) -> str:
+def param_name(path) -> str:
+    """The dotted name rules match, from a ``jax.tree_util`` key path into an ``nnx.State``:
+    ``model.layers.0.self_attn.q_proj.kernel``."""
     parts = []
     for key in path:
         name = getattr(key, "key", getattr(key, "name", getattr(key, "idx", None)))
@@ -100,7 +102,7 @@ def shard_state(state, mesh: Mesh, rules=None):
     size = mesh.shape[TP_AXIS]
 
     def place(path, x):
-        name = _dotted(path)
+        name = param_name(path)
         spec, optional = _match(name, x.ndim, rules)
         for axis, part in enumerate(spec):
             if part is not None and x.shape[axis] % size:

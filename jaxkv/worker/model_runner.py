@@ -100,6 +100,17 @@ def _wants_prompt_logprobs(s: CachedRequestState) -> bool:
             and s.num_computed_tokens < s.num_prompt_tokens)
 
 
+def _spec_padding(P: int, S: int) -> dict[str, np.ndarray]:
+    """The inputs of a step scoring P positions against drafts, all padding: every position
+    row 0's first token at offset 0 checking no draft, every row's bonus position 0.
+    ``ModelRunner._spec_inputs`` fills in the real positions."""
+    return {"spec_index": np.zeros(P, np.int32),      # [P] the token of each position
+            "spec_row": np.zeros(P, np.int32),        # [P] its row
+            "spec_offset": np.zeros(P, np.int32),     # [P] its output offset j
+            "spec_drafts": np.full(P, -1, np.int32),  # [P] the draft it checks, -1: none
+            "spec_last": np.zeros(S, np.int32)}       # [S] each row's bonus position
+
+
 @dataclasses.dataclass
 class StepHandle:
     """A dispatched step whose results are still on the device (``ModelRunner.collect``)."""
@@ -144,7 +155,6 @@ class ModelRunner:
                  mesh=None,
                  ):
         self.config = kv_cache_config
-        self.mesh = mesh
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -450,22 +460,18 @@ class ModelRunner:
         counts = np.array([len(d) + 1 for d in drafts], np.int32)     # [n]
         start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
         total = int(counts.sum())
-        P = pick_bucket(total, self.spec_buckets)
-        row = np.zeros(P, np.int32)                  # [P] the row of each position
-        offset = np.zeros(P, np.int32)               # [P] its output offset j
-        check = np.full(P, -1, np.int32)             # [P] the draft it checks, -1: none
-        row[:total] = np.repeat(np.arange(n), counts)
+        x = _spec_padding(pick_bucket(total, self.spec_buckets), S)
+        x["spec_row"][:total] = np.repeat(np.arange(n), counts)
+        offset = x["spec_offset"]
         offset[:total] = np.arange(total) - np.repeat(start, counts)
         last = np.maximum(qsl[1: n + 1] - 1, 0)       # [n] each row's last scheduled token
-        index = np.zeros(P, np.int32)                # [P] the token of each position
+        index = x["spec_index"]
         index[:total] = np.repeat(last - counts + 1, counts) + offset[:total]
         index[total:] = index[0]
         for i, d in enumerate(drafts):
-            check[start[i]: start[i] + len(d)] = d
-        spec_last = np.zeros(S, np.int32)            # [S] each row's bonus position
-        spec_last[:n] = start + counts - 1
-        return ({"spec_index": index, "spec_row": row, "spec_offset": offset, "spec_drafts": check,
-                 "spec_last": spec_last}, start)
+            x["spec_drafts"][start[i]: start[i] + len(d)] = d
+        x["spec_last"][:n] = start + counts - 1
+        return x, start
 
     def _pack_step(self, input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, *,
                    max_q_len, prompt_logprobs, spec_positions: int = 0) -> tuple[StepShape, np.ndarray]:
@@ -525,11 +531,8 @@ class ModelRunner:
                                          eos_token_id=self.eos_token_id, vocab_size=self.vocab_size)
         ops, layout, zeros = self._table_ops_and_zeros((), T, S)
         extra = {"prev_rows": np.full(T, -1, np.int32)}
-        if spec_positions:   # the fields and order of _spec_inputs
-            zero_p = np.zeros(spec_positions, np.int32)
-            extra.update(spec_index=zero_p, spec_row=zero_p, spec_offset=zero_p,
-                         spec_drafts=np.full(spec_positions, -1, np.int32),
-                         spec_last=np.zeros(S, np.int32))
+        if spec_positions:
+            extra.update(_spec_padding(spec_positions, S))
         return self._pack_step(np.zeros(T, np.int32), np.zeros(S + 1, np.int32),
                                np.zeros(S, np.int32), 0, ops, layout, zeros, md, extra,
                                max_q_len=max_q_len, prompt_logprobs=-1,

@@ -34,6 +34,14 @@ def make_llm(model, **kwargs) -> LLM:
     return llm
 
 
+def assert_no_block_leaks(llm) -> None:
+    """Every request has ended and every block is free again (all but the null block)."""
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
 #: model -> its jitted dense forward (entries go with their model).
 _DENSE_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

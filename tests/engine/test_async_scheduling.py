@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from jaxkv.sampling_params import SamplingParams
-from tests.engine.helpers import dense_greedy, make_llm, small_model
-from tests.engine.test_engine_greedy import _assert_no_leaks, _prompts
+from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
+from tests.engine.test_engine_greedy import _prompts
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def model():
 def _generate(model, prompts, params, **kwargs):
     llm = make_llm(model, **kwargs)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    _assert_no_leaks(llm)
+    assert_no_block_leaks(llm)
     return llm, outs
 
 
@@ -70,7 +70,7 @@ def test_async_sampling_variants_match_sync(model):
     results, values = {}, {}
     for mode, llm in llms.items():
         outs = first[mode] + llm.generate(prompts, params, use_tqdm=False)
-        _assert_no_leaks(llm)
+        assert_no_block_leaks(llm)
         results[mode] = [
             ([c.token_ids for c in o.outputs], [_ranks(c.logprobs) for c in o.outputs],
              [c.finish_reason for c in o.outputs], _ranks(o.prompt_logprobs))
@@ -132,7 +132,7 @@ def test_async_abort_with_a_step_in_flight(model):
         if not engine.has_unfinished_requests():
             break
     assert sorted(done) == ["r0", "r2"] and all(len(o.outputs[0].token_ids) == 10 for o in done.values())
-    _assert_no_leaks(llm)
+    assert_no_block_leaks(llm)
 
     # An aborted id whose step is still in flight cannot be reused until that step is collected.
     prompt = _prompts(np.random.default_rng(20), [12])[0]
@@ -146,7 +146,7 @@ def test_async_abort_with_a_step_in_flight(model):
     engine.add_request("x", prompt, params)
     outs = [o for _ in range(40) if engine.has_unfinished_requests() for o in engine.step() if o.finished]
     assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(model, prompt, 10)]
-    _assert_no_leaks(llm)
+    assert_no_block_leaks(llm)
 
 
 def test_penalised_rows_follow_their_step_in_flight(model):
@@ -166,4 +166,4 @@ def test_penalised_rows_follow_their_step_in_flight(model):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert from_device == [0] + [2] * 23   # every decode step followed the one in flight
-    _assert_no_leaks(llm)
+    assert_no_block_leaks(llm)

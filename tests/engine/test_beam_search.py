@@ -15,7 +15,7 @@ from jaxkv import BeamSearchParams
 from jaxkv.beam_search import beam_search_score, run_beam_search
 from jaxkv.outputs import Logprob
 from models import dense_forward
-from tests.engine.helpers import dense_greedy, make_llm, small_model
+from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
 EOS = 9
 
@@ -101,12 +101,6 @@ def _dense_expand(model, k):
     return expand
 
 
-def _no_leaks(llm):
-    pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
-    assert not llm.llm_engine.has_unfinished_requests()
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
-
-
 def test_engine_beam_search_matches_the_dense_forward(model):
     """Two prompts, beam width 3, 4 rounds: the same hypotheses and scores as the search over
     the dense forward's log-softmax; beam width 1 is greedy decoding. Bad input leaves the
@@ -133,7 +127,7 @@ def test_engine_beam_search_matches_the_dense_forward(model):
         llm.beam_search(prompts, {"beam_width": 2})
     with pytest.raises(ValueError, match="outside the vocabulary|vocab"):
         llm.beam_search([[1, 10**6]], params)
-    _no_leaks(llm)
+    assert_no_block_leaks(llm)
 
 
 def test_eos_completes_hypotheses(model):
@@ -149,7 +143,7 @@ def test_eos_completes_hypotheses(model):
     assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
     stops = [s for s in got.sequences if s.finish_reason == "stop"]
     assert stops and stops[0].tokens == prompt + [first] and stops[0].stop_reason == first
-    _no_leaks(llm)
+    assert_no_block_leaks(llm)
 
 
 def test_beams_stop_at_max_model_len(model):
@@ -159,7 +153,7 @@ def test_beams_stop_at_max_model_len(model):
     (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))
     assert [len(s.tokens) for s in out.sequences] == [32, 32]
     assert all(s.finish_reason == "length" for s in out.sequences)
-    _no_leaks(llm)
+    assert_no_block_leaks(llm)
 
 
 @settings(max_examples=60, deadline=None)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxkv.sampling_params import SamplingParams
-from tests.engine.helpers import dense_greedy, make_llm, small_model
+from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 FAMILIES = ["tiny-llama", "tiny-hybrid"]
@@ -18,13 +18,6 @@ def _assert_matches_dense(model, prompts, outs, max_tokens=8):
     for p, o in zip(prompts, outs):
         assert o.finished
         assert o.outputs[0].token_ids == dense_greedy(model, p, max_tokens), p[:5]
-
-
-def _assert_no_leaks(llm):
-    engine = llm.llm_engine
-    assert not engine.has_unfinished_requests()
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -41,7 +34,7 @@ def test_preemption_small_pool(family_model):
                         use_tqdm=False)
     assert llm.llm_engine.get_stats()["num_preemptions"] > 0
     _assert_matches_dense(model, prompts, outs, max_tokens=24)
-    _assert_no_leaks(llm)
+    assert_no_block_leaks(llm)
 
 
 def test_prefix_cache_hits_and_chunked_prefill(family_model):
@@ -56,7 +49,7 @@ def test_prefix_cache_hits_and_chunked_prefill(family_model):
     outs2 = llm.generate(later, GREEDY, use_tqdm=False)
     assert all(o.num_cached_tokens >= 32 for o in outs2), [o.num_cached_tokens for o in outs2]
     _assert_matches_dense(model, first + later, outs1 + outs2)
-    _assert_no_leaks(llm)
+    assert_no_block_leaks(llm)
 
 
 def test_mixed_lengths_and_abort(family_model):
@@ -81,7 +74,7 @@ def test_mixed_lengths_and_abort(family_model):
     assert "r1" not in done
     for i in (0, 2, 3, 4):
         assert done[f"r{i}"].outputs[0].token_ids == dense_greedy(model, prompts[i], max_toks[i])
-    _assert_no_leaks(llm)
+    assert_no_block_leaks(llm)
 
 
 def test_n_greater_than_one(family_model):
@@ -94,4 +87,4 @@ def test_n_greater_than_one(family_model):
     ref = dense_greedy(model, prompt, 6)
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(c.token_ids == ref for c in out.outputs)
-    _assert_no_leaks(llm)
+    assert_no_block_leaks(llm)

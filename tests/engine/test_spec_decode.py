@@ -6,7 +6,7 @@ import pytest
 
 from jaxkv.engine import LLMEngine
 from jaxkv.sampling_params import SamplingParams
-from tests.engine.helpers import dense_greedy, make_llm, small_model
+from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -34,13 +34,6 @@ def _prompts(seed: int) -> list[list[int]]:
     return [loop * 4, rng.integers(3, 512, size=21).tolist(), loop[:3] * 5 + [7], rng.integers(3, 512, size=40).tolist()]
 
 
-def _no_leaks(llm):
-    engine = llm.llm_engine
-    assert not engine.has_unfinished_requests()
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
-
-
 PREEMPTING = dict(num_gpu_blocks_override=12, max_num_seqs=4)
 
 
@@ -61,7 +54,7 @@ def test_greedy_with_drafts_equals_dense(models, family, settings):
     assert 0 < st["spec_num_accepted_tokens"] < st["spec_num_draft_tokens"], st
     if "num_gpu_blocks_override" in settings:
         assert st["num_preemptions"] > 0
-    _no_leaks(llm)
+    assert_no_block_leaks(llm)
 
 
 def test_rows_without_drafts_and_limits_match_the_engine_without_speculation(llama):
@@ -101,7 +94,7 @@ def test_rows_without_drafts_and_limits_match_the_engine_without_speculation(lla
             assert [x.rank for x in a.values()] == [x.rank for x in b.values()]
         assert got[i].outputs[0].cumulative_logprob == pytest.approx(want[i].outputs[0].cumulative_logprob, abs=1e-4)
     assert llm.llm_engine.get_stats()["spec_num_draft_tokens"] > 0   # the drafted path ran
-    _no_leaks(llm)
+    assert_no_block_leaks(llm)
 
     # Seeded sampling with drafts gives the same tokens again (the second run also hits the
     # prefix cache, so its steps differ).
@@ -109,7 +102,7 @@ def test_rows_without_drafts_and_limits_match_the_engine_without_speculation(lla
     first, again = (llm.generate(prompts, sampled, use_tqdm=False) for _ in range(2))
     for a, b in zip(first, again):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 12
-    _no_leaks(llm)
+    assert_no_block_leaks(llm)
 
 
 def test_speculation_with_async_scheduling_is_refused(llama):
@@ -147,7 +140,7 @@ def test_disable_by_batch_size_stops_drafting_for_large_batches(llama):
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         LLMEngine.from_config(model, speculative_config=dict(SPEC, disable_by_batch_size=0),
                               kv_cache_memory_bytes=8 << 20, warmup=False)
-    _no_leaks(llm)
+    assert_no_block_leaks(llm)
 
 
 def test_warmup_compiles_the_decode_steps_with_drafts(llama):

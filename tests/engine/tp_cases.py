@@ -18,7 +18,8 @@ import pytest
 
 from jaxkv.sampling_params import SamplingParams
 from models import dense_forward
-from tests.engine.helpers import dense_greedy, make_llm, small_model
+from models.sharding import param_name
+from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
 
@@ -27,17 +28,6 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 def _prompts(rng, lengths):
     return [rng.integers(3, 512, size=n).tolist() for n in lengths]
-
-
-def _free_all(llm):
-    engine = llm.llm_engine
-    assert not engine.has_unfinished_requests()
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1   # all but the null block
-
-
-def _name(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in path if getattr(k, "name", "") != "value")
 
 
 def _collectives(runner) -> dict:
@@ -72,7 +62,7 @@ def test_matches_dense_with_chunks_prefix_hits_and_preemption():
         assert o.outputs[0].token_ids == dense_greedy(model, p, len(o.outputs[0].token_ids)), p[:4]
     assert any(o.num_cached_tokens >= 32 for o in outs[2:5]), [o.num_cached_tokens for o in outs]
     assert llm.llm_engine.get_stats()["num_preemptions"] > 0
-    _free_all(llm)
+    assert_no_block_leaks(llm)
 
 
 def test_weights_and_kv_heads_are_split():
@@ -87,7 +77,7 @@ def test_weights_and_kv_heads_are_split():
     (out,) = two.generate([list(range(3, 40))], GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == dense_greedy(model, list(range(3, 40)), 8)
     runner = two.llm_engine.runner
-    shards = {_name(p): (x.shape, x.addressable_shards[0].data.shape)
+    shards = {param_name(p): (x.shape, x.addressable_shards[0].data.shape)
               for p, x in jax.tree_util.tree_leaves_with_path(runner.state)}
     assert shards["model.layers.0.self_attn.q_proj.kernel"] == ((128, 128), (128, 64))
     assert shards["model.layers.1.mlp.down_proj.kernel"] == ((256, 128), (128, 128))
@@ -157,7 +147,7 @@ def test_async_and_speculative_steps(family, extra):
     if "speculative_config" in extra:
         st = llm.llm_engine.get_stats()
         assert 0 < st["spec_num_accepted_tokens"] < st["spec_num_draft_tokens"], st
-    _free_all(llm)
+    assert_no_block_leaks(llm)
 
 
 def test_model_rules_and_bad_sizes():
