@@ -3,15 +3,28 @@
     from jaxkv import LLM, SamplingParams
     llm = LLM("tiny-llama", kv_cache_memory_bytes=64 << 20)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
+    emb = llm.embed([[1, 2, 3]])    # pooled hidden states (jaxkv.pooling_params)
 """
 
 from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxkv.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from jaxkv.pooling_params import PoolerConfig, PoolingParams
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
 # The engine imports jax; it loads on first use of these names, so that the host core
 # (``import jaxkv.core``), which has no jax import, can be used without loading jax.
-_LAZY = {"LLM": "jaxkv.engine", "LLMEngine": "jaxkv.engine", "EngineConfig": "jaxkv.engine_config"}
+_LAZY = {"LLM": "jaxkv.llm", "LLMEngine": "jaxkv.engine", "EngineConfig": "jaxkv.engine_config"}
 
 
 def __getattr__(name: str):
@@ -29,6 +42,7 @@ def __dir__():
 __all__ = [
     "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
     "RequestMetrics", "Logprob", "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput",
-    "BeamSearchSequence",
+    "BeamSearchSequence", "PoolingParams", "PoolerConfig", "PoolingOutput", "PoolingRequestOutput",
+    "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput",
 ]
 __version__ = "0.1.0"

@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
 def cmd_generate(args) -> int:
     if args.tensor_parallel_size > 1:
         _host_devices(args.tensor_parallel_size)
-    from jaxkv.engine import LLM
+    from jaxkv.llm import LLM
     from jaxkv.sampling_params import SamplingParams
 
     beam = None

@@ -1,4 +1,5 @@
-"""LLMEngine and LLM: the glue between the host core and the worker (schedule -> execute -> update).
+"""LLMEngine: the glue between the host core and the worker (schedule -> execute -> update);
+``jaxkv.llm.LLM`` drives it for offline batches.
 
 Quick start::
 
@@ -16,14 +17,27 @@ import numbers
 import time
 from collections.abc import Sequence
 
-from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from jaxkv.core import EngineCoreOutput, Request, RequestStatus, Scheduler
 from jaxkv.detokenizer import IncrementalDetokenizer
 from jaxkv.engine_config import EngineConfig, resolve_engine_config
-from jaxkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxkv.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from jaxkv.pooling_params import PoolingParams
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.worker.model_runner import ModelRunner
 from models.sharding import make_tp_mesh
+
+
+#: What a pooling request's core ``Request`` carries: one greedy step's worth (the worker
+#: returns its hidden states and never a token), output only when it finishes.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                   output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 @dataclasses.dataclass
@@ -54,6 +68,8 @@ class _Parent:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     sent_prompt_logprobs: int = 0   # DELTA outputs: prompt logprobs already returned
+    pooling: PoolingParams | None = None   # a pooling request (resolved), and its result
+    pooled: object = None
 
     @property
     def finished(self) -> bool:
@@ -124,12 +140,16 @@ class LLMEngine:
             return None, [int(t) for t in ids]   # numpy integers too
         raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
+    def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None) -> None:
-        """Validates and queues a request; raises ValueError/TypeError with no state change."""
+        """Validates and queues a request; raises ValueError/TypeError with no state change.
+
+        With ``PoolingParams`` it is a pooling request: it runs its prompt only and ``step``
+        returns one ``PoolingRequestOutput`` when the prompt is done (task "embed" unless the
+        params say otherwise)."""
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(params, (SamplingParams, PoolingParams)):
+            raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {request_id!r}")
         if request_id in self._parents:
@@ -139,12 +159,15 @@ class LLMEngine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
         if self._in_flight is not None:
-            child_ids = {request_id} | {f"{i}_{request_id}" for i in range(params.n)}
+            child_ids = {request_id} | {f"{i}_{request_id}" for i in range(getattr(params, "n", 1))}
             busy = sorted(child_ids & set(self._in_flight[0].num_scheduled_tokens))
             if busy:   # its results would be taken for the new request's
                 raise ValueError(f"request id {request_id!r} is still in the step in flight (as {busy}); "
                                  "reuse it after the next step()")
         text, ids = self._tokenize(prompt)
+        if isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, text, ids, params, priority, cache_salt)
+            return
         if params.truncate_prompt_tokens is not None:   # keep the last k tokens (vLLM)
             k = params.truncate_prompt_tokens
             ids = ids[-(self.config.max_model_len - 1 if k == -1 else k):]
@@ -195,6 +218,25 @@ class LLMEngine:
         self._parents[request_id] = parent
         for c in children:
             self._child_of[c.request_id] = (parent, c)
+
+    def _add_pooling_request(self, request_id: str, text, ids: list[int], params: PoolingParams,
+                             priority: int, cache_salt) -> None:
+        pp = params.resolved(self.config.pooler_config, self.model_config.hidden_size)
+        if pp.truncate_prompt_tokens is not None:
+            k = pp.truncate_prompt_tokens
+            ids = ids[-(self.config.max_model_len - 1 if k == -1 else k):]
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        self._check_vocab(request_id, "the prompt", ids)
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens; pooling takes at "
+                             f"most max_model_len - 1 = {self.config.max_model_len - 1} tokens")
+        self.scheduler.add_request(Request(request_id, ids, _POOLING_SAMPLING, priority=priority,
+                                           cache_salt=cache_salt, pooling_params=pp))
+        parent = _Parent(request_id, text, ids, _POOLING_SAMPLING, [_Child(index=0, request_id=request_id)],
+                         RequestMetrics(arrival_time=time.perf_counter()), pooling=pp)
+        self._parents[request_id] = parent
+        self._child_of[request_id] = (parent, parent.children[0])
 
     def _check_vocab(self, request_id: str, what: str, token_ids) -> None:
         """ValueError naming the first ids of ``token_ids`` outside the model's vocabulary."""
@@ -336,6 +378,8 @@ class LLMEngine:
                 self.prefix_hit_tokens += co.num_cached_tokens
                 parent.num_cached_tokens = co.num_cached_tokens
                 parent.metrics.num_prefix_hit_tokens = co.num_cached_tokens
+            if co.pooling_output is not None:
+                parent.pooled = co.pooling_output
             if co.new_prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
                 parent.prompt_logprobs.extend(self._to_logprobs(lp) for lp in co.new_prompt_logprobs)
             if co.new_token_ids:
@@ -364,7 +408,13 @@ class LLMEngine:
                 for c in parent.children:
                     self._child_of.pop(c.request_id, None)
             kind = parent.params.output_kind
-            if finished or kind != RequestOutputKind.FINAL_ONLY:
+            if parent.pooling is not None:
+                if finished:   # a pooling request's one output
+                    outputs.append(PoolingRequestOutput(
+                        parent.request_id, PoolingOutput(parent.pooled), list(parent.prompt_token_ids),
+                        finished, prompt=parent.prompt, metrics=parent.metrics,
+                        num_cached_tokens=parent.num_cached_tokens))
+            elif finished or kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._make_output(parent, delta=kind == RequestOutputKind.DELTA,
                                                  streamed=kind != RequestOutputKind.FINAL_ONLY))
         return outputs
@@ -441,135 +491,3 @@ class LLMEngine:
 
     def next_request_id(self) -> str:
         return str(next(self._counter))
-
-
-class LLM:
-    """Offline batch generation, shaped like ``vllm.LLM``.
-
-    Args:
-      model: "tiny-llama" | "tiny-hybrid" | "smollm2-135m-instruct" | a local HF checkpoint
-        directory (config.json + *.safetensors) | a .gguf file.
-      Others: see :func:`jaxkv.engine_config.resolve_engine_config`.
-    """
-
-    def __init__(self, model: str = "tiny-llama", **kwargs):
-        self.llm_engine = LLMEngine.from_config(model, **kwargs)
-
-    def get_tokenizer(self):
-        return self.llm_engine.tokenizer
-
-    def reset_prefix_cache(self) -> bool:
-        """See :meth:`LLMEngine.reset_prefix_cache`."""
-        return self.llm_engine.reset_prefix_cache()
-
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generates completions for ``prompts`` (one prompt or a list); outputs in input order.
-
-        ``priority`` (one int per prompt, lower first) orders the requests when the engine's
-        ``scheduling_policy`` is "priority", as vLLM's ``LLM.generate(priority=...)``."""
-        engine = self.llm_engine
-        prompts = _prompt_list(prompts)
-        if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-            params = list(sampling_params)
-        else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        for sp in params:
-            if sp is not None and not isinstance(sp, SamplingParams):
-                raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
-        # One output per request, when it finishes (as vLLM's LLM.generate): the engine skips
-        # building the per-step outputs nobody reads.
-        params = [dataclasses.replace(sp or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
-                  for sp in params]
-        ids = []
-        try:
-            for p, sp, prio in zip(prompts, params, priorities):
-                rid = engine.next_request_id()
-                engine.add_request(rid, p, sp, priority=prio)
-                ids.append(rid)
-        except Exception:
-            if ids:
-                engine.abort_request(ids)
-            raise
-        finished: dict[str, RequestOutput] = {}
-        bar = _progress(len(ids)) if use_tqdm else None
-        while len(finished) < len(ids):
-            for out in engine.step():
-                if out.finished and out.request_id in ids:
-                    finished[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-            if not engine.has_unfinished_requests() and len(finished) < len(ids):
-                raise RuntimeError("engine has no unfinished requests but outputs are missing")
-        if bar is not None:
-            bar.close()
-        return [finished[r] for r in ids]
-
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """Beam search over ``prompts`` (one or a list: strings, token-id lists or prompt
-        dicts), as vLLM's ``LLM.beam_search``; one BeamSearchOutput per prompt, in order, its
-        sequences best first (see :mod:`jaxkv.beam_search`). Each round runs the live beams of
-        every prompt as one batch of one-token requests; prefix caching reuses their blocks."""
-        if not isinstance(params, BeamSearchParams):
-            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
-        engine = self.llm_engine
-        token_lists = [engine._tokenize(p)[1] for p in _prompt_list(prompts)]
-        k = 2 * params.beam_width
-        if k > engine.model_config.vocab_size:
-            raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width <= the vocabulary "
-                             f"({engine.model_config.vocab_size})")
-        max_len = engine.config.max_model_len
-        for i, t in enumerate(token_lists):
-            if not t or len(t) >= max_len:
-                raise ValueError(f"prompt {i} has {len(t)} tokens; beam search needs 1 .. "
-                                 f"max_model_len - 1 = {max_len - 1}")
-        one = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=k,
-                             ignore_eos=True, detokenize=False)
-
-        def expand(beams: list[list[int]]) -> list:
-            fits = [i for i, t in enumerate(beams) if len(t) < max_len]
-            outs = self.generate([beams[i] for i in fits], one, use_tqdm=use_tqdm) if fits else []
-            cands: list = [None] * len(beams)
-            for i, o in zip(fits, outs):
-                cands[i] = o.outputs[0].logprobs[0]
-            return cands
-
-        results = run_beam_search(token_lists, params, expand, engine._eos_id())
-        tok = engine.tokenizer
-        if tok is not None:
-            for r in results:
-                for seq in r.sequences:
-                    seq.text = tok.decode(seq.tokens)
-        return results
-
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Renders one conversation (list of {"role", "content"}) or a list of them with the
-        model's chat template, then generates."""
-        tok = self.llm_engine.tokenizer
-        if tok is None:
-            raise ValueError("chat() needs a model with a tokenizer and a chat template")
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-
-def _prompt_list(prompts) -> list:
-    """One prompt (a string, a token-id list or a prompt dict) or a list of them -> a list."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                             and isinstance(prompts[0], int)):
-        return [prompts]
-    return list(prompts)
-
-
-def _progress(total: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)

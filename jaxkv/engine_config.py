@@ -14,6 +14,7 @@ from jaxkv.kv_cache import (
     get_kv_cache_config,
     kv_cache_specs_from_layers,
 )
+from jaxkv.pooling_params import PoolerConfig
 from jaxkv.worker.sampler import LOGPROBS_MODES
 from jaxkv.worker.spec_decode import SpeculativeConfig
 from models.sharding import check_device_count
@@ -39,6 +40,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     logprobs_mode: str = "raw_logprobs"   # vLLM's: what sampled tokens' logprobs are computed from
     tensor_parallel_size: int = 1         # devices the model and KV heads are split over
+    pooler_config: PoolerConfig = PoolerConfig()   # how LLM.embed pools (vLLM's PoolerConfig)
 
 
 def _positive(name, value):
@@ -72,6 +74,7 @@ def resolve_engine_config(
     logprobs_mode: str = "raw_logprobs",
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    pooler_config=None,
     verbose: bool = False,
 ):
     """Loads the model and plans the KV cache. Returns (model, model_config, tokenizer, EngineConfig).
@@ -113,6 +116,11 @@ def resolve_engine_config(
     ``gpu_memory_utilization``) is per device, so n devices hold n times the tokens of one.
     ``pipeline_parallel_size`` must be 1.
 
+    ``pooler_config`` (vLLM's ``PoolerConfig``, or a dict of its fields): how pooling requests
+    (``LLM.embed`` / ``encode`` / ``score``) pool a prompt by default: ``pooling_type`` "LAST"
+    (default), "MEAN" or "CLS", and ``normalize`` (default True). Any engine serves pooling
+    and generation requests side by side (vLLM needs ``runner="pooling"``).
+
     ``model`` is a name or path for ``models.load_model``, or an already built NNX model
     (then ``tokenizer`` may be given).
     """
@@ -132,6 +140,12 @@ def resolve_engine_config(
         raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size!r}: pipeline "
                          f"parallelism is not implemented (README, 'Not here (yet)')")
     check_device_count(tensor_parallel_size)   # ValueError saying how to get more devices
+    if pooler_config is None:
+        pooler_config = PoolerConfig()
+    elif isinstance(pooler_config, dict):
+        pooler_config = PoolerConfig(**pooler_config)
+    elif not isinstance(pooler_config, PoolerConfig):
+        raise TypeError(f"pooler_config must be a PoolerConfig or a dict, got {pooler_config!r}")
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     speculative_config = SpeculativeConfig.from_value(speculative_config)
@@ -197,7 +211,8 @@ def resolve_engine_config(
                           cache_dtype=cache_dtype, attention_backend=attention_backend, seed=seed,
                           warmup=warmup, kv_cache_config=kv_config, scheduler_config=sched,
                           warmup_sampling=tuple(warmup_sampling), speculative_config=speculative_config,
-                          logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size)
+                          logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size,
+                          pooler_config=pooler_config)
     return loaded, model_config, tokenizer, config
 
 

@@ -1,4 +1,5 @@
-"""User-facing outputs, shaped like vLLM's ``RequestOutput`` / ``CompletionOutput``."""
+"""User-facing outputs, shaped like vLLM's ``RequestOutput`` / ``CompletionOutput`` and its pooling
+outputs (``PoolingRequestOutput``, ``EmbeddingRequestOutput``, ``ScoringRequestOutput``)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,63 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class PoolingOutput:
+    """Pooled hidden states: ``data`` is a float32 numpy array, ``[dims]`` for ``"embed"`` or
+    ``[num_prompt_tokens, dims]`` for ``"token_embed"`` (vLLM returns a torch tensor)."""
+
+    data: object
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        data = out.outputs.data
+        if getattr(data, "ndim", 1) != 1:
+            raise ValueError(f"an embedding is one vector, got data of shape {data.shape}")
+        return cls(out.request_id, EmbeddingOutput([float(v) for v in data]),
+                   out.prompt_token_ids, out.finished)
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """``LLM.score``: the cosine similarity of two texts' embeddings (vLLM's embedding-model
+    scoring); ``prompt_token_ids`` are the two prompts' ids concatenated, as vLLM reports."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool

@@ -33,4 +33,5 @@ def test_readme_python_example_runs(capsys, monkeypatch):
     assert "Paris" in scope["outs"][0].outputs[0].text
     assert scope["chat"][0].outputs[0].token_ids
     assert len(scope["beams"][0].sequences) == 3
+    assert len(scope["emb"]) == 576 and abs(sum(v * v for v in scope["emb"]) - 1.0) < 1e-4
     assert "Water boils at" in capsys.readouterr().out

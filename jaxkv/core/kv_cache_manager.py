@@ -106,11 +106,14 @@ class KVCacheManager:
         """The longest cached prefix of ``request``: ``(blocks per group, hit tokens)``.
 
         At most ``num_tokens - 1`` tokens hit (the last token is always recomputed, its
-        logits are needed). Requests with ``prompt_logprobs`` get no hit (their prompt
-        must be recomputed) but still write their blocks into the cache. Nothing is
+        logits are needed). Requests with ``prompt_logprobs``, and pooling requests that pool
+        more than the last token, get no hit (their prompt must be recomputed) but still
+        write their blocks into the cache. Nothing is
         reserved: the blocks are only touched by ``allocate_slots``.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        pooling = request.pooling_params
+        if (not self.enable_caching or request.sampling_params.prompt_logprobs is not None
+                or (pooling is not None and pooling.needs_every_token)):
             return self.empty_kv_cache_blocks, 0
         max_cache_hit_length = request.num_tokens - 1
         computed_blocks, num_new_computed_tokens = self.coordinator.find_longest_cache_hit(

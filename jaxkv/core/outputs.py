@@ -24,6 +24,9 @@ class ModelRunnerOutput:
         prompt_logprobs_dict: ``req_id -> prompt TokenLogprobs`` of the positions computed
             this step (requests that asked for them).
         spec_token_ids: None, or per row the draft tokens proposed for the next step.
+        pooler_output: ``req_id -> pooled hidden states`` (a float32 array: ``[dims]``, or
+            ``[num_prompt_tokens, dims]`` for ``token_embed``) of pooling requests whose
+            prompt finished this step.
     """
 
     req_ids: list[str]
@@ -32,6 +35,7 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs]] | None = None
     prompt_logprobs_dict: dict[str, list[TokenLogprobs] | None] = dataclasses.field(default_factory=dict)
     spec_token_ids: list[list[int]] | None = None
+    pooler_output: dict[str, object] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_sampled(cls, sampled: dict[str, list[int]]) -> "ModelRunnerOutput":
@@ -52,6 +56,7 @@ class EngineCoreOutput:
         new_logprobs: ``TokenLogprobs`` of the new tokens, when requested.
         new_prompt_logprobs: Prompt logprobs computed this step, when requested.
         num_cached_tokens: Prefix-cache hit (tokens) at the request's first scheduling.
+        pooling_output: A pooling request's pooled hidden states (it finishes with them).
     """
 
     request_id: str
@@ -61,6 +66,7 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     new_prompt_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    pooling_output: object = None
 
     @property
     def finished(self) -> bool:

@@ -6,6 +6,7 @@ import enum
 import time
 from collections.abc import Callable, Sequence
 
+from jaxkv.pooling_params import PoolingParams
 from jaxkv.sampling_params import SamplingParams
 
 from jaxkv.core.block_hash import BlockHash
@@ -63,6 +64,9 @@ class Request:
             share cached prefixes.
         block_hasher: From ``get_request_block_hasher``; the scheduler attaches its own
             when it is ``None`` and prefix caching is on.
+        pooling_params: Set for a pooling (embedding) request: it runs its prompt only and
+            finishes when the worker returns its pooled output (``max_tokens`` is 1, as in
+            vLLM, so that async scheduling never schedules it past its prompt).
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         block_hasher: Callable[["Request"], list[BlockHash]] | None = None,
+        pooling_params: PoolingParams | None = None,
     ):
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {request_id!r}")
@@ -82,6 +87,7 @@ class Request:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         self.request_id = request_id
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.pooling_params = pooling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
@@ -102,6 +108,8 @@ class Request:
         self.num_preemptions = 0
         max_tokens = self.sampling_params.max_tokens
         self.max_tokens: float = float("inf") if max_tokens is None else max_tokens
+        if pooling_params is not None:
+            self.max_tokens = 1
 
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxkv.pooling_params import PoolingParams
 from jaxkv.sampling_params import SamplingParams
 
 
@@ -23,6 +24,8 @@ class NewRequestData:
         block_ids: Per group, all its blocks (prefix hit + new).
         num_computed_tokens: Tokens already in the cache (the prefix hit): the position
             this step starts at.
+        pooling_params: Set for a pooling request (the worker returns its pooled hidden
+            states when its prompt is done, and no token).
     """
 
     req_id: str
@@ -30,6 +33,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
 
 
 @dataclasses.dataclass

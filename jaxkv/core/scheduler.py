@@ -310,6 +310,7 @@ class Scheduler:
                 req.sampling_params,
                 req_to_new_blocks[req.request_id].get_block_ids(),
                 req.num_computed_tokens,
+                req.pooling_params,
             )
             for req in scheduled_new_reqs
         ]
@@ -377,6 +378,7 @@ class Scheduler:
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         prompt_logprobs_dict = model_runner_output.prompt_logprobs_dict
+        pooler_output = model_runner_output.pooler_output
         spec_token_ids = model_runner_output.spec_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
         spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
@@ -411,6 +413,10 @@ class Scheduler:
             if logprobs is not None and new_token_ids:
                 new_logprobs = logprobs[req_index][: len(new_token_ids)]
             prompt_logprobs = prompt_logprobs_dict.get(req_id) if prompt_logprobs_dict else None
+            pooled = pooler_output.get(req_id) if pooler_output else None
+            if pooled is not None and request.pooling_params is not None:
+                request.status = RequestStatus.FINISHED_STOPPED   # pooling ends with its output
+                stopped = True
             if stopped:
                 stopped_ids.add(req_id)
                 self._free_request(request)
@@ -426,6 +432,7 @@ class Scheduler:
                         new_logprobs,
                         prompt_logprobs,
                         request.num_cached_tokens,
+                        pooled,
                     )
                 )
         if stopped_ids:

@@ -31,6 +31,7 @@ from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops_
 from jaxkv.worker.buckets import pick_bucket, pow2_buckets, token_buckets
 from jaxkv.worker.input_batch import InputBatch
 from jaxkv.worker.packing import pack, unpack_host
+from jaxkv.worker.pooler import POOL_ALL, POOL_NONE, POOL_ROWS, PoolAccumulator
 from jaxkv.worker.sampling_metadata import build_sampling_metadata
 from jaxkv.worker.sampling_adapter import (
     bucket_k,
@@ -89,6 +90,12 @@ class CachedRequestState:
     sampling_params: object
     block_ids: list[list[int]]       # per KV-cache group
     num_computed_tokens: int
+    pooling: PoolAccumulator | None = None   # pooling requests only
+
+    @property
+    def pools_now(self) -> bool:
+        """A pooling request still in its prompt (its rows return hidden states, no token)."""
+        return self.pooling is not None and self.num_computed_tokens < self.num_prompt_tokens
 
     @property
     def num_generated(self) -> int:
@@ -126,6 +133,7 @@ class StepHandle:
     sample_rows: dict[str, int]            # req id -> its row, for rows that sample
     drafts: list[list[int]] = dataclasses.field(default_factory=list)  # per row, drafts scored
     spec_start: np.ndarray | None = None   # [n] int32 each row's first scored position
+    pool_rows: list[int] = dataclasses.field(default_factory=list)    # rows of pooling requests
 
     @property
     def req_ids(self) -> list[str]:
@@ -248,6 +256,8 @@ class ModelRunner:
                 num_prompt_tokens=len(new.prompt_token_ids), sampling_params=new.sampling_params,
                 block_ids=[list(ids) for ids in new.block_ids],
                 num_computed_tokens=new.num_computed_tokens)
+            if new.pooling_params is not None:
+                s.pooling = PoolAccumulator(new.pooling_params, len(new.prompt_token_ids))
             self.requests[new.req_id] = s
             self._add_to_batch(s)
         cached = so.scheduled_cached_reqs
@@ -329,7 +339,14 @@ class ModelRunner:
         if np.any(ends > known + pending + num_drafts):
             i = int(np.argmax(ends > known + pending + num_drafts))
             raise RuntimeError(f"request {req_ids[i]!r}: {ends[i]} tokens scheduled, {known[i]} known")
-        samples = ends >= known + pending
+        pool_rows = [i for i, st in enumerate(states) if st.pools_now]
+        pooling = POOL_NONE
+        if pool_rows:   # pooling rows return hidden states and never a token
+            samples = (ends >= known + pending) & ~np.isin(np.arange(n), pool_rows)
+            pooling = POOL_ALL if any(states[i].pooling.params.pooling_type == "ALL"
+                                      for i in pool_rows) else POOL_ROWS
+        else:
+            samples = ends >= known + pending
         ops, ops_layout, zeros = self._table_ops_and_zeros(zero_ids, T, S)
         md = batch.sampling_metadata(S, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size,
                                      num_pending=pending)
@@ -346,7 +363,8 @@ class ModelRunner:
             input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra,
             max_q_len=max_q_len,
             prompt_logprobs=bucket_k(k_prompt) if k_prompt > 0 else k_prompt,
-            spec_positions=len(extra["spec_index"]) if spec_start is not None else 0)
+            spec_positions=len(extra["spec_index"]) if spec_start is not None else 0,
+            pooling=pooling)
         out = self._dispatch(shape, packed)
         prompt_rows = [i for i, st in enumerate(states) if _wants_prompt_logprobs(st)] if k_prompt >= 0 else []
         batch.num_computed_tokens_cpu[:n] = ends   # progress advances at dispatch, as in the core
@@ -355,7 +373,7 @@ class ModelRunner:
         handle = StepHandle(shape=shape, out=out, states=states, q_lens=q_lens, qsl=qsl,
                             computed=c, samples=samples, prompt_rows=prompt_rows,
                             sample_rows={req_ids[i]: i for i in np.flatnonzero(samples).tolist()},
-                            drafts=drafts, spec_start=spec_start)
+                            drafts=drafts, spec_start=spec_start, pool_rows=pool_rows)
         self._in_flight = handle
         return handle
 
@@ -385,6 +403,12 @@ class ModelRunner:
             s = handle.states[i]
             prompt_lp[s.req_id] = self._collect_prompt_logprobs(
                 s, results, int(handle.qsl[i]), int(handle.q_lens[i]), int(handle.computed[i]))
+        pooled = {}
+        for i in handle.pool_rows:
+            s = handle.states[i]
+            vec = s.pooling.add(results, i, int(handle.qsl[i]), int(handle.q_lens[i]), int(handle.computed[i]))
+            if vec is not None:
+                pooled[s.req_id] = vec
         for i, s in enumerate(handle.states):
             if samples[i]:
                 new = self._accepted_tokens(toks, accepted, int(start[i]), handle.drafts[i] if handle.drafts else ())
@@ -411,7 +435,8 @@ class ModelRunner:
         req_ids = handle.req_ids
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=out_tokens, logprobs=logprobs_out,
-                                 prompt_logprobs_dict=prompt_lp, spec_token_ids=spec_out)
+                                 prompt_logprobs_dict=prompt_lp, spec_token_ids=spec_out,
+                                 pooler_output=pooled)
 
     def _accepted_tokens(self, tokens: list[int], accepted, start: int, drafts) -> list[int]:
         """A row's new tokens: with m drafts, its tokens at positions start .. start + m up to
@@ -474,7 +499,8 @@ class ModelRunner:
         return x, start
 
     def _pack_step(self, input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, *,
-                   max_q_len, prompt_logprobs, spec_positions: int = 0) -> tuple[StepShape, np.ndarray]:
+                   max_q_len, prompt_logprobs, spec_positions: int = 0,
+                   pooling: int = POOL_NONE) -> tuple[StepShape, np.ndarray]:
         leaves, treedef = jax.tree_util.tree_flatten(md)
         arrays = {"input_ids": input_ids, "query_start_loc": qsl, "num_computed": num_computed,
                   "num_seqs": np.array([n], np.int32), "block_ops": ops, "zero_blocks": zeros}
@@ -485,7 +511,8 @@ class ModelRunner:
                           width=self.max_blocks_per_req,
                           max_q_len=max_q_len, inputs=spec,
                           ops=ops_layout, sampling_treedef=treedef,
-                          prompt_logprobs=prompt_logprobs, spec_positions=spec_positions)
+                          prompt_logprobs=prompt_logprobs, spec_positions=spec_positions,
+                          pooling=pooling)
         return shape, packed
 
     def zero_capacity(self, T: int, S: int) -> int:

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxkv.worker import kv_memory
 from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops
 from jaxkv.worker.packing import PackSpec, pack_device, unpack
+from jaxkv.worker.pooler import pool_outputs
 from jaxkv.worker.sampling_metadata import PAD_TOKEN_ID
 from models.sharding import TP_AXIS
 from pallas_kernels import PAD_SLOT_ID, AttentionMetadata
@@ -37,6 +38,7 @@ class StepShape:
     sampling_treedef: object # pytree structure of the sampling metadata (its static flags)
     prompt_logprobs: int     # top-k of prompt logprobs (-1: none requested this step)
     spec_positions: int = 0  # P: positions scored against drafts (0: no speculative decoding)
+    pooling: int = 0         # pooler.POOL_NONE / POOL_ROWS / POOL_ALL: pooling requests' outputs
 
 
 def token_positions(query_start_loc, num_computed, num_seqs, num_tokens):
@@ -136,6 +138,8 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
         if shape.prompt_logprobs >= 0:
             all_logits = logits_of(hidden, False)         # [T, V]
             out.update(prompt_logprobs_fn(all_logits, x["prompt_targets"], shape.prompt_logprobs))
+        if shape.pooling:
+            out.update(pool_outputs(hidden, seq, valid, qsl, shape.pooling))
         packed_out, out_specs[shape] = pack_device(out)
         rows = min(shape.num_seqs, last_sampled.shape[0])
         last_sampled = jax.lax.dynamic_update_slice(last_sampled, last_token[:rows], (0,))

@@ -16,8 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv.pooling_params import PoolingParams
 from jaxkv.sampling_params import SamplingParams
 from models import dense_forward
+from models.dense_reference import dense_hidden
 from models.sharding import param_name
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
@@ -69,13 +71,19 @@ def test_weights_and_kv_heads_are_split():
     """Each device holds half of every split weight (embedding and LM head by vocabulary) and
     of the KV heads' pages, the per-device KV budget gives twice the blocks of one device, and
     a step communicates by one all-reduce after o_proj and one after down_proj per layer, one
-    for the embedding lookup and one all-gather of the logits, and nothing else. (The XLA
+    for the embedding lookup and one all-gather of the logits, and nothing else (a step that
+    pools hidden states too). (The XLA
     attention backend here; the other tests use the default, the C++ kernels.)"""
     model = small_model("tiny-llama")
     one = make_llm(model, attention_backend="xla")
     two = make_llm(model, tensor_parallel_size=2, attention_backend="xla")
     (out,) = two.generate([list(range(3, 40))], GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == dense_greedy(model, list(range(3, 40)), 8)
+    # Pooling under TP: the hidden states are whole on every device, and need no collective.
+    (emb,) = two.encode([list(range(3, 30))], PoolingParams(normalize=False), pooling_task="token_embed",
+                        use_tqdm=False)
+    ref = dense_hidden(model, jnp.asarray([list(range(3, 30))], jnp.int32))[0]
+    np.testing.assert_allclose(emb.outputs.data, np.asarray(ref), atol=2e-5)
     runner = two.llm_engine.runner
     shards = {param_name(p): (x.shape, x.addressable_shards[0].data.shape)
               for p, x in jax.tree_util.tree_leaves_with_path(runner.state)}
