@@ -1,7 +1,8 @@
 """Embedding throughput: ``LLM.encode`` against the dense JAX forward a user would batch by hand.
 
-    python benchmarks/embed_throughput.py [--model tiny-llama] [--requests 256] [--min-len 32]
-        [--max-len 256] [--pooling MEAN] [--batch 64] [--rounds 3] [--json PATH]
+    python benchmarks/embed_throughput.py [--model tiny-llama] [--model-config k=v,...]
+        [--requests 256] [--min-len 32] [--max-len 256] [--pooling MEAN] [--batch 64]
+        [--rounds 3] [--json PATH] [--plot]
 
 Workload: seeded random prompts, lengths uniform in [min-len, max-len], one pooled vector
 each (``pooling_type``, L2-normalised), fp32. jaxkv runs them as pooling requests (chunked
@@ -10,12 +11,14 @@ writes without an engine: static batches of ``--batch`` prompts in arrival order
 to the batch's longest prompt rounded up to 64 (few compiles), one jitted dense forward
 (``models.dense_hidden``) per batch, then the same pooling over each prompt's own tokens.
 Both run the whole workload once untimed (every compile), then ``--rounds`` alternating timed
-passes; the vectors must agree (max abs difference printed). Writes JSON.
+passes; the vectors must agree (max abs difference printed). Writes JSON, and with ``--plot``
+a PNG next to it (prompts/s of both).
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import time
 
@@ -26,6 +29,7 @@ import numpy as np
 import bench_common as bc
 from jaxkv import LLM, PoolingParams
 from models.dense_reference import dense_hidden
+from throughput import _kv_pairs, load_model
 
 
 def baseline_embed(fwd, prompts: list[list[int]], batch: int, kind: str) -> np.ndarray:
@@ -53,6 +57,7 @@ def baseline_embed(fwd, prompts: list[list[int]], batch: int, kind: str) -> np.n
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--model-config", default=None, help="random-init config overrides, k=v,...")
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--min-len", type=int, default=32)
     p.add_argument("--max-len", type=int, default=256)
@@ -60,21 +65,23 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--json", default=str(bc.RESULTS_DIR / "embed_throughput.json"))
+    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)")
     args = p.parse_args(argv)
     env = bc.environment()
     workload = dict(model=args.model, dtype="float32", requests=args.requests,
                     prompt_len=f"U[{args.min_len}, {args.max_len}]", pooling=args.pooling, normalize=True,
                     baseline=f"dense forward, static batches of {args.batch} padded to 64",
-                    max_num_batched_tokens=2048, rounds=args.rounds)
+                    max_num_batched_tokens=args.max_num_batched_tokens, rounds=args.rounds)
     print("\n".join(bc.header_lines("Embedding throughput: jaxkv LLM.encode vs padded dense batches",
                                     env, workload)))
-    llm = LLM(args.model, kv_cache_memory_bytes=512 << 20, max_num_seqs=64, max_num_batched_tokens=2048,
-              max_model_len=max(512, args.max_len + 1))
-    runner = llm.llm_engine.runner
-    from flax import nnx  # noqa: PLC0415
-
-    model = nnx.merge(runner.graphdef, runner.state)
+    model, tok = load_model(args.model, args.seed, max_pos=args.max_len + 1,
+                            overrides=_kv_pairs(args.model_config))
+    llm = LLM(model, tokenizer=tok, kv_cache_memory_bytes=512 << 20,
+              max_num_seqs=min(64, args.max_num_batched_tokens),
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=min(model.config.max_position_embeddings, max(512, args.max_len + 1)))
     fwd = jax.jit(lambda ids: dense_hidden(model, ids))
     rng = np.random.default_rng(args.seed)
     vocab = llm.llm_engine.model_config.vocab_size
@@ -116,6 +123,12 @@ def main(argv=None) -> dict:
                "max_abs_diff": diff, "tokens": tokens, "baseline_padded_positions": padded,
                "stats": llm.llm_engine.get_stats()}
     print(f"# wrote {bc.write_json(args.json, payload)}", file=sys.stderr)
+    if args.plot:
+        png = bc.plot_bars(pathlib.Path(args.json).with_suffix(".png"), bc.plot_title("embeddings", env),
+                           {f"{args.requests} prompts, {args.pooling}": {r["system"]: r["prompts_per_s"] for r in rows}},
+                           "prompts / s (best pass)")
+        if png:
+            print(f"# wrote {png}", file=sys.stderr)
     return payload
 
 

@@ -171,6 +171,18 @@ def test_ngram_proposer_benchmark_checks_and_times_both(throughput, tmp_path):
     assert_png(path)
 
 
+def test_embed_throughput_checks_both_agree(throughput, tmp_path):
+    import embed_throughput
+
+    path = tmp_path / "embed.json"
+    out = embed_throughput.main(["--model-config", SMALL_MODEL, "--requests", "5", "--min-len", "3",
+                                 "--max-len", "40", "--batch", "4", "--rounds", "1",
+                                 "--max-num-batched-tokens", "32", "--json", str(path), "--plot"])
+    assert out["max_abs_diff"] < 1e-4 and out["ratio"] > 0
+    assert [r["system"] for r in json.loads(path.read_text())["rows"]] == ["jaxkv", "baseline"]
+    assert_png(path)
+
+
 def test_attention_ab_one_small_case(throughput, tmp_path):
     """The XLA backend at HEAD against itself: one small case, one layer, one round."""
     if subprocess.run(["git", "-C", str(BENCH), "rev-parse", "HEAD"], capture_output=True).returncode:
