@@ -168,15 +168,7 @@ class LLMEngine:
         if isinstance(params, PoolingParams):
             self._add_pooling_request(request_id, text, ids, params, priority, cache_salt)
             return
-        if params.truncate_prompt_tokens is not None:   # keep the last k tokens (vLLM)
-            k = params.truncate_prompt_tokens
-            ids = ids[-(self.config.max_model_len - 1 if k == -1 else k):]
-        if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        self._check_vocab(request_id, "the prompt", ids)
-        if len(ids) > self.config.max_model_len:
-            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens is longer than "
-                             f"max_model_len={self.config.max_model_len}")
+        ids = self._checked_prompt(request_id, ids, params.truncate_prompt_tokens, self.config.max_model_len)
         self._check_vocab(request_id, "logit_bias", params.logit_bias or ())
         self._check_vocab(request_id, "allowed_token_ids", params.allowed_token_ids or ())
         if params.stop and self.tokenizer is None:
@@ -222,21 +214,29 @@ class LLMEngine:
     def _add_pooling_request(self, request_id: str, text, ids: list[int], params: PoolingParams,
                              priority: int, cache_salt) -> None:
         pp = params.resolved(self.config.pooler_config, self.model_config.hidden_size)
-        if pp.truncate_prompt_tokens is not None:
-            k = pp.truncate_prompt_tokens
-            ids = ids[-(self.config.max_model_len - 1 if k == -1 else k):]
-        if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        self._check_vocab(request_id, "the prompt", ids)
-        if len(ids) >= self.config.max_model_len:
-            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens; pooling takes at "
-                             f"most max_model_len - 1 = {self.config.max_model_len - 1} tokens")
+        # The scheduler runs at most max_model_len - 1 positions, so a pooling prompt (whose
+        # positions must all run) has one token less room than a generation prompt.
+        ids = self._checked_prompt(request_id, ids, pp.truncate_prompt_tokens, self.config.max_model_len - 1)
         self.scheduler.add_request(Request(request_id, ids, _POOLING_SAMPLING, priority=priority,
                                            cache_salt=cache_salt, pooling_params=pp))
         parent = _Parent(request_id, text, ids, _POOLING_SAMPLING, [_Child(index=0, request_id=request_id)],
                          RequestMetrics(arrival_time=time.perf_counter()), pooling=pp)
         self._parents[request_id] = parent
         self._child_of[request_id] = (parent, parent.children[0])
+
+    def _checked_prompt(self, request_id: str, ids: list[int], truncate: int | None, longest: int) -> list[int]:
+        """The prompt after ``truncate_prompt_tokens`` (vLLM's left truncation: the last k
+        tokens, -1: ``max_model_len - 1``); ValueError when it is empty, has ids outside the
+        vocabulary or is longer than ``longest``."""
+        if truncate is not None:
+            ids = ids[-(self.config.max_model_len - 1 if truncate == -1 else truncate):]
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        self._check_vocab(request_id, "the prompt", ids)
+        if len(ids) > longest:
+            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens is longer than {longest} "
+                             f"(max_model_len={self.config.max_model_len})")
+        return ids
 
     def _check_vocab(self, request_id: str, what: str, token_ids) -> None:
         """ValueError naming the first ids of ``token_ids`` outside the model's vocabulary."""

@@ -172,8 +172,12 @@ def test_bad_pooling_input_is_refused_and_engine_stays_usable(llm, model):
     ok = _prompts(8, [10])[0]
     with pytest.raises(ValueError, match="hidden size 128"):
         llm.embed([ok, ok], PoolingParams(dimensions=129), use_tqdm=False)
-    with pytest.raises(ValueError, match="max_model_len - 1"):
+    with pytest.raises(ValueError, match=r"600 tokens is longer than 511 \(max_model_len=512\)"):
         llm.embed([ok, [1] * 600], use_tqdm=False)   # the first is aborted again
+    with pytest.raises(ValueError, match=r"512 tokens is longer than 511"):   # all must run
+        llm.embed([[1] * 512], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"600 tokens is longer than 512 \(max_model_len=512\)"):
+        llm.generate([[1] * 600], use_tqdm=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.embed([[5, 512]], use_tqdm=False)
     with pytest.raises(ValueError, match="'embed' call"):
@@ -184,6 +188,12 @@ def test_bad_pooling_input_is_refused_and_engine_stays_usable(llm, model):
         llm.llm_engine.add_request("x", ok, params="embed")
     with pytest.raises(ValueError, match="one prompt with N"):
         llm.score([ok, ok], [ok, ok, ok], use_tqdm=False)
+    assert_no_block_leaks(llm)
+    engine = llm.llm_engine   # aborted between two chunks of its prompt: no output, no leak
+    engine.add_request("aborted", [3] * 130, PoolingParams(pooling_type="MEAN"))
+    assert engine.step() == []
+    engine.abort_request("aborted")
+    assert not engine.has_unfinished_requests()
     assert_no_block_leaks(llm)
     out = llm.encode([ok], PoolingParams(truncate_prompt_tokens=4, normalize=False), use_tqdm=False)[0]
     assert out.prompt_token_ids == ok[-4:]
