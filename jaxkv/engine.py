@@ -97,7 +97,9 @@ class LLMEngine:
             cache_dtype=config.cache_dtype, seed=config.seed, eos_token_id=self._eos_id(),
             speculative_config=config.speculative_config, logprobs_mode=config.logprobs_mode,
             mesh=make_tp_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None)
-        if config.warmup:   # bad_words encoded, so warm-up compiles the widths requests use
+        # bad_words encoded, so warm-up compiles the widths requests use; a pooling-only
+        # engine never decodes, so its decode steps are not warmed up.
+        if config.warmup and config.runner != "pooling":
             self.runner.warmup(progress=verbose, prefill=config.warmup == "all",
                                sampling=[self._with_bad_words_ids("warmup", p) for p in config.warmup_sampling])
         self._parents: dict[str, _Parent] = {}
@@ -150,6 +152,10 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, (SamplingParams, PoolingParams)):
             raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
+        refused = {"pooling": SamplingParams, "generate": PoolingParams}.get(self.config.runner)
+        if refused is not None and isinstance(params, refused):
+            raise ValueError(f"this engine was built with runner={self.config.runner!r}: it takes no "
+                             f"{refused.__name__} requests (runner='auto' takes both)")
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {request_id!r}")
         if request_id in self._parents:

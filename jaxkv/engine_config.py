@@ -19,6 +19,9 @@ from jaxkv.worker.sampler import LOGPROBS_MODES
 from jaxkv.worker.spec_decode import SpeculativeConfig
 from models.sharding import check_device_count
 
+#: vLLM's ``runner`` values; "auto" takes generation and pooling requests alike.
+RUNNERS = ("auto", "generate", "pooling")
+
 #: KV budget on devices that report no memory stats (CPU) when none is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
 
@@ -41,6 +44,7 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"   # vLLM's: what sampled tokens' logprobs are computed from
     tensor_parallel_size: int = 1         # devices the model and KV heads are split over
     pooler_config: PoolerConfig = PoolerConfig()   # how LLM.embed pools (vLLM's PoolerConfig)
+    runner: str = "auto"                  # vLLM's: "generate" / "pooling" take one kind of request
 
 
 def _positive(name, value):
@@ -75,6 +79,7 @@ def resolve_engine_config(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     pooler_config=None,
+    runner: str = "auto",
     verbose: bool = False,
 ):
     """Loads the model and plans the KV cache. Returns (model, model_config, tokenizer, EngineConfig).
@@ -119,7 +124,9 @@ def resolve_engine_config(
     ``pooler_config`` (vLLM's ``PoolerConfig``, or a dict of its fields): how pooling requests
     (``LLM.embed`` / ``encode`` / ``score``) pool a prompt by default: ``pooling_type`` "LAST"
     (default), "MEAN" or "CLS", and ``normalize`` (default True). Any engine serves pooling
-    and generation requests side by side (vLLM needs ``runner="pooling"``).
+    and generation requests side by side. ``runner`` (vLLM's) "generate" or "pooling" makes
+    it take only that kind of request, as a vLLM engine does; "pooling" also skips the
+    decode-step warm-up. "auto" (default) takes both.
 
     ``model`` is a name or path for ``models.load_model``, or an already built NNX model
     (then ``tokenizer`` may be given).
@@ -140,6 +147,8 @@ def resolve_engine_config(
         raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size!r}: pipeline "
                          f"parallelism is not implemented (README, 'Not here (yet)')")
     check_device_count(tensor_parallel_size)   # ValueError saying how to get more devices
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     if pooler_config is None:
         pooler_config = PoolerConfig()
     elif isinstance(pooler_config, dict):
@@ -212,7 +221,7 @@ def resolve_engine_config(
                           warmup=warmup, kv_cache_config=kv_config, scheduler_config=sched,
                           warmup_sampling=tuple(warmup_sampling), speculative_config=speculative_config,
                           logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size,
-                          pooler_config=pooler_config)
+                          pooler_config=pooler_config, runner=runner)
     return loaded, model_config, tokenizer, config
 
 

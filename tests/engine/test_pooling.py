@@ -147,11 +147,24 @@ def test_mixed_with_async_scheduling(model):
     assert engine.scheduler.async_scheduling
 
 
-def test_engine_pooler_config(model):
-    llm = make_llm(model, pooler_config={"pooling_type": "mean", "normalize": False})
+def test_engine_pooler_config_and_runner(model):
+    """``pooler_config`` sets the engine's pooling; ``runner`` (vLLM's) "pooling" takes
+    pooling requests only and compiles no decode step at start-up; "generate" refuses them."""
+    llm = make_llm(model, pooler_config={"pooling_type": "mean", "normalize": False},
+                   runner="pooling", warmup=True)
+    assert llm.llm_engine.runner.num_compiles == 0
     p = _prompts(7, [30])[0]
     out = llm.embed(p, use_tqdm=False)[0]
     np.testing.assert_allclose(out.outputs.embedding, _hidden(model, p).mean(0), atol=ATOL)
+    with pytest.raises(ValueError, match="runner='pooling': it takes no SamplingParams"):
+        llm.generate([p], use_tqdm=False)
+    gen = make_llm(model, runner="generate")
+    with pytest.raises(ValueError, match="runner='generate': it takes no PoolingParams"):
+        gen.embed([p], use_tqdm=False)
+    with pytest.raises(ValueError, match="runner must be one of"):
+        make_llm(model, runner="embed")
+    assert_no_block_leaks(llm)
+    assert_no_block_leaks(gen)
 
 
 def test_bad_pooling_input_is_refused_and_engine_stays_usable(llm, model):
@@ -239,3 +252,15 @@ def test_mixed_with_speculative_decoding(model):
                                               "prompt_lookup_max": 3, "prompt_lookup_min": 1})
     engine = _mixed_batch(llm, model, [([7, 8, 9] * 20)[:n] for n in (40, 20, 55, 9)])
     assert engine.get_stats()["spec_num_accepted_tokens"] > 0
+
+
+def test_hybrid_model_sliding_windows_and_soft_caps():
+    """The Gemma-2-style hybrid (sliding-window layers, soft-caps) pools through chunks too."""
+    hybrid = small_model("tiny-hybrid")
+    llm = make_llm(hybrid, max_num_batched_tokens=48)
+    prompts = _prompts(10, [5, 70, 130])          # beyond the 16-token window, in 1-3 chunks
+    for kind in ("LAST", "MEAN"):
+        outs = llm.encode(prompts, PoolingParams(pooling_type=kind, normalize=False), use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            np.testing.assert_allclose(o.outputs.data, _pool(_hidden(hybrid, p), kind), atol=ATOL)
+    assert_no_block_leaks(llm)
