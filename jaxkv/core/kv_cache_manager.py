@@ -108,8 +108,8 @@ class KVCacheManager:
         At most ``num_tokens - 1`` tokens hit (the last token is always recomputed, its
         logits are needed). Requests with ``prompt_logprobs``, and pooling requests that pool
         more than the last token, get no hit (their prompt must be recomputed) but still
-        write their blocks into the cache. Nothing is
-        reserved: the blocks are only touched by ``allocate_slots``.
+        write their blocks into the cache. Nothing is reserved: the blocks are only touched
+        by ``allocate_slots``.
         """
         pooling = request.pooling_params
         if (not self.enable_caching or request.sampling_params.prompt_logprobs is not None

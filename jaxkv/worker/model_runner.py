@@ -339,14 +339,13 @@ class ModelRunner:
         if np.any(ends > known + pending + num_drafts):
             i = int(np.argmax(ends > known + pending + num_drafts))
             raise RuntimeError(f"request {req_ids[i]!r}: {ends[i]} tokens scheduled, {known[i]} known")
+        samples = ends >= known + pending
         pool_rows = [i for i, st in enumerate(states) if st.pools_now]
         pooling = POOL_NONE
         if pool_rows:   # pooling rows return hidden states and never a token
-            samples = (ends >= known + pending) & ~np.isin(np.arange(n), pool_rows)
+            samples[pool_rows] = False
             pooling = POOL_ALL if any(states[i].pooling.params.pooling_type == "ALL"
                                       for i in pool_rows) else POOL_ROWS
-        else:
-            samples = ends >= known + pending
         ops, ops_layout, zeros = self._table_ops_and_zeros(zero_ids, T, S)
         md = batch.sampling_metadata(S, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size,
                                      num_pending=pending)
