@@ -72,15 +72,11 @@ class LLM:
         LM head reads), after ``dimensions`` truncation and, by default, L2 normalisation.
         Any engine runs these next to generation requests; see :mod:`jaxkv.pooling_params`."""
         prompts = _prompt_list(prompts)
-        params = _per_prompt(pooling_params, prompts, PoolingParams, "pooling_params")
-        cfg, hidden = self.llm_engine.config.pooler_config, self.llm_engine.model_config.hidden_size
-        resolved = []
-        for pp in params:
-            pp = pp or PoolingParams()
-            if truncate_prompt_tokens is not None:
-                pp = dataclasses.replace(pp, truncate_prompt_tokens=truncate_prompt_tokens)
-            resolved.append(pp.resolved(cfg, hidden, task=pooling_task))
-        return self._run(prompts, resolved, priority, use_tqdm, "encode")
+        params = [(pp or PoolingParams()).for_task(pooling_task)
+                  for pp in _per_prompt(pooling_params, prompts, PoolingParams, "pooling_params")]
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(pp, truncate_prompt_tokens=truncate_prompt_tokens) for pp in params]
+        return self._run(prompts, params, priority, use_tqdm, "encode")   # the engine resolves them
 
     def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = True, *, truncate_prompt_tokens: int | None = None,

@@ -99,12 +99,17 @@ class PoolingParams:
         if self.task == "embed" and self.pooling_type == "ALL":
             raise ValueError("task 'embed' returns one vector; pooling_type 'ALL' is task 'token_embed'")
 
-    def resolved(self, config: PoolerConfig, hidden_size: int, *, task: str | None = None) -> "PoolingParams":
-        """A copy with every None filled from ``config`` (and ``task``, default "embed"), checked
-        against the model (``dimensions <= hidden_size``). The engine stores this copy."""
+    def for_task(self, task: str | None) -> "PoolingParams":
+        """A copy for a call of ``task`` (``LLM.encode`` / ``embed``): ValueError when the params
+        name another task."""
         if self.task is not None and task is not None and task != self.task:
             raise ValueError(f"PoolingParams(task={self.task!r}) passed to a {task!r} call")
-        task = self.task or task or "embed"
+        return dataclasses.replace(self, task=self.task or task)
+
+    def resolved(self, config: PoolerConfig, hidden_size: int) -> "PoolingParams":
+        """A copy with every None filled from ``config`` (task: "embed"), checked against the
+        model (``dimensions <= hidden_size``). The engine stores this copy."""
+        task = self.task or "embed"
         if self.dimensions is not None and self.dimensions > hidden_size:
             raise ValueError(f"dimensions={self.dimensions} is more than the model's hidden size "
                              f"{hidden_size}")
