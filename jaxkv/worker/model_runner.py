@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxkv.core import ModelRunnerOutput, SchedulerOutput
 from jaxkv.kv_cache import KVCacheConfig, cdiv
-from jaxkv.worker import kv_memory
+from jaxkv.worker import kv_memory, prompt_logprobs
 from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops_jit
 from jaxkv.worker.buckets import pick_bucket, pow2_buckets, token_buckets
 from jaxkv.worker.input_batch import InputBatch
@@ -37,7 +37,6 @@ from jaxkv.worker.sampling_adapter import (
     bucket_k,
     gather_rows,
     prompt_logprobs_fn,
-    prompt_row,
     row_logprobs,
     sample_fn,
     spec_sample_fn,
@@ -100,11 +99,6 @@ class CachedRequestState:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-
-def _wants_prompt_logprobs(s: CachedRequestState) -> bool:
-    return (getattr(s.sampling_params, "prompt_logprobs", None) is not None
-            and s.num_computed_tokens < s.num_prompt_tokens)
 
 
 def _spec_padding(P: int, S: int) -> dict[str, np.ndarray]:
@@ -349,10 +343,10 @@ class ModelRunner:
         ops, ops_layout, zeros = self._table_ops_and_zeros(zero_ids, T, S)
         md = batch.sampling_metadata(S, eos_token_id=self.eos_token_id, vocab_size=self.vocab_size,
                                      num_pending=pending)
-        k_prompt = self._prompt_logprobs_k(states)
+        k_prompt = prompt_logprobs.top_k(states)
         extra = {"prev_rows": prev_rows}
         if k_prompt >= 0:
-            extra["prompt_targets"] = self._prompt_targets(states, qsl, q_lens, T)
+            extra["prompt_targets"] = prompt_logprobs.targets(states, qsl, q_lens, T)
         spec_start = None
         if num_drafts.any():
             spec_inputs, spec_start = self._spec_inputs(qsl, drafts, S)
@@ -365,7 +359,7 @@ class ModelRunner:
             spec_positions=len(extra["spec_index"]) if spec_start is not None else 0,
             pooling=pooling)
         out = self._dispatch(shape, packed)
-        prompt_rows = [i for i, st in enumerate(states) if _wants_prompt_logprobs(st)] if k_prompt >= 0 else []
+        prompt_rows = [i for i, st in enumerate(states) if prompt_logprobs.wants(st)] if k_prompt >= 0 else []
         batch.num_computed_tokens_cpu[:n] = ends   # progress advances at dispatch, as in the core
         for st, end in zip(states, ends.tolist()):
             st.num_computed_tokens = end
@@ -400,7 +394,7 @@ class ModelRunner:
         propose = spec_out is not None and batch_may_speculate(self.speculative_config, len(handle.states))
         for i in handle.prompt_rows:
             s = handle.states[i]
-            prompt_lp[s.req_id] = self._collect_prompt_logprobs(
+            prompt_lp[s.req_id] = prompt_logprobs.collect(
                 s, results, int(handle.qsl[i]), int(handle.q_lens[i]), int(handle.computed[i]))
         pooled = {}
         for i in handle.pool_rows:
@@ -650,35 +644,6 @@ class ModelRunner:
 
     def _run(self, shape: StepShape, packed: np.ndarray) -> dict[str, np.ndarray]:
         return self._fetch(shape, self._dispatch(shape, packed))
-
-    # ---- prompt logprobs ----------------------------------------------------------------------
-
-    @staticmethod
-    def _prompt_logprobs_k(states: Sequence[CachedRequestState]) -> int:
-        """Top-k of prompt logprobs this step needs (-1: no request is in its prompt and asks)."""
-        ks = [s.sampling_params.prompt_logprobs for s in states if _wants_prompt_logprobs(s)]
-        return max(ks) if ks else -1
-
-    @staticmethod
-    def _prompt_targets(states, qsl, q_lens, T) -> np.ndarray:
-        """Per token, the next prompt token (the target of its prompt logprob) or -1."""
-        targets = np.full(T, -1, np.int32)
-        for i, s in enumerate(states):
-            if not _wants_prompt_logprobs(s):
-                continue
-            for j in range(int(q_lens[i])):
-                pos = s.num_computed_tokens + j
-                if pos + 1 < s.num_prompt_tokens:
-                    targets[qsl[i] + j] = s.token_ids[pos + 1]
-        return targets
-
-    @staticmethod
-    def _collect_prompt_logprobs(s, results, start, q_len, computed) -> list:
-        """TokenLogprobs of the prompt positions computed this step (``computed`` tokens were
-        cached before it; targets = next prompt token)."""
-        k = s.sampling_params.prompt_logprobs
-        return [prompt_row(results, start + j, s.token_ids[computed + j + 1], k)
-                for j in range(q_len) if computed + j + 1 < s.num_prompt_tokens]
 
     # ---- warm-up and introspection ------------------------------------------------------------
 
