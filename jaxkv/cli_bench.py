@@ -25,7 +25,7 @@ def load_throughput():
     """The ``throughput`` benchmark module, imported from the checkout's benchmarks folder."""
     d = benchmarks_dir()
     if not (d / "throughput.py").is_file():
-        raise FileNotFoundError(f"no benchmarks/throughput.py at {d}: `jaxkv bench` runs from a source "
+        raise FileNotFoundError(f"no benchmarks/throughput.py at {d}: jaxkv bench runs from a source "
                                 f"checkout (or set JAXKV_BENCHMARKS_DIR)")
     if str(d) not in sys.path:
         sys.path.insert(0, str(d))
@@ -38,9 +38,13 @@ def cmd_bench(args) -> int:
     try:
         throughput = load_throughput()
     except FileNotFoundError as e:
-        print(f"jaxkv bench: {e}", file=sys.stderr)
-        return 2
-    throughput.main(args.bench_args)
+        from jaxkv.cli import error
+
+        return error("bench", e)
+    try:
+        throughput.main(args.bench_args)
+    except SystemExit as e:   # its argparse: --help (0) or a usage error (2, already printed)
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     return 0
 
 
@@ -49,7 +53,9 @@ def add_parser(sub) -> None:
     # sub-parser treat "--quick" etc. as plain words for the REMAINDER positional (with "-" it
     # would match REMAINDER against nothing and reject the options, an argparse quirk).
     p = sub.add_parser("bench", help="offline throughput benchmark (benchmarks/throughput.py)",
-                       add_help=False, prefix_chars="+", description="Runs benchmarks/throughput.py; "
-                       "`jaxkv bench --help` lists its options.")
-    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+                       add_help=False, prefix_chars="+",
+                       description="Runs benchmarks/throughput.py with the arguments given; "
+                                   "jaxkv bench --help lists them.")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                   help="arguments for benchmarks/throughput.py (default: none)")
     p.set_defaults(func=cmd_bench)

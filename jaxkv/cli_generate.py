@@ -1,9 +1,16 @@
-"""``jaxkv generate``: the README's main job (SmolLM2-135M-Instruct on the CPU by default)."""
+"""``jaxkv generate``: the README's main job (SmolLM2-135M-Instruct on the CPU by default).
+
+Every flag is checked before the model loads (``SamplingParams`` / ``BeamSearchParams`` are
+built first, prompts are read and, for a model known to have no tokenizer, required to be
+token ids), so a bad flag costs no load; an error is one line, exit code 2.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
+from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_PROMPTS = (
@@ -13,87 +20,291 @@ DEFAULT_PROMPTS = (
     "List three prime numbers.",
 )
 
+EPILOG = """\
+prompts:
+  --prompt TEXT and --prompt-token-ids 1,2,3 (both repeatable, kept in the order given), then
+  the lines of --prompts-file PATH (one prompt per line, "-" reads stdin). A model without a
+  tokenizer (tiny-llama, tiny-hybrid) takes token ids only: each line of --prompts-file is
+  then ids separated by commas or spaces. With no prompt at all the built-in prompts run
+  (synthetic token ids for a model without a tokenizer).
+
+examples:
+  jaxkv generate
+  jaxkv generate --prompt "Write a limerick." --max-tokens 64 --temperature 0.8 --top-p 0.95
+  jaxkv generate --prompt "Name a colour." -n 3 --temperature 1.0 --stop "."
+  jaxkv generate --model tiny-llama --prompt-token-ids 1,2,3 --prompt-token-ids "4 5 6" --max-tokens 8
+  printf '1,2,3\\n4,5\\n' | jaxkv generate --model tiny-llama --prompts-file -
+  jaxkv generate --model tiny-llama --beam-width 4 --max-tokens 16
+"""
+
+#: The sampling flags with their defaults: beam search takes none but --temperature.
+_SAMPLING_ONLY = {"n": 1, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "stop": None}
+
 
 def add_parser(sub) -> None:
-    from jaxkv.cli import parse_bytes, parse_ngram
+    from jaxkv.cli import (
+        ATTENTION_BACKENDS,
+        KV_CACHE_DTYPES,
+        MODEL_DTYPES,
+        parse_bytes,
+        parse_ngram,
+        parse_token_ids,
+        positive_int,
+        power_of_two,
+    )
 
-    p = sub.add_parser("generate", help="generate completions (default: SmolLM2-135M-Instruct on CPU)")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="smollm2-135m-instruct | tiny-llama | tiny-hybrid | HF dir | .gguf file")
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in prompts")
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="KV cache budget, e.g. 256MiB (default: 512MiB on CPU, 90%% of free memory on GPU)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests per step (vLLM's --max-num-seqs)")
-    p.add_argument("--attention-backend", default="auto", help="auto | xla | cpu | pallas | reference")
-    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="schedule step N+1 while step N runs (same tokens; pays on GPU / TPU)")
-    p.add_argument("--speculative-ngram", type=parse_ngram, default=None, metavar="K[,MAX[,MIN]]",
-                   help="draft K tokens a step by n-gram lookup (MAX..MIN, default 4..1) over each "
-                        "request's tokens")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="split the model over N devices (on CPU: N host devices, set up here)")
-    p.add_argument("--beam-width", type=int, default=None, metavar="N",
-                   help="beam search (vLLM's LLM.beam_search) with N beams instead of sampling")
+    p = sub.add_parser(
+        "generate", help="generate completions (default: SmolLM2-135M-Instruct on the CPU)",
+        description="Generates completions with the paged KV-cache engine (vLLM's LLM.generate)\n"
+                    "and prints them, then the throughput and the KV cache's use.", epilog=EPILOG)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|PATH",
+                   help="smollm2-135m-instruct | tiny-llama | tiny-hybrid | HF directory | .gguf file "
+                        f"(default: {DEFAULT_MODEL}, downloaded once)")
+    g.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
+                   help="model weights dtype (default: float32)")
+    g.add_argument("--no-chat", action="store_true",
+                   help="do not apply the model's chat template to text prompts (default: applied)")
+    g = p.add_argument_group("prompts")
+    g.add_argument("--prompt", dest="prompts", action="append", metavar="TEXT",
+                   help="a text prompt, repeatable (default: the built-in prompts)")
+    g.add_argument("--prompt-token-ids", dest="prompts", action="append", type=parse_token_ids,
+                   metavar="IDS",
+                   help="a prompt as token ids, e.g. 1,2,3 or '1 2 3', repeatable (default: none)")
+    g.add_argument("--prompts-file", metavar="PATH",
+                   help='one prompt per line ("-": stdin); token ids per line for a model without a '
+                        "tokenizer (default: none)")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=48, metavar="N",
+                   help="most tokens generated per completion (default: 48)")
+    g.add_argument("-n", type=int, default=1, metavar="N", help="completions per prompt (default: 1)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="softmax temperature, 0 is greedy (default: 0.0)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus probability mass, in (0, 1] (default: 1.0, off)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="keep the K most likely tokens, 0 or -1 is off (default: 0)")
+    g.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="drop tokens below P times the top token's probability, in [0, 1] (default: 0.0)")
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop string, repeatable; needs a tokenizer (default: none)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="engine seed, and the sampling seed when --temperature > 0 (default: 0)")
+    g.add_argument("--beam-width", type=positive_int, default=None, metavar="N",
+                   help="beam search with N beams (vLLM's LLM.beam_search) instead of sampling "
+                        "(default: off)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes, default=None,
+                   metavar="BYTES", help="KV cache budget, e.g. 256MiB or 2GiB (default: 512MiB on CPU, "
+                                         "--gpu-memory-utilization of the device's memory on GPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="share of GPU memory the engine may use when --kv-cache-memory is not given "
+                        "(default: 0.9)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache dtype; auto follows --dtype (default: auto)")
+    g.add_argument("--block-size", type=power_of_two, default=16, metavar="N",
+                   help="tokens per KV-cache block, a power of two (default: 16)")
+    g.add_argument("--max-model-len", type=positive_int, default=2048, metavar="N",
+                   help="longest request, prompt + output tokens (default: 2048)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
+                   help="most requests per step (default: 64)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
+                   help="most tokens per step (default: 2048, or --max-num-seqs when larger)")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                   default="auto", help="attention implementation (default: auto)")
+    g.add_argument("--warmup", choices=("decode", "all", "off"), default="decode",
+                   help="compile at load: decode steps, all step shapes, or none (default: decode)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule step N+1 while step N runs: same tokens, pays on GPU / TPU "
+                        "(default: off)")
+    g.add_argument("--speculative-ngram", type=parse_ngram, default=None, metavar="K[,MAX[,MIN]]",
+                   help="draft K tokens a step by n-gram lookup over each request's tokens, n-grams "
+                        "MAX..MIN long (default: off; MAX..MIN 4..1)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
+                   help="split the model over N devices; on CPU, N host devices set up here "
+                        "(default: 1)")
     p.set_defaults(func=cmd_generate)
 
 
+def sampling_params(args):
+    """The run's ``SamplingParams`` or, with ``--beam-width``, ``BeamSearchParams``: built from
+    the flags before the model loads. Raises ValueError / TypeError (library names)."""
+    if args.beam_width is not None:
+        from jaxkv.beam_search import BeamSearchParams
+
+        given = [k for k, default in _SAMPLING_ONLY.items() if getattr(args, k) != default]
+        if given:
+            raise ValueError(f"beam_width takes no {', '.join(given)} (beam search ranks the top "
+                             f"logprob candidates; only temperature applies)")
+        return BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
+                                temperature=args.temperature)
+    from jaxkv.sampling_params import SamplingParams
+
+    return SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, stop=args.stop,
+                          seed=args.seed if args.temperature > 0 else None)
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """The non-blank lines of ``path`` ("-": stdin), stripped. ValueError if none."""
+    if path == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise ValueError(f"--prompts-file {path}: {e.strerror or e}") from None
+    lines = [line.strip() for line in lines if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompts-file {path}: no prompts (one prompt per line)")
+    return lines
+
+
+def no_tokenizer_message(model: str) -> str:
+    return (f"model {model!r} has no tokenizer, so text prompts cannot be encoded: pass token ids "
+            f"instead, e.g. --prompt-token-ids 1,2,3 (or --prompts-file with one id list per line)")
+
+
+def resolve_prompts(args, file_lines: list[str] | None, has_tokenizer: bool) -> list:
+    """The prompts in order: --prompt texts and --prompt-token-ids lists as given, then the
+    file's lines (token ids without a tokenizer). Empty when none was given. ValueError: text
+    prompts or --stop for a model without a tokenizer, or a file line that is not token ids."""
+    from jaxkv.cli import parse_token_ids
+
+    prompts = list(args.prompts or [])
+    if not has_tokenizer:
+        if any(isinstance(p, str) for p in prompts):
+            raise ValueError(no_tokenizer_message(args.model))
+        if args.stop:
+            raise ValueError(f"model {args.model!r} has no tokenizer, so --stop strings cannot be matched")
+    for i, line in enumerate(file_lines or [], start=1):
+        if has_tokenizer:
+            prompts.append(line)
+            continue
+        try:
+            prompts.append(parse_token_ids(line))
+        except argparse.ArgumentTypeError:   # the line is text
+            raise ValueError(f"--prompts-file {args.prompts_file} line {i}: {line[:40]!r} is not token "
+                             f"ids, and {no_tokenizer_message(args.model)}") from None
+    return prompts
+
+
+def known_tokenizer(model: str) -> bool | None:
+    """Whether ``model`` has a tokenizer, when that shows without loading it (None: unknown)."""
+    from models.registry import BUILTIN_NAMES, RANDOM_INIT_NAMES
+
+    if model in RANDOM_INIT_NAMES:
+        return False
+    if model in BUILTIN_NAMES:
+        return True
+    path = Path(model).expanduser()
+    if path.is_dir():   # models.tokenizer.Tokenizer.from_hf_dir reads tokenizer.json
+        return (path / "tokenizer.json").is_file()
+    return None
+
+
+def _default_kv_budget(args) -> None:
+    """Sets ``--kv-cache-memory`` to the engine's CPU default where the device reports no
+    memory stats, and says so naming the flag (the engine's note names its parameter)."""
+    if args.kv_cache_memory is not None:
+        return
+    import jax
+
+    from jaxkv.engine_config import DEFAULT_CPU_KV_CACHE_BYTES
+
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        stats = None
+    if not stats:
+        args.kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
+        print(f"jaxkv generate: the device reports no memory stats; KV cache budget "
+              f"{DEFAULT_CPU_KV_CACHE_BYTES / 2**20:.0f} MiB (set --kv-cache-memory)", file=sys.stderr)
+
+
 def cmd_generate(args) -> int:
+    from jaxkv.cli import error, name_flags
+
+    try:   # every check that needs no model, before it loads
+        params = sampling_params(args)
+        if (args.max_num_batched_tokens is not None
+                and args.max_num_batched_tokens < args.max_num_seqs):
+            raise ValueError(f"max_num_batched_tokens={args.max_num_batched_tokens} must be >= "
+                             f"max_num_seqs={args.max_num_seqs} (every running request needs a token "
+                             f"a step)")
+        if args.speculative_ngram is not None and args.async_scheduling:
+            raise ValueError("speculative_config does not work with async_scheduling (turn one off)")
+        if not 0.0 < args.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {args.gpu_memory_utilization}")
+        file_lines = read_prompts_file(args.prompts_file) if args.prompts_file else None
+        has_tok = known_tokenizer(args.model)
+        if has_tok is not None:
+            resolve_prompts(args, file_lines, has_tok)
+    except (ValueError, TypeError) as e:
+        return error("generate", name_flags(e))
+
     if args.tensor_parallel_size > 1:
         _host_devices(args.tensor_parallel_size)
     from jaxkv.llm import LLM
-    from jaxkv.sampling_params import SamplingParams
 
-    beam = None
-    if args.beam_width is not None:   # checked before the model loads
-        from jaxkv.beam_search import BeamSearchParams
-        try:
-            beam = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens)
-        except (ValueError, TypeError) as e:
-            print(f"jaxkv generate: {e}", file=sys.stderr)
-            return 2
+    _default_kv_budget(args)
     t0 = time.perf_counter()
     try:
-        llm = LLM(args.model, kv_cache_memory_bytes=args.kv_cache_memory, block_size=args.block_size,
-                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  attention_backend=args.attention_backend,
-                  seed=args.seed, async_scheduling=args.async_scheduling, verbose=True,
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory,
+                  gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
+                  block_size=args.block_size, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  attention_backend=args.attention_backend, seed=args.seed,
+                  warmup=False if args.warmup == "off" else args.warmup,
+                  async_scheduling=args.async_scheduling, verbose=True,
                   speculative_config=args.speculative_ngram,
                   tensor_parallel_size=args.tensor_parallel_size)
-    except (ValueError, RuntimeError, OSError) as e:
-        print(f"jaxkv generate: {e}", file=sys.stderr)
-        return 2
-    engine = llm.llm_engine
+    except (ValueError, TypeError, RuntimeError, OSError) as e:
+        return error("generate", name_flags(e))
     load_s = time.perf_counter() - t0
+    engine = llm.llm_engine
     tok = engine.tokenizer
-    prompts = args.prompt or list(DEFAULT_PROMPTS)
-    if tok is None:  # random-weight models have no tokenizer: use token ids
-        prompts = [[(7 * i + 3 * j) % (engine.model_config.vocab_size - 3) + 3 for j in range(8 + 4 * i)]
-                   for i in range(len(prompts))]
-    elif not args.no_chat and tok.chat_template:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    if beam is not None:
-        return _beam_search(llm, args, beam, prompts, load_s)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed if args.temperature > 0 else None)
+    try:
+        prompts = resolve_prompts(args, file_lines, tok is not None)
+    except ValueError as e:   # a model whose lack of a tokenizer showed only once loaded
+        return error("generate", name_flags(e))
+    if prompts:
+        shown = [p if isinstance(p, str) else f"{len(p)} token ids" for p in prompts]
+    elif tok is not None:
+        prompts, shown = list(DEFAULT_PROMPTS), list(DEFAULT_PROMPTS)
+    else:   # random-weight models have no tokenizer: synthetic token ids
+        vocab = engine.model_config.vocab_size
+        prompts = [[(7 * i + 3 * j) % (vocab - 3) + 3 for j in range(8 + 4 * i)]
+                   for i in range(len(DEFAULT_PROMPTS))]
+        shown = [f"{len(p)} synthetic token ids" for p in prompts]
+    if tok is not None and not args.no_chat and tok.chat_template:
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) if isinstance(p, str) else p
+                   for p in prompts]
+    try:
+        if args.beam_width is not None:
+            return _beam_search(llm, args, params, prompts, shown, load_s)
+        return _generate(llm, args, params, prompts, shown, load_s)
+    except (ValueError, TypeError) as e:   # a prompt the engine refuses (length, vocabulary)
+        return error("generate", name_flags(e))
+
+
+def _generate(llm, args, params, prompts, shown, load_s: float) -> int:
+    engine = llm.llm_engine
+    tok = engine.tokenizer
     c0, cs0 = engine.runner.num_compiles, engine.runner.compile_seconds   # warm-up's are in load
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t1
     for i, o in enumerate(outs):
-        shown = (args.prompt or DEFAULT_PROMPTS)[i] if tok is not None else f"{len(o.prompt_token_ids)} token ids"
-        c = o.outputs[0]
-        text = c.text if tok is not None else " ".join(map(str, c.token_ids))
-        print(f"--- [{i}] {shown}\n{text.strip()}\n    ({len(c.token_ids)} tokens, finish: {c.finish_reason})")
+        print(f"--- [{i}] {shown[i]}")
+        for j, c in enumerate(o.outputs):
+            text = c.text if tok is not None else " ".join(map(str, c.token_ids))
+            head = "" if len(o.outputs) == 1 else f"[{i}.{j}] "
+            print(f"{head}{text.strip()}\n    ({len(c.token_ids)} tokens, finish: {c.finish_reason})")
     stats = engine.get_stats()
     num_blocks = engine.kv_cache_config.num_blocks
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     tp = f" x {args.tensor_parallel_size} (tensor parallel)" if args.tensor_parallel_size > 1 else ""
     print(f"\nmodel {args.model} on {engine.runner.backend} ({_device()}{tp}), load {load_s:.1f} s")
     print(f"{n_out} tokens in {gen_s:.2f} s = {n_out / gen_s:.1f} tok/s "
@@ -108,7 +319,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _beam_search(llm, args, params, prompts, load_s: float) -> int:
+def _beam_search(llm, args, params, prompts, shown, load_s: float) -> int:
     engine = llm.llm_engine
     tok = engine.tokenizer
     c0 = engine.runner.num_compiles
@@ -117,8 +328,7 @@ def _beam_search(llm, args, params, prompts, load_s: float) -> int:
     gen_s = time.perf_counter() - t1
     for i, (p, r) in enumerate(zip(prompts, results)):
         n_prompt = len(engine._tokenize(p)[1])
-        shown = (args.prompt or DEFAULT_PROMPTS)[i] if tok is not None else f"{n_prompt} token ids"
-        print(f"--- [{i}] {shown}")
+        print(f"--- [{i}] {shown[i]}")
         for rank, seq in enumerate(r.sequences):
             new = seq.tokens[n_prompt:]
             text = tok.decode(new).strip() if tok is not None else " ".join(map(str, new))

@@ -1,16 +1,16 @@
 """The throughput harness runs end to end on a very small model (not a timed test).
 
 Checks the JSON's fields, that the naive JAX baseline decodes the same greedy tokens as jaxkv
-on the same weights (so jaxkv / baseline compares equal work), and that ``jaxkv bench``
-forwards its arguments. Each script runs once with ``--plot``: a PNG lies next to its JSON when
-matplotlib is installed, none otherwise (CI does not install it).
+on the same weights (so jaxkv / baseline compares equal work). Each script runs once with
+``--plot``: a PNG lies next to its JSON when matplotlib is installed, none otherwise (CI does
+not install it). The ``jaxkv`` command line (``bench``, ``generate``) is tested in
+tests/test_cli.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -118,23 +118,6 @@ def test_naive_baseline_greedy_matches_engine_on_short_prompts(throughput):
     assert [len(t) for t in got] == max_tokens
 
 
-def test_jaxkv_bench_forwards_arguments(monkeypatch):
-    from jaxkv import cli, cli_bench
-
-    seen = {}
-
-    class Fake:
-        @staticmethod
-        def main(argv):
-            seen["argv"] = argv
-
-    monkeypatch.setattr(cli_bench, "load_throughput", lambda: Fake)
-    monkeypatch.setenv("JAXKV_NO_COMPILE_CACHE", "1")
-    assert cli.main(["bench", "--quick", "--workload", "fixed", "--no-baseline"]) == 0
-    assert seen["argv"] == ["--quick", "--workload", "fixed", "--no-baseline"]
-    assert (cli_bench.benchmarks_dir() / "throughput.py").is_file()
-
-
 def test_async_ab_runs_both_modes_on_the_same_tokens(throughput, tmp_path):
     import async_ab
 
@@ -197,29 +180,3 @@ def test_attention_ab_one_small_case(throughput, tmp_path):
     assert row["case"] == "decode-8xU16..512" and row["old_min_ms"] > 0 and row["new_min_ms"] > 0
     assert row["diff"] < 1e-5 and result["workload"]["rev"] == "HEAD" and "cores" in result["env"]
     assert_png(path)
-
-
-def test_jaxkv_generate_cli_sampling_and_beam_search(capsys, monkeypatch):
-    """The README's main command on the offline random-weight model: sampling with n-gram
-    drafts, then beam search; bad flags give exit code 2 and a message."""
-    from jaxkv.cli import main
-
-    monkeypatch.setenv("JAXKV_NO_COMPILE_CACHE", "1")   # the CLI's cache is global jax config
-
-    common = ["generate", "--model", "tiny-llama", "--max-tokens", "3", "--max-model-len", "64",
-              "--max-num-seqs", "2", "--kv-cache-memory", "8MiB", "--prompt", "a", "--prompt", "b"]
-    assert main(common + ["--speculative-ngram", "2"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("(3 tokens, finish: length)") == 2 and "speculative:" in out
-    assert main(common + ["--beam-width", "2"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("beam 1: cum logprob") == 2
-    assert main(common + ["--beam-width", "0"]) == 2
-    assert "beam_width must be an int >= 1" in capsys.readouterr().err
-    # -tp asks for host devices through XLA_FLAGS; this process's jax has started with one, so
-    # the engine refuses clearly (tests/engine/test_tensor_parallel.py runs 2 devices).
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
-    assert main(common + ["-tp", "2"]) == 2
-    assert "tensor_parallel_size=2 needs 2 devices, jax sees 1" in capsys.readouterr().err
-    assert os.environ["XLA_FLAGS"] == ("--xla_cpu_use_thunk_runtime=true "
-                                       "--xla_force_host_platform_device_count=2")
