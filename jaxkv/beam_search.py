@@ -9,20 +9,44 @@ new hypothesis with ``cum_logprob + logprob``; candidates ending in EOS (unless
 score are returned.
 
 Score (vLLM's, after transformers): ``cum_logprob / length ** length_penalty`` where
-``length`` counts the prompt and the generated tokens, less a final EOS.
+``length`` counts the prompt and the generated tokens, less a final EOS. Every EOS id of the
+model (Llama 3 has several) completes a hypothesis.
+
+The rounds' requests (:class:`BeamRoundParams`) ask for ``2 * beam_width`` logprobs whatever
+the engine's ``max_logprobs`` (vLLM's cap of 20 would stop beam widths above 10): the engine
+checks them against the vocabulary only, and ``LLM.beam_search`` refuses ``2 * beam_width``
+above it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Collection, Sequence
 
 from jaxkv.outputs import PositionLogprobs
+from jaxkv.sampling_params import SamplingParams
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+class BeamRoundParams(SamplingParams):
+    """SamplingParams of one beam-search round's request: exempt from the engine's
+    ``max_logprobs`` (its ``2 * beam_width`` logprobs are checked against the vocabulary)."""
+
+    checks_max_logprobs = False
+
+
+EosIds = int | Collection[int] | None   # one EOS id, several (Llama 3), or none
+
+
+def _eos_set(eos_token_id: EosIds) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset([eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +109,11 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def beam_search_score(tokens: Sequence[int], cum_logprob: float, eos_token_id: int | None,
+def beam_search_score(tokens: Sequence[int], cum_logprob: float, eos_token_id: EosIds,
                       length_penalty: float) -> float:
     """``cum_logprob / length ** length_penalty``; ``length`` is ``len(tokens)`` (prompt
-    included), less one when the last token is EOS."""
-    length = len(tokens) - (1 if tokens and eos_token_id is not None and tokens[-1] == eos_token_id else 0)
+    included), less one when the last token is an EOS id (``eos_token_id``: one or several)."""
+    length = len(tokens) - (1 if tokens and tokens[-1] in _eos_set(eos_token_id) else 0)
     return cum_logprob / (max(length, 1) ** length_penalty)
 
 
@@ -99,12 +123,14 @@ ExpandFn = Callable[[list[list[int]]], list[PositionLogprobs | None]]
 
 
 def run_beam_search(prompts: Sequence[Sequence[int]], params: BeamSearchParams, expand: ExpandFn,
-                    eos_token_id: int | None) -> list[BeamSearchOutput]:
-    """The search itself, over an ``expand`` function (the engine's, or a test's)."""
-    ignore_eos = params.ignore_eos or eos_token_id is None
+                    eos_token_id: EosIds) -> list[BeamSearchOutput]:
+    """The search itself, over an ``expand`` function (the engine's, or a test's);
+    ``eos_token_id``: the EOS id, or all of them (each completes a hypothesis)."""
+    eos_ids = _eos_set(eos_token_id)
+    ignore_eos = params.ignore_eos or not eos_ids
 
     def score(b: BeamSearchSequence) -> float:
-        return beam_search_score(b.tokens, b.cum_logprob, eos_token_id, params.length_penalty)
+        return beam_search_score(b.tokens, b.cum_logprob, eos_ids, params.length_penalty)
 
     live = [[BeamSearchSequence(tokens=list(p), logprobs=[])] for p in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
@@ -122,7 +148,7 @@ def run_beam_search(prompts: Sequence[Sequence[int]], params: BeamSearchParams, 
             for tok, lp in lps.items():
                 new = BeamSearchSequence(tokens=beam.tokens + [tok], logprobs=beam.logprobs + [lps],
                                          cum_logprob=beam.cum_logprob + lp.logprob)
-                if not ignore_eos and tok == eos_token_id:
+                if not ignore_eos and tok in eos_ids:
                     new.finish_reason, new.stop_reason = "stop", tok
                     done[i].append(new)
                 else:

@@ -15,9 +15,10 @@ import dataclasses
 import itertools
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from jaxkv.core import EngineCoreOutput, Request, RequestStatus, Scheduler
+from jaxkv.core.stop_check import with_eos_stop_ids
 from jaxkv.detokenizer import IncrementalDetokenizer
 from jaxkv.engine_config import EngineConfig, resolve_engine_config
 from jaxkv.outputs import (
@@ -29,7 +30,7 @@ from jaxkv.outputs import (
     RequestOutput,
 )
 from jaxkv.pooling_params import PoolingParams
-from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams, resolve_logprobs
 from jaxkv.worker.model_runner import ModelRunner
 from models.sharding import make_tp_mesh
 
@@ -175,25 +176,37 @@ class LLMEngine:
             self._add_pooling_request(request_id, text, ids, params, priority, cache_salt)
             return
         ids = self._checked_prompt(request_id, ids, params.truncate_prompt_tokens, self.config.max_model_len)
+        # Everything the step would only fail on is refused here (SamplingParams has already
+        # bounded each id and top_k by int32, so no numpy conversion can overflow later).
         self._check_vocab(request_id, "logit_bias", params.logit_bias or ())
         self._check_vocab(request_id, "allowed_token_ids", params.allowed_token_ids or ())
+        self._check_vocab(request_id, "stop_token_ids", params.stop_token_ids)
+        vocab = self.model_config.vocab_size
+        if params.top_k > vocab:
+            raise ValueError(f"request {request_id!r}: top_k={params.top_k} is larger than the "
+                             f"vocabulary size {vocab}")
+        try:   # logprobs=-1 -> vocab_size, then vLLM's max_logprobs cap
+            params = resolve_logprobs(params, vocab_size=vocab, max_logprobs=self.config.max_logprobs)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings {params.stop} need a tokenizer")
         params = self._with_bad_words_ids(request_id, params)
+        params = with_eos_stop_ids(params, self.config.eos_token_ids[1:])   # every EOS id stops
         n = params.n
         children = []
         requests = []
         for i in range(n):
             child_id = request_id if n == 1 else f"{i}_{request_id}"
             child_params = params
-            if n > 1:
+            if n > 1:   # seed + i taken mod 2**64 (the sampler's key is), so it stays in range
                 child_params = dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + i)
+                    params, n=1, seed=None if params.seed is None else (params.seed + i) % (1 << 64))
             req = Request(child_id, ids, child_params, eos_token_id=self._eos_id(),
                           priority=priority, cache_salt=cache_salt)
             requests.append(req)
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and params.detokenize:   # detokenize=False: no text
                 detok = IncrementalDetokenizer(
                     self.tokenizer, stop=list(params.stop or []),
                     include_stop_str_in_output=params.include_stop_str_in_output,
@@ -278,21 +291,24 @@ class LLMEngine:
         return dataclasses.replace(params, bad_words_token_ids=words)
 
     def _eos_id(self) -> int | None:
-        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        if eos is None:
-            eos = self.model_config.eos_token_id
-        if isinstance(eos, (tuple, list)):
-            eos = eos[0] if eos else None
-        return eos
+        """The primary EOS id: the tokenizer's, else the model config's first (None: none).
+        The other ids of ``config.eos_token_ids`` join each request's stop token ids."""
+        eos = self.config.eos_token_ids
+        return eos[0] if eos else None
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Aborts requests. Ids that are not running (finished already, or never added) are
         ignored, as in vLLM: a request may finish between the caller's last output and its
         abort. Ids must be strings (TypeError otherwise)."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if isinstance(request_ids, str):
+            ids = [request_ids]
+        elif isinstance(request_ids, Iterable) and not isinstance(request_ids, (bytes, bytearray)):
+            ids = list(request_ids)
+        else:
+            raise TypeError(f"request ids must be str (or an iterable of str), got {request_ids!r}")
         bad = [r for r in ids if not isinstance(r, str)]
         if bad:
-            raise TypeError(f"request ids must be str, got {bad}")
+            raise TypeError(f"request ids must be str, got {bad[:5]!r}")
         for rid in ids:
             parent = self._parents.pop(rid, None)
             if parent is None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import os
 import sys
 
 import jax
 
 from jaxkv.core import SchedulerConfig
+from jaxkv.core.stop_check import merge_eos_token_ids
 from jaxkv.kv_cache import (
     KVCacheConfig,
     available_kv_cache_memory,
@@ -15,8 +18,10 @@ from jaxkv.kv_cache import (
     kv_cache_specs_from_layers,
 )
 from jaxkv.pooling_params import PoolerConfig
+from jaxkv.worker.model_runner import BACKENDS
 from jaxkv.worker.sampler import LOGPROBS_MODES
 from jaxkv.worker.spec_decode import SpeculativeConfig
+from models.config import DTYPES
 from models.sharding import check_device_count
 
 #: vLLM's ``runner`` values; "auto" takes generation and pooling requests alike.
@@ -45,11 +50,67 @@ class EngineConfig:
     tensor_parallel_size: int = 1         # devices the model and KV heads are split over
     pooler_config: PoolerConfig = PoolerConfig()   # how LLM.embed pools (vLLM's PoolerConfig)
     runner: str = "auto"                  # vLLM's: "generate" / "pooling" take one kind of request
+    max_logprobs: int = 20                # vLLM's: most logprobs a request may ask for (-1: vocab)
+    eos_token_ids: tuple[int, ...] = ()   # the tokenizer's EOS then the model config's; [0] is primary
 
 
 def _positive(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):   # "no" and 0 / 1 would be taken for their truth value
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+
+
+def _check_optional_int(name, value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"{name} must be an int or None, got {value!r}")
+
+
+def _checked_model(model):
+    """``model`` as ``load_model`` or the engine takes it (a path becomes its str); TypeError
+    naming the argument for anything that is neither a name / path nor an NNX model."""
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if isinstance(model, str) or (hasattr(model, "config") and hasattr(model, "kv_layer_infos")
+                                  and not isinstance(model, (bytes, numbers.Number))):
+        return model
+    raise TypeError(f"model must be a model name, a path or an NNX model (with .config and "
+                    f".kv_layer_infos()), got {model!r}")
+
+
+def _check_argument_types(*, flags: dict, warmup, max_logprobs, seed, dtype, gpu_memory_utilization,
+                          num_gpu_blocks_override, kv_cache_memory_bytes, attention_backend,
+                          tokenizer, pipeline_parallel_size) -> None:
+    """The checks of ``resolve_engine_config``'s arguments that need no model: each wrong
+    type or value a TypeError / ValueError naming the argument (bool flags must be bools:
+    ``"no"`` is truthy; ``warmup=1`` would compare equal to True)."""
+    if not (isinstance(warmup, bool) or warmup in ("decode", "all")):
+        raise ValueError(f"warmup must be True, False, 'decode' or 'all', got {warmup!r}")
+    for name, value in flags.items():
+        _check_bool(name, value)
+    if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be an int >= 0, or -1 (the vocabulary size), got {max_logprobs!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if not -(2**63) <= seed < 2**63:   # the model's random init takes a C long
+        raise ValueError(f"seed must be in [-2**63, 2**63), got {seed}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if (isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, numbers.Real)
+            or not 0.0 < gpu_memory_utilization <= 1.0):   # NaN fails the range too
+        raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}")
+    _check_optional_int("num_gpu_blocks_override", num_gpu_blocks_override)
+    _check_optional_int("kv_cache_memory_bytes", kv_cache_memory_bytes)
+    if not isinstance(attention_backend, str) or attention_backend not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
+    if tokenizer is not None and not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
+        raise TypeError(f"tokenizer must have encode() and decode() (or be None), got {tokenizer!r}")
+    if type(pipeline_parallel_size) is not int or pipeline_parallel_size != 1:   # 1: as vLLM scripts pass it
+        raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size!r}: pipeline "
+                         f"parallelism is not implemented (README, 'Not here (yet)')")
 
 
 def resolve_engine_config(
@@ -80,6 +141,7 @@ def resolve_engine_config(
     pipeline_parallel_size: int = 1,
     pooler_config=None,
     runner: str = "auto",
+    max_logprobs: int = 20,
     verbose: bool = False,
 ):
     """Loads the model and plans the KV cache. Returns (model, model_config, tokenizer, EngineConfig).
@@ -128,13 +190,30 @@ def resolve_engine_config(
     it take only that kind of request, as a vLLM engine does; "pooling" also skips the
     decode-step warm-up. "auto" (default) takes both.
 
-    ``model`` is a name or path for ``models.load_model``, or an already built NNX model
-    (then ``tokenizer`` may be given).
+    ``max_logprobs`` (vLLM's, default 20; -1: the vocabulary size): the most ``logprobs`` /
+    ``prompt_logprobs`` a request may ask for; ``add_request`` refuses more (ValueError) and
+    resolves a request's -1 (whole vocabulary) to the vocabulary size, which must then be
+    within the cap. Beam search's own requests are checked against the vocabulary only.
+
+    EOS: every id of the tokenizer's ``eos_token_id`` and the model config's (an int or a
+    list, as Llama 3's ``[128001, 128008, 128009]``) stops generation unless ``ignore_eos``
+    (``EngineConfig.eos_token_ids``; the first is the requests' ``eos_token_id``, the others
+    join their ``stop_token_ids``, as vLLM does with a generation config's EOS ids).
+
+    ``model`` is a name or path (``str`` or ``os.PathLike``) for ``models.load_model``, or an
+    already built NNX model (then ``tokenizer`` may be given). Flags (``enable_prefix_caching``,
+    ``enable_chunked_prefill``, ``async_scheduling``, ``verbose``) must be real bools.
     """
     from models.registry import load_model  # the engine depends on models, never the reverse
 
-    if warmup not in (True, False, "decode", "all"):
-        raise ValueError(f"warmup must be True, False, 'decode' or 'all', got {warmup!r}")
+    _check_argument_types(
+        flags=dict(enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
+                   async_scheduling=async_scheduling, verbose=verbose),
+        warmup=warmup, max_logprobs=max_logprobs, seed=seed, dtype=dtype,
+        gpu_memory_utilization=gpu_memory_utilization, num_gpu_blocks_override=num_gpu_blocks_override,
+        kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
+        tokenizer=tokenizer, pipeline_parallel_size=pipeline_parallel_size)
+    model = _checked_model(model)
     from jaxkv.sampling_params import SamplingParams  # noqa: PLC0415
 
     if isinstance(warmup_sampling, SamplingParams) or not isinstance(warmup_sampling, (list, tuple)):
@@ -143,9 +222,6 @@ def resolve_engine_config(
         if not isinstance(p, SamplingParams):
             raise TypeError(f"warmup_sampling entries must be SamplingParams, got {p!r}")
 
-    if pipeline_parallel_size != 1:   # accepted at 1, as vLLM scripts pass it habitually
-        raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size!r}: pipeline "
-                         f"parallelism is not implemented (README, 'Not here (yet)')")
     check_device_count(tensor_parallel_size)   # ValueError saying how to get more devices
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
@@ -206,9 +282,8 @@ def resolve_engine_config(
     kv_config = get_kv_cache_config(specs, budget, max_model_len=max_model_len,
                                     max_num_batched_tokens=max_num_batched_tokens,
                                     num_gpu_blocks_override=num_gpu_blocks_override)
-    eos = model_config.eos_token_id
-    if isinstance(eos, (tuple, list)):
-        eos = eos[0] if eos else None
+    eos_ids = merge_eos_token_ids(getattr(tokenizer, "eos_token_id", None), model_config.eos_token_id)
+    eos = eos_ids[0] if eos_ids else None
     sched = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
@@ -221,7 +296,8 @@ def resolve_engine_config(
                           warmup=warmup, kv_cache_config=kv_config, scheduler_config=sched,
                           warmup_sampling=tuple(warmup_sampling), speculative_config=speculative_config,
                           logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size,
-                          pooler_config=pooler_config, runner=runner)
+                          pooler_config=pooler_config, runner=runner, max_logprobs=max_logprobs,
+                          eos_token_ids=eos_ids)
     return loaded, model_config, tokenizer, config
 
 

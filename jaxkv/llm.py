@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from jaxkv.beam_search import BeamRoundParams, BeamSearchOutput, BeamSearchParams, run_beam_search
 from jaxkv.engine import LLMEngine
 from jaxkv.outputs import (
     EmbeddingRequestOutput,
@@ -167,8 +167,9 @@ class LLM:
             if not t or len(t) >= max_len:
                 raise ValueError(f"prompt {i} has {len(t)} tokens; beam search needs 1 .. "
                                  f"max_model_len - 1 = {max_len - 1}")
-        one = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=k,
-                             ignore_eos=True, detokenize=False)
+        # Exempt from max_logprobs (checked against the vocabulary above): see jaxkv.beam_search.
+        one = BeamRoundParams(max_tokens=1, temperature=params.temperature, logprobs=k,
+                              ignore_eos=True, detokenize=False)
 
         def expand(beams: list[list[int]]) -> list:
             fits = [i for i, t in enumerate(beams) if len(t) < max_len]
@@ -178,7 +179,7 @@ class LLM:
                 cands[i] = o.outputs[0].logprobs[0]
             return cands
 
-        results = run_beam_search(token_lists, params, expand, engine._eos_id())
+        results = run_beam_search(token_lists, params, expand, engine.config.eos_token_ids)
         tok = engine.tokenizer
         if tok is not None:
             for r in results:

@@ -8,10 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import numbers
+from typing import ClassVar
 
 #: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
+
+#: The worker holds token ids, ``top_k`` and counts as int32: larger values are refused here,
+#: before any numpy conversion could overflow.
+INT32_MAX = 2**31 - 1
+
+#: The largest finite float32 (temperature and repetition_penalty become float32 on the device).
+FLOAT32_MAX = 3.4028234663852886e38
+
+#: Seeds must fit a 64-bit generator seed, signed or unsigned (torch's ``manual_seed`` range):
+#: the sampler keys on ``seed mod 2**64``, so a wider seed would silently share a key.
+SEED_RANGE = (-(2**63), 2**64)
 
 
 class SamplingType(enum.IntEnum):
@@ -32,6 +45,21 @@ class RequestOutputKind(enum.IntEnum):
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_id(value) -> bool:   # numpy integers too (token ids often come from arrays)
+    return (isinstance(value, numbers.Integral) and not _is_bool(value)
+            and 0 <= int(value) <= INT32_MAX)
+
+
+def _token_ids(name: str, values) -> list[int]:
+    """``values`` as a list of Python ints; ValueError naming ``name`` and the first bad ids
+    unless each is an int in [0, 2**31 - 1] (the vocabulary is checked by the engine)."""
+    values = list(values)
+    bad = [t for t in values if not _is_token_id(t)]
+    if bad:
+        raise ValueError(f"{name} must hold token ids (ints in [0, {INT32_MAX}]), got {bad[:5]!r}")
+    return [int(t) for t in values]
 
 
 def _is_bool(value) -> bool:   # numpy's bool_ scalar too (duck-typed: no numpy import here)
@@ -58,18 +86,23 @@ class SamplingParams:
         n: Number of completions per prompt (>= 1; identical when greedy).
         temperature: Softmax temperature (>= 0); below 1e-5 means greedy.
         top_p: Nucleus mass in (0, 1].
-        top_k: Keep the k most likely tokens; 0 (or -1) disables.
+        top_k: Keep the k most likely tokens; 0 (or -1) disables. At most 2**31 - 1 here;
+            the engine refuses a ``top_k`` above the vocabulary size.
         min_p: Minimum probability relative to the most likely token, in [0, 1].
-        seed: Per-request generator seed, or None.
-        stop: Stop strings (matched by the detokenizer, not the core).
-        stop_token_ids: Token ids that stop generation (checked by the scheduler).
+        seed: Per-request generator seed in [-2**63, 2**64), or None.
+        stop: Stop strings (matched by the detokenizer, not the core; need ``detokenize``).
+        stop_token_ids: Token ids that stop generation (checked by the scheduler). The
+            engine adds the model's other EOS ids to them unless ``ignore_eos`` (vLLM's
+            generation-config EOS ids).
         ignore_eos: Keep generating after EOS.
         max_tokens: Maximum number of generated tokens (>= 1), or None for "until
             max_model_len".
         min_tokens: EOS and stop token ids are ignored before this many tokens.
         logprobs: Number of top logprobs per generated token (None: none; -1: whole vocab).
-        prompt_logprobs: Number of top logprobs per prompt token (None: none). Requests
-            that ask for them bypass prefix-cache hits.
+            The engine resolves -1 to the vocabulary size and refuses counts above its
+            ``max_logprobs`` (vLLM V1's rule).
+        prompt_logprobs: Number of top logprobs per prompt token (None: none; -1: whole
+            vocab, capped as ``logprobs``). Requests that ask for them bypass prefix-cache hits.
         presence_penalty: In [-2, 2].
         frequency_penalty: In [-2, 2].
         repetition_penalty: > 0; 1 disables.
@@ -79,7 +112,7 @@ class SamplingParams:
         detokenize: Whether the engine detokenizes the output.
         output_kind: ``RequestOutputKind`` of the outputs ``LLMEngine.step`` returns.
         logit_bias: ``{token id: bias}`` added to the logits before penalties and sampling
-            (biases clamped to [-100, 100], as OpenAI's ``logit_bias``).
+            (finite biases, clamped to [-100, 100], as OpenAI's ``logit_bias``).
         allowed_token_ids: Only these token ids can be sampled (non-empty), or None.
         bad_words: Words that must not be generated (vLLM's ``bad_words``). The engine encodes
             each (without special tokens) as it stands and with a leading space, keeping the
@@ -93,6 +126,10 @@ class SamplingParams:
             tokenizer (a jaxkv extension; vLLM derives these from ``bad_words`` only). The
             engine appends the encoded ``bad_words`` to these.
     """
+
+    #: False only for the engine's own requests (beam search's rounds), which the engine
+    #: checks against the vocabulary size instead of its ``max_logprobs``.
+    checks_max_logprobs: ClassVar[bool] = True
 
     n: int = 1
     temperature: float = 1.0
@@ -129,6 +166,8 @@ class SamplingParams:
                 raise TypeError(f"{name} must be a number, got {value!r}")
             if value != value:
                 raise ValueError(f"{name} must not be NaN")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             value = getattr(self, name)
@@ -145,16 +184,22 @@ class SamplingParams:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        for name in ("temperature", "repetition_penalty"):   # float32 on the device
+            if getattr(self, name) > FLOAT32_MAX:
+                raise ValueError(f"{name} must be at most {FLOAT32_MAX:.4g} (float32), "
+                                 f"got {getattr(self, name)!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or an int in [1, {INT32_MAX}], "
+                             f"got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 (or None), got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -185,26 +230,24 @@ class SamplingParams:
             self.stop = list(self.stop)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must contain non-empty strings, got {self.stop!r}")
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if self.stop and not self.detokenize:   # vLLM's rule: stop strings match the text
+            raise ValueError(f"stop strings {self.stop!r} need detokenize=True")
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids or ())
 
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
             bad = [(t, b) for t, b in self.logit_bias.items()
-                   if not _is_int(t) or t < 0 or not _is_number(b) or b != b]
+                   if not _is_token_id(t) or not _is_number(b) or not math.isfinite(b)]
             if bad:
-                raise ValueError(f"logit_bias needs non-negative int token ids and numbers (not NaN), "
-                                 f"got {bad[:5]!r}")
-            self.logit_bias = {t: min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
+                raise ValueError(f"logit_bias needs token ids (ints in [0, {INT32_MAX}]) mapped to "
+                                 f"finite numbers, got {bad[:5]!r}")
+            self.logit_bias = {int(t): min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            # Duplicates dropped: the worker pads every row to the longest list.
+            self.allowed_token_ids = list(dict.fromkeys(_token_ids("allowed_token_ids", self.allowed_token_ids)))
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (None allows every token)")
-            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
-                raise ValueError(f"allowed_token_ids must be non-negative ints, "
-                                 f"got {self.allowed_token_ids[:5]!r}")
 
         if self.truncate_prompt_tokens is not None and (
                 not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens == 0
@@ -220,10 +263,10 @@ class SamplingParams:
                     isinstance(w, (list, tuple)) for w in self.bad_words_token_ids):
                 raise TypeError(f"bad_words_token_ids must be a list of token-id lists, "
                                 f"got {self.bad_words_token_ids!r}")
-            self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
-            if any(not w or any(not _is_int(t) or t < 0 for t in w) for w in self.bad_words_token_ids):
-                raise ValueError(f"bad_words_token_ids must be non-empty lists of non-negative ints, "
-                                 f"got {self.bad_words_token_ids[:5]!r}")
+            if any(not w or not all(map(_is_token_id, w)) for w in self.bad_words_token_ids):
+                raise ValueError(f"bad_words_token_ids must be non-empty lists of token ids (ints in "
+                                 f"[0, {INT32_MAX}]), got {self.bad_words_token_ids[:5]!r}")
+            self.bad_words_token_ids = [[int(t) for t in w] for w in self.bad_words_token_ids]
 
         if self.greedy:
             # n > 1 with greedy is allowed (vLLM V1): the n completions are identical.
@@ -243,3 +286,32 @@ class SamplingParams:
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+
+def resolve_logprobs(params: SamplingParams, *, vocab_size: int, max_logprobs: int) -> SamplingParams:
+    """``params`` with ``logprobs`` / ``prompt_logprobs`` of -1 resolved to ``vocab_size``
+    (a copy; ``params`` itself when nothing changes), after vLLM V1's check: a count above
+    ``max_logprobs`` (-1: ``vocab_size``) is a ValueError, as is one above the vocabulary.
+    Params whose class sets ``checks_max_logprobs = False`` (beam search's rounds) are checked
+    against the vocabulary only. Only the counts are compared, so nothing is allocated in
+    proportion to them here.
+
+    >>> resolve_logprobs(SamplingParams(logprobs=-1), vocab_size=512, max_logprobs=-1).logprobs
+    512
+    """
+    cap = max_logprobs if params.checks_max_logprobs and max_logprobs != -1 else None
+    counts = {}
+    for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        asked = getattr(params, name)
+        if asked is None:
+            continue
+        k = vocab_size if asked == -1 else asked
+        if cap is not None and k > cap:
+            raise ValueError(f"Requested {what} logprobs of {k}, which is greater than max allowed: "
+                             f"{cap} ({name}={asked}; the engine's max_logprobs, -1 for the vocabulary "
+                             f"size, raises the cap)")
+        if k > vocab_size:
+            raise ValueError(f"{name}={asked} is larger than the vocabulary size {vocab_size}")
+        if k != asked:
+            counts[name] = k
+    return dataclasses.replace(params, **counts) if counts else params

@@ -57,7 +57,9 @@ class Request:
         request_id: Unique among live requests.
         prompt_token_ids: Non-empty list of token ids.
         sampling_params: Sampling parameters (``None`` means ``SamplingParams()``).
-        eos_token_id: Token id that stops generation unless ``ignore_eos``.
+        eos_token_id: Token id that stops generation unless ``ignore_eos`` (a model's
+            further EOS ids are among ``sampling_params.stop_token_ids``:
+            ``stop_check.with_eos_stop_ids``).
         arrival_time: Seconds (defaults to ``time.time()``); FCFS tie-break for priority.
         priority: Lower value is served first under the priority policy.
         cache_salt: Mixed into block 0's hash so that only requests with the same salt

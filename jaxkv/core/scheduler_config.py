@@ -61,8 +61,13 @@ class SchedulerConfig:
         _check_int("max_model_len", self.max_model_len, 2)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_int("num_lookahead_tokens", self.num_lookahead_tokens, 0)
-        if not isinstance(self.async_scheduling, bool):
-            raise TypeError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_kv_cache_events",
+                     "log_stats", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):   # "no" would be truthy
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.eos_token_id is not None and (isinstance(self.eos_token_id, bool)
+                                              or not isinstance(self.eos_token_id, int)):
+            raise TypeError(f"eos_token_id must be an int or None, got {self.eos_token_id!r}")
         if self.async_scheduling and self.num_lookahead_tokens:
             raise ValueError(
                 f"async_scheduling does not support speculative tokens "

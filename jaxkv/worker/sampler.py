@@ -90,7 +90,8 @@ def compute_logprobs(
     target_ids = target_ids.astype(jnp.int32)
     target_logprob = jnp.take_along_axis(logprobs, target_ids[:, None], axis=-1)[:, 0]  # [P]
     rank = jnp.sum(logprobs >= target_logprob[:, None], axis=-1, dtype=jnp.int32)  # [P]
-    topk_logprobs, topk_ids = jax.lax.top_k(logprobs, num_logprobs)  # [P, K]
+    # K is a bucket (a power of two) and may pass the vocabulary: every token is then in it
+    topk_logprobs, topk_ids = jax.lax.top_k(logprobs, min(num_logprobs, logprobs.shape[-1]))  # [P, K]
     return target_logprob, rank, topk_ids.astype(jnp.int32), topk_logprobs
 
 

@@ -24,6 +24,8 @@ from jaxkv.worker.buckets import pow2_at_least
 #: Padding entry of the token-id lists in SamplingMetadata (counts nothing, bans nothing).
 PAD_TOKEN_ID = -1
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingMetadata:
@@ -191,7 +193,8 @@ def build_sampling_metadata(
             if eos_token_id is not None and not getattr(p, "ignore_eos", False):
                 stop_ids.append(eos_token_id)
             banned.append(stop_ids)
-            ban_outputs[i] = p.min_tokens - steps[i]
+            # min_tokens may exceed int32 (any int is valid; max_model_len ends the row first)
+            ban_outputs[i] = min(p.min_tokens - int(steps[i]), _INT32_MAX)
         else:
             banned.append([])
         k = getattr(p, "logprobs", None)
