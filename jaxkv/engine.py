@@ -19,8 +19,11 @@ from collections.abc import Iterable, Sequence
 
 from jaxkv.core import EngineCoreOutput, Request, RequestStatus, Scheduler
 from jaxkv.core.stop_check import with_eos_stop_ids
+from jaxkv.core.errors import EngineStepError, blame, culprit_of
+from jaxkv.core.recovery import abort_failed_steps, drop_all_kv, remove_requests, reset_scheduler
 from jaxkv.detokenizer import IncrementalDetokenizer
 from jaxkv.engine_config import EngineConfig, resolve_engine_config
+from jaxkv.interrupts import DeferredInterrupt
 from jaxkv.outputs import (
     CompletionOutput,
     Logprob,
@@ -77,6 +80,19 @@ class _Parent:
         return all(c.finish_reason is not None for c in self.children)
 
 
+def _interrupted(exc: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is among the causes of ``exc``. jax's jit cache re-raises
+    an interrupt that lands in a static argument's ``__eq__`` as a ValueError holding the
+    interrupt's traceback as text, hence the second test."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt) or "\nKeyboardInterrupt" in str(exc):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -114,6 +130,7 @@ class LLMEngine:
         self.prefix_hit_tokens = 0
         self._last_stats = None
         self._in_flight = None   # async scheduling: (SchedulerOutput, StepHandle) not yet collected
+        self._pending_outputs: list = []   # outputs of a step that then raised, returned next
 
     @classmethod
     def from_config(cls, model: str = "tiny-llama", **kwargs) -> "LLMEngine":
@@ -214,14 +231,11 @@ class LLMEngine:
             children.append(_Child(index=i, request_id=child_id, detok=detok,
                                    logprobs=[] if params.logprobs is not None else None,
                                    cumulative_logprob=0.0 if params.logprobs is not None else None))
-        added = []
         try:
             for req in requests:
                 self.scheduler.add_request(req)
-                added.append(req.request_id)
-        except Exception:
-            if added:
-                self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+        except BaseException:   # a refused child, or an interrupt: none of them stays
+            remove_requests(self.scheduler, {r.request_id for r in requests} & set(self.scheduler.requests))
             raise
         parent = _Parent(request_id, text, ids, params, children,
                          RequestMetrics(arrival_time=time.perf_counter()),
@@ -318,9 +332,13 @@ class LLMEngine:
                 self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
             for c in parent.children:
                 self._child_of.pop(c.request_id, None)
+        if self._pending_outputs:   # an aborted request gets no more outputs
+            gone = set(ids)
+            self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in gone]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (self.scheduler.has_unfinished_requests() or self._in_flight is not None
+                or bool(self._pending_outputs))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
@@ -340,7 +358,40 @@ class LLMEngine:
         this call schedules and dispatches step N+1, then waits for step N and returns N's
         outputs, so the host's scheduling and input preparation overlap the device's work and
         outputs arrive one call later.
+
+        A step is all or nothing for its requests. If any part of it raises (scheduling,
+        input preparation, the device step, collecting its results, output processing),
+        every request of the failed step (with async scheduling, of the step in flight too;
+        with ``n > 1``, every completion of the same prompt) is finished as aborted, blocks
+        the step had put into the prefix cache are removed from it (their KV may be
+        unwritten), and the worker's batch, block tables and KV buffers are made valid again
+        (buffers a failed call had donated are re-created; then every other running request
+        is recomputed). Other requests carry on. An ``Exception`` then surfaces as
+        :class:`jaxkv.core.errors.EngineStepError` (the original as its cause) naming the
+        request being handled when known and the requests aborted; a KeyboardInterrupt or
+        other BaseException is re-raised as it is, with a note. Requests that did nothing
+        wrong are aborted, not re-queued: a failure nobody can attribute would otherwise
+        repeat forever. A Ctrl-C (SIGINT, main thread) that arrives during a step lets the
+        step finish and raises KeyboardInterrupt after it; that step's outputs are returned
+        by the next call. A second Ctrl-C during the same step raises at once.
         """
+        with DeferredInterrupt() as interrupt:
+            try:
+                outputs = self._step_once()
+            except BaseException as exc:
+                error = self._recover(exc)
+                if error is exc:
+                    raise
+                raise error from exc
+        if self._pending_outputs:
+            outputs, self._pending_outputs = self._pending_outputs + outputs, []
+        if interrupt.pending:
+            self._pending_outputs = outputs
+            raise KeyboardInterrupt("interrupted during LLMEngine.step (the step completed; "
+                                    "its outputs come with the next step())")
+        return outputs
+
+    def _step_once(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if not self.scheduler.async_scheduling:
             so = self.scheduler.schedule()
@@ -387,40 +438,128 @@ class LLMEngine:
         self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, self._last_stats.kv_cache_usage)
         self.num_prompt_tokens_computed += so.total_num_scheduled_tokens
 
+    # ---- failed steps -------------------------------------------------------------------------
+
+    def _recover(self, exc: BaseException) -> BaseException:
+        """Undoes a failed step (see :meth:`step`); returns the exception to raise."""
+        culprit = culprit_of(exc)
+        kv_lost = False
+        try:
+            self._in_flight = None
+            ids = set(abort_failed_steps(self.scheduler, self._family({culprit} - {None})))
+            siblings = self._family(ids) - ids   # other completions of the same prompts
+            ids |= set(self.scheduler.finish_requests(sorted(siblings), RequestStatus.FINISHED_ABORTED))
+            if self.runner.recover_after_failure(ids):
+                kv_lost = True
+                drop_all_kv(self.scheduler)
+        except BaseException:  # noqa: BLE001 - recovery itself broke: start from nothing
+            reset_scheduler(self.scheduler)
+            kv_lost = self.runner.recover_after_failure(list(self.runner.requests)) or kv_lost
+        aborted = self._drop_orphaned_parents()
+        self._last_stats = None   # get_stats() reads the state after the recovery
+        what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        where = f" while handling request {culprit!r}" if culprit is not None else ""
+        message = (f"engine step failed{where} ({what}); aborted requests {aborted}"
+                   + ("; the KV cache was lost and the other running requests will be recomputed"
+                      if kv_lost else ""))
+        if not isinstance(exc, Exception):   # KeyboardInterrupt, SystemExit: keep their type
+            exc.add_note(f"jaxkv: {message}")
+            return exc
+        if _interrupted(exc):   # a library turned an interrupt into its own error
+            interrupt = KeyboardInterrupt(message)
+            interrupt.__cause__ = exc
+            return interrupt
+        return EngineStepError(message, request_id=culprit, aborted_request_ids=aborted,
+                               kv_cache_lost=kv_lost)
+
+    def _family(self, core_ids) -> set[str]:
+        """The core request ids of every completion of the prompts ``core_ids`` belong to."""
+        out = set(core_ids)
+        for rid in core_ids:
+            pc = self._child_of.get(rid)
+            if pc is not None:
+                out.update(c.request_id for c in pc[0].children)
+        return out
+
+    def _drop_orphaned_parents(self) -> list[str]:
+        """Forgets every request with a completion the core no longer has (aborted by a
+        recovery, or finished without its output being processed); returns their ids."""
+        live = self.scheduler.requests
+        dropped = []
+        for rid, parent in list(self._parents.items()):
+            if all(c.finish_reason is not None or c.request_id in live for c in parent.children):
+                continue
+            rest = [c.request_id for c in parent.children if c.request_id in live]
+            if rest:
+                self.scheduler.finish_requests(rest, RequestStatus.FINISHED_ABORTED)
+            for c in parent.children:
+                if c.finish_reason is None:
+                    c.finish_reason = "abort"
+                self._child_of.pop(c.request_id, None)
+            del self._parents[rid]
+            dropped.append(rid)
+        return dropped
+
     def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """The outputs of ``core_outputs``. One that fails to process does not stop the
+        others: the rest are processed, their outputs kept for the next ``step()``, and the
+        first error is raised (naming its request) for ``step`` to abort that request."""
         now = time.perf_counter()
         touched: dict[str, _Parent] = {}
+        error = None
+        failed: set[str] = set()
         for co in core_outputs:
-            pc = self._child_of.get(co.request_id)
-            if pc is None:
-                continue
-            parent, child = pc
-            touched[parent.request_id] = parent
-            if co.num_cached_tokens and not parent.num_cached_tokens:
-                self.prefix_hit_tokens += co.num_cached_tokens
-                parent.num_cached_tokens = co.num_cached_tokens
-                parent.metrics.num_prefix_hit_tokens = co.num_cached_tokens
-            if co.pooling_output is not None:
-                parent.pooled = co.pooling_output
-            if co.new_prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
-                parent.prompt_logprobs.extend(self._to_logprobs(lp) for lp in co.new_prompt_logprobs)
-            if co.new_token_ids:
-                self.num_generated_tokens += len(co.new_token_ids)
-                if parent.metrics.first_token_time is None:
-                    parent.metrics.first_token_time = now
-                parent.metrics.last_token_time = now
-                child.token_ids.extend(co.new_token_ids)
-                if child.logprobs is not None and co.new_logprobs:
-                    for lp in co.new_logprobs:
-                        child.logprobs.append(self._to_logprobs(lp))
-                        child.cumulative_logprob += lp[1][0]
-                if child.detok is not None and child.finish_reason is None:
-                    matched = child.detok.update(co.new_token_ids)
-                    if matched is not None and co.finish_reason is None:
-                        self.scheduler.finish_requests([child.request_id], RequestStatus.FINISHED_STOPPED)
-                        child.finish_reason, child.stop_reason = "stop", matched
-            if co.finish_reason is not None and child.finish_reason is None:
-                child.finish_reason, child.stop_reason = co.finish_reason, co.stop_reason
+            try:
+                self._process_one(co, now, touched)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, once the rest are done
+                blame(exc, co.request_id)
+                error = error or exc
+                pc = self._child_of.get(co.request_id)
+                if pc is not None:   # step() aborts its request: it gets no output
+                    failed.add(pc[0].request_id)
+        for rid in failed:
+            touched.pop(rid, None)
+        outputs = self._outputs_of(touched, now)
+        if error is not None:
+            self._pending_outputs += outputs
+            raise error
+        return outputs
+
+    def _process_one(self, co: EngineCoreOutput, now: float, touched: dict) -> None:
+        """Applies one core output to its request (tokens, logprobs, text, finish)."""
+        pc = self._child_of.get(co.request_id)
+        if pc is None:
+            return
+        parent, child = pc
+        touched[parent.request_id] = parent
+        if co.num_cached_tokens and not parent.num_cached_tokens:
+            self.prefix_hit_tokens += co.num_cached_tokens
+            parent.num_cached_tokens = co.num_cached_tokens
+            parent.metrics.num_prefix_hit_tokens = co.num_cached_tokens
+        if co.pooling_output is not None:
+            parent.pooled = co.pooling_output
+        if co.new_prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
+            parent.prompt_logprobs.extend(self._to_logprobs(lp) for lp in co.new_prompt_logprobs)
+        if co.new_token_ids:
+            self.num_generated_tokens += len(co.new_token_ids)
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
+            parent.metrics.last_token_time = now
+            child.token_ids.extend(co.new_token_ids)
+            if child.logprobs is not None and co.new_logprobs:
+                for lp in co.new_logprobs:
+                    child.logprobs.append(self._to_logprobs(lp))
+                    child.cumulative_logprob += lp[1][0]
+            if child.detok is not None and child.finish_reason is None:
+                matched = child.detok.update(co.new_token_ids)
+                if matched is not None and co.finish_reason is None:
+                    self.scheduler.finish_requests([child.request_id], RequestStatus.FINISHED_STOPPED)
+                    child.finish_reason, child.stop_reason = "stop", matched
+        if co.finish_reason is not None and child.finish_reason is None:
+            child.finish_reason, child.stop_reason = co.finish_reason, co.stop_reason
+
+    def _outputs_of(self, touched: dict, now: float) -> list:
+        """The outputs of the requests ``touched`` this step (forgetting finished ones)."""
         outputs = []
         for parent in touched.values():
             finished = parent.finished

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxkv.beam_search import BeamRoundParams, BeamSearchOutput, BeamSearchParams, run_beam_search
 from jaxkv.engine import LLMEngine
+from jaxkv.interrupts import DeferredInterrupt
 from jaxkv.outputs import (
     EmbeddingRequestOutput,
     PoolingRequestOutput,
@@ -125,28 +126,34 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
-        ids = []
-        try:
-            for p, sp, prio in zip(prompts, params, priorities):
-                rid = engine.next_request_id()
-                engine.add_request(rid, p, sp, priority=prio)
-                ids.append(rid)
-        except Exception:
-            if ids:
-                engine.abort_request(ids)
-            raise
+        ids: list[str] = []
         finished: dict = {}
-        bar = _progress(len(ids), desc) if use_tqdm else None
-        while len(finished) < len(ids):
-            for out in engine.step():
-                if out.finished and out.request_id in ids:
-                    finished[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-            if not engine.has_unfinished_requests() and len(finished) < len(ids):
-                raise RuntimeError("engine has no unfinished requests but outputs are missing")
-        if bar is not None:
-            bar.close()
+        bar = None
+        # Ctrl-C is held until the current request is added or the current step is done,
+        # then raised here (a second one raises at once): see jaxkv.interrupts.
+        with DeferredInterrupt() as interrupt:
+            try:
+                for p, sp, prio in zip(prompts, params, priorities):
+                    rid = engine.next_request_id()
+                    ids.append(rid)   # first: add_request cleans up after itself if it raises
+                    engine.add_request(rid, p, sp, priority=prio)
+                    _raise_if(interrupt)
+                bar = _progress(len(ids), desc) if use_tqdm else None
+                while len(finished) < len(ids):
+                    for out in engine.step():
+                        if out.finished and out.request_id in ids:
+                            finished[out.request_id] = out
+                            if bar is not None:
+                                bar.update(1)
+                    _raise_if(interrupt)
+                    if not engine.has_unfinished_requests() and len(finished) < len(ids):
+                        raise RuntimeError("engine has no unfinished requests but outputs are missing")
+            except BaseException:   # a refused prompt, a failed step, Ctrl-C: this call's
+                engine.abort_request(ids)   # requests end with it
+                raise
+            finally:
+                if bar is not None:
+                    bar.close()
         return [finished[r] for r in ids]
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -197,6 +204,11 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _raise_if(interrupt: DeferredInterrupt) -> None:
+    if interrupt.pending:
+        raise KeyboardInterrupt("interrupted (LLM: the requests of this call were aborted)")
 
 
 def _prompt_list(prompts) -> list:

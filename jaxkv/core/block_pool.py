@@ -67,6 +67,9 @@ class BlockPool:
         self.kv_event_queue: list[KVCacheEvent] = []
         #: Ids handed out by ``get_new_blocks`` since the last ``take_new_block_ids``.
         self._new_block_ids: list[int] | None = [] if track_new_block_ids else None
+        #: Ids of blocks ``cache_full_blocks`` hashed since the last ``take_newly_cached_block_ids``
+        #: (cached at allocation, before the step that writes their KV has run).
+        self._newly_cached: list[int] = []
 
     # ---- prefix cache ----------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
@@ -112,6 +115,7 @@ class BlockPool:
             key = (block_hash, kv_cache_group_id)
             block.block_hash = key  # raises if already set
             insert(key, block)
+            self._newly_cached.append(block.block_id)
             if new_hashes is not None:
                 new_hashes.append(block_hash)
         if new_hashes:
@@ -148,6 +152,18 @@ class BlockPool:
         block.reset_hash()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockRemoved(block_hashes=(key[0],)))
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> int:
+        """Removes these blocks from the prefix cache (those that have a hash); returns how
+        many were removed. For blocks cached for tokens whose KV was never written (a step
+        that failed): they must never be served as hits. Ref counts are not touched."""
+        removed = 0
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block._block_hash is not None:
+                self._evict_cached_block(block)
+                removed += 1
+        return removed
 
     def touch(self, blocks: Iterable[Iterable[KVCacheBlock]]) -> None:
         """Takes a reference on prefix-hit blocks (per group), removing free ones from the queue."""
@@ -214,6 +230,11 @@ class BlockPool:
             return []
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
+
+    def take_newly_cached_block_ids(self) -> list[int]:
+        """Ids of the blocks hashed since the last call (in caching order)."""
+        ids, self._newly_cached = self._newly_cached, []
+        return ids
 
     def take_new_block_ids(self) -> list[int]:
         """Ids handed out since the last call, each once, in allocation order."""

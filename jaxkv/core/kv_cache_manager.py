@@ -235,5 +235,14 @@ class KVCacheManager:
     def take_new_block_ids(self) -> list[int]:
         return self.block_pool.take_new_block_ids()
 
+    def take_newly_cached_block_ids(self) -> list[int]:
+        """Blocks put into the prefix cache since the last call (their KV is written by the
+        step being scheduled)."""
+        return self.block_pool.take_newly_cached_block_ids()
+
+    def evict_blocks(self, block_ids) -> int:
+        """Drops these blocks from the prefix cache (see ``BlockPool.evict_blocks``)."""
+        return self.block_pool.evict_blocks(block_ids)
+
     def create_empty_block_list(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([] for _ in range(self.num_kv_cache_groups)))

@@ -63,15 +63,7 @@ class Scheduler:
         self.num_lookahead_tokens = config.num_lookahead_tokens
         self.async_scheduling = config.async_scheduling
 
-        self.kv_cache_manager = KVCacheManager(
-            kv_cache_config,
-            max_model_len=config.max_model_len,
-            enable_caching=config.enable_prefix_caching,
-            log_stats=config.log_stats,
-            enable_kv_cache_events=config.enable_kv_cache_events,
-            eviction_policy=config.eviction_policy,
-            track_new_block_ids=True,
-        )
+        self.kv_cache_manager = self._make_kv_cache_manager()
         self.block_size = self.kv_cache_manager.block_size
         self.num_kv_cache_groups = self.kv_cache_manager.num_kv_cache_groups
         self.block_hasher = None
@@ -86,6 +78,23 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_metrics = PrefixCachingMetrics()
         self._kv_event_batches: list[KVEventBatch] = []
+        #: Steps scheduled and not yet updated, each with the blocks its schedule put into
+        #: the prefix cache (their KV is written by that step): evicted if the step fails.
+        self._uncommitted: list[tuple[SchedulerOutput, list[int]]] = []
+        self._scheduling = False   # True while schedule() runs (still True if it raised)
+        self.num_hard_resets = 0   # recoveries that had to rebuild the KV-cache manager
+
+    def _make_kv_cache_manager(self) -> KVCacheManager:
+        config = self.scheduler_config
+        return KVCacheManager(
+            self.kv_cache_config,
+            max_model_len=config.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+            log_stats=config.log_stats,
+            enable_kv_cache_events=config.enable_kv_cache_events,
+            eviction_policy=config.eviction_policy,
+            track_new_block_ids=True,
+        )
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -124,8 +133,8 @@ class Scheduler:
                 )
         if request.eos_token_id is None:
             request.eos_token_id = self.scheduler_config.eos_token_id
-        self.waiting.add_request(request)
         self.requests[req_id] = request
+        self.waiting.add_request(request)
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -189,6 +198,7 @@ class Scheduler:
     # ---- schedule --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Decides this step's batch and reserves its KV slots (see module docstring)."""
+        self._scheduling = True
         kv = self.kv_cache_manager
         allocate_slots = kv.allocate_slots
         threshold = self.scheduler_config.long_prefill_token_threshold
@@ -341,6 +351,10 @@ class Scheduler:
                                      >= request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1  # this step samples its next token
         self.finished_req_ids = set()
+        newly_cached = kv.take_newly_cached_block_ids()
+        if num_scheduled_tokens:   # nothing scheduled: no step runs, nothing is updated
+            self._uncommitted.append((output, newly_cached))
+        self._scheduling = False
         return output
 
     def _pick_victim(self) -> Request:
@@ -375,6 +389,8 @@ class Scheduler:
         Returns one ``EngineCoreOutput`` per request that got tokens, prompt logprobs or
         finished. Requests finished or aborted since ``schedule()`` are skipped.
         """
+        # The step ran: the KV of the blocks its schedule cached is written.
+        self._uncommitted = [u for u in self._uncommitted if u[0] is not scheduler_output]
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         prompt_logprobs_dict = model_runner_output.prompt_logprobs_dict

@@ -281,6 +281,15 @@ class BlockTableStager:
         self._start_num_blocks = self.num_blocks_per_row.copy()
         return np.concatenate([move_arr.ravel(), clear_arr, write_arr.ravel()]), layout
 
+    def reset(self) -> None:
+        """Every row empty and nothing staged (after a failed step; pair it with fresh
+        ``device_tables()``, since the device may not have applied the last diff)."""
+        for table in self.tables:
+            table[:] = NULL_BLOCK_ID
+        self.num_blocks_per_row[:] = 0
+        self._start_num_blocks[:] = 0
+        self._diff.clear()
+
     def device_tables(self) -> tuple[jax.Array, ...]:
         """Fresh device copies of the mirror (initialisation and tests; steps use diffs)."""
         return tuple(jnp.asarray(t) for t in self.tables)

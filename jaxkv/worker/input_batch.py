@@ -148,6 +148,16 @@ class InputBatch:
         heapq.heappush(self._free_rows, row)
         return row
 
+    def clear(self) -> None:
+        """Removes every request and resets the block-table mirror (nothing staged)."""
+        self._req_ids = [None] * self.max_num_reqs
+        self.req_id_to_index = {}
+        self._free_rows = list(range(self.max_num_reqs))
+        self.sampling_params = [None] * self.max_num_reqs
+        for arr in (self.num_prompt_tokens, self.num_tokens, self.num_computed_tokens_cpu):
+            arr[:] = 0
+        self.block_table.reset()
+
     def condense(self) -> list[tuple[int, int]]:
         """Moves the last rows into the holes below ``num_reqs``; returns the (src, dst) moves.
 

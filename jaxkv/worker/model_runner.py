@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.core import ModelRunnerOutput, SchedulerOutput
+from jaxkv.core.errors import blame
 from jaxkv.kv_cache import KVCacheConfig, cdiv
 from jaxkv.worker import kv_memory, prompt_logprobs
 from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops_jit
@@ -112,6 +113,17 @@ def _spec_padding(P: int, S: int) -> dict[str, np.ndarray]:
             "spec_last": np.zeros(S, np.int32)}       # [S] each row's bonus position
 
 
+def _lost(x: jax.Array) -> bool:
+    """True when ``x`` was donated to a call that failed, or holds that call's error."""
+    try:
+        if x.is_deleted():
+            return True
+        x.block_until_ready()
+    except Exception:  # noqa: BLE001 - any error reading it back means it is unusable
+        return True
+    return False
+
+
 @dataclasses.dataclass
 class StepHandle:
     """A dispatched step whose results are still on the device (``ModelRunner.collect``)."""
@@ -175,6 +187,7 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         if mesh is not None:   # tensor parallel: weights split by models.sharding's rules
             self.state = shard_state(self.state, mesh, getattr(model, "tp_partition_rules", None))
+        self.mesh = mesh
         self.buffers = kv_memory.allocate_kv_buffers(kv_cache_config, mesh=mesh)
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.input_batch = InputBatch(max_num_seqs, max_model_len,
@@ -207,6 +220,7 @@ class ModelRunner:
                               cpu_kernel=self.binding.cpu_kernels, mesh=mesh), donate_argnums=0)
 
         self.requests: dict[str, CachedRequestState] = {}
+        self._handling: str | None = None   # the request being set up (named if it raises)
         self._out_specs: dict = {}
         step = build_step_fn(self.graphdef, binding=self.binding, page_bytes=self.page_bytes,
                              sample_fn=functools.partial(sample_fn, logprobs_mode=logprobs_mode),
@@ -244,7 +258,19 @@ class ModelRunner:
         for req_id in batch.req_ids:
             if req_id not in so.num_scheduled_tokens:
                 batch.remove_request(req_id)
+        try:
+            self._add_new_and_cached(so)
+        except BaseException as exc:
+            blame(exc, self._handling)
+            raise
+        batch.condense()
+        return list(so.new_block_ids_to_zero)
+
+    def _add_new_and_cached(self, so: SchedulerOutput) -> None:
+        """``_update_states`` for the scheduled requests (``_handling``: the one at hand)."""
+        batch = self.input_batch
         for new in so.scheduled_new_reqs:
+            self._handling = new.req_id
             s = CachedRequestState(
                 req_id=new.req_id, token_ids=list(new.prompt_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids), sampling_params=new.sampling_params,
@@ -256,6 +282,7 @@ class ModelRunner:
             self._add_to_batch(s)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            self._handling = req_id
             s = self.requests[req_id]
             s.num_computed_tokens = cached.num_computed_tokens[i]
             new_ids = cached.new_block_ids[i]
@@ -276,8 +303,7 @@ class ModelRunner:
             else:
                 batch.remove_request(req_id)
                 self._add_to_batch(s)
-        batch.condense()
-        return list(so.new_block_ids_to_zero)
+        self._handling = None
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -378,6 +404,16 @@ class ModelRunner:
         if self._in_flight is handle:
             self._in_flight = None
         results = self._fetch(handle.shape, handle.out)
+        try:
+            return self._collect_rows(handle, results)
+        except BaseException as exc:
+            blame(exc, self._handling)
+            raise
+        finally:
+            self._handling = None
+
+    def _collect_rows(self, handle: StepHandle, results: dict[str, np.ndarray]) -> ModelRunnerOutput:
+        """``collect`` after the fetch: per row, its tokens, logprobs and pooled vectors."""
         batch = self.input_batch
         sampled = results["sampled_token_ids"]   # [S], or [P] with drafts
         accepted = results.get("spec_accepted")   # [P] bool with drafts
@@ -394,15 +430,18 @@ class ModelRunner:
         propose = spec_out is not None and batch_may_speculate(self.speculative_config, len(handle.states))
         for i in handle.prompt_rows:
             s = handle.states[i]
+            self._handling = s.req_id
             prompt_lp[s.req_id] = prompt_logprobs.collect(
                 s, results, int(handle.qsl[i]), int(handle.q_lens[i]), int(handle.computed[i]))
         pooled = {}
         for i in handle.pool_rows:
             s = handle.states[i]
+            self._handling = s.req_id
             vec = s.pooling.add(results, i, int(handle.qsl[i]), int(handle.q_lens[i]), int(handle.computed[i]))
             if vec is not None:
                 pooled[s.req_id] = vec
         for i, s in enumerate(handle.states):
+            self._handling = s.req_id
             if samples[i]:
                 new = self._accepted_tokens(toks, accepted, int(start[i]), handle.drafts[i] if handle.drafts else ())
                 s.token_ids.extend(new)
@@ -421,6 +460,7 @@ class ModelRunner:
                     logprobs_out.append([])
             if spec_out is not None:
                 spec_out.append(self._propose(s) if propose and samples[i] else [])
+        self._handling = None
         for r in range(max(map(len, row_toks), default=0)):   # the r-th new token of each row
             sel = [j for j, t in enumerate(row_toks) if len(t) > r]
             batch.append_one_token_per_row(np.asarray([rows[j] for j in sel]),
@@ -644,6 +684,32 @@ class ModelRunner:
 
     def _run(self, shape: StepShape, packed: np.ndarray) -> dict[str, np.ndarray]:
         return self._fetch(shape, self._dispatch(shape, packed))
+
+    # ---- failure recovery ---------------------------------------------------------------------
+
+    def recover_after_failure(self, req_ids) -> bool:
+        """Makes the worker consistent after a failed step; returns True when the KV buffers
+        had to be re-created (their contents are lost: every request must be recomputed).
+
+        ``req_ids`` (the aborted requests) are forgotten; the step in flight is dropped.
+        Every row leaves the persistent batch and the device block tables are rebuilt from
+        the (now empty) host mirror, since the failed step may or may not have applied its
+        diff; the surviving requests keep their state and take rows again when next
+        scheduled (as unscheduled requests do). KV buffers, block tables and the last
+        sampled tokens that a failed call had donated are re-created.
+        """
+        self._in_flight = None
+        self._handling = None
+        for req_id in req_ids:
+            self.requests.pop(req_id, None)
+        self.input_batch.clear()
+        self.tables = self.stager.device_tables()
+        if _lost(self.last_sampled):
+            self.last_sampled = jnp.zeros(self.max_num_seqs, jnp.int32)
+        if any(_lost(b) for b in self.buffers):
+            self.buffers = kv_memory.allocate_kv_buffers(self.config, mesh=self.mesh)
+            return True
+        return False
 
     # ---- warm-up and introspection ------------------------------------------------------------
 

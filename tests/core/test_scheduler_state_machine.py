@@ -1,10 +1,13 @@
-"""Hypothesis state machine: random add / schedule+sample / abort sequences on a tiny pool.
+"""Hypothesis state machine: random add / schedule+sample / abort / failed-step sequences on a tiny pool.
 
 After every step it checks the block accounting: each block's ref count equals its number
 of holders, free + held + null = total, no block is in two groups, and once no request is
 alive every non-null block is free. The async variant keeps one step in flight (step N+1 is
 scheduled before step N's tokens are applied) and also checks that no request gets more
-than ``max_tokens`` outputs.
+than ``max_tokens`` outputs. A failed step (a schedule whose step never reports back, or
+a schedule that raises part-way) is undone with ``recovery.abort_failed_steps``: afterwards
+``consistency.scheduler_problems`` is empty and no block cached by a failed schedule (or by
+the step in flight) is still in the prefix cache.
 """
 
 from collections import Counter
@@ -14,6 +17,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from jaxkv.core import ModelRunnerOutput, Request, Scheduler
+from jaxkv.core.consistency import scheduler_problems
+from jaxkv.core.recovery import abort_failed_steps
 from jaxkv.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from jaxkv.sampling_params import SamplingParams
 
@@ -71,9 +76,47 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.scheduler.add_request(request)
 
+    def _cached_entries(self) -> set:
+        cache = self.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block._cache
+        return {(key, b.block_id) for key, entry in cache.items()
+                for b in (entry.values() if isinstance(entry, dict) else (entry,))}
+
+    @rule(mid_schedule=st.booleans(), on_call=st.integers(1, 3))
+    def failed_step(self, mid_schedule, on_call):
+        s = self.scheduler
+        before = self.in_flight[2] if self.in_flight else self._cached_entries()
+        live_before = set(s.requests)
+        if mid_schedule:   # allocate_slots raises on its on_call-th call
+            kv, calls = s.kv_cache_manager, [0]
+            real = kv.allocate_slots
+
+            def allocate(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == on_call:
+                    raise RuntimeError("injected")
+                return real(*args, **kwargs)
+
+            kv.allocate_slots = allocate
+            try:
+                s.schedule()
+            except RuntimeError:
+                pass
+            finally:
+                del kv.allocate_slots
+        else:
+            out = s.schedule()   # its step never reports back
+            assert set(out.num_scheduled_tokens) <= live_before
+        aborted = abort_failed_steps(s)
+        self.in_flight = None
+        assert set(aborted) <= live_before and not set(aborted) & set(s.requests)
+        assert scheduler_problems(s) == []
+        assert s.num_hard_resets == 0, "recovery missed something and rebuilt the KV manager"
+        assert self._cached_entries() <= before, "a block cached by a failed step is still cached"
+
     @rule(tokens=st.lists(st.integers(0, 9), min_size=8, max_size=8))
     def step(self, tokens):
         s = self.scheduler
+        snapshot = self._cached_entries() if self.async_scheduling else None
         out = s.schedule()
         self.num_steps += 1
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values()) <= 12
@@ -90,8 +133,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             sampled[req_id] = [tokens[i % len(tokens)]] if done else []
         mro = ModelRunnerOutput.from_sampled(sampled)
         if self.async_scheduling:
-            prev, self.in_flight = self.in_flight, (out, mro)
-            results = s.update_from_output(*prev) if prev else []
+            prev, self.in_flight = self.in_flight, (out, mro, snapshot)
+            results = s.update_from_output(*prev[:2]) if prev else []
         else:
             results = s.update_from_output(out, mro)
         for res in results:
@@ -134,6 +177,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert alive == set(s.requests)
         if not s.requests:
             assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+        assert scheduler_problems(s) == []
 
     def teardown(self):
         # Drain: everything finishes or is aborted, and no block leaks.
@@ -142,7 +186,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not s.has_unfinished_requests() and self.in_flight is None:
                 break
             if not s.has_unfinished_requests():   # async: apply the last step in flight
-                s.update_from_output(*self.in_flight)
+                s.update_from_output(*self.in_flight[:2])
                 self.in_flight = None
             else:
                 self.step([EOS - 1] * 8)
