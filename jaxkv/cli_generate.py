@@ -327,7 +327,7 @@ def _beam_search(llm, args, params, prompts, shown, load_s: float) -> int:
     results = llm.beam_search(prompts, params)
     gen_s = time.perf_counter() - t1
     for i, (p, r) in enumerate(zip(prompts, results)):
-        n_prompt = len(engine._tokenize(p)[1])
+        n_prompt = len(engine.input_processor.tokenize(p)[1])
         print(f"--- [{i}] {shown[i]}")
         for rank, seq in enumerate(r.sequences):
             new = seq.tokens[n_prompt:]

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import numbers
 import time
 from collections.abc import Iterable, Sequence
 
 from jaxkv.core import EngineCoreOutput, Request, RequestStatus, Scheduler
-from jaxkv.core.stop_check import with_eos_stop_ids
-from jaxkv.core.errors import EngineStepError, blame, culprit_of
+from jaxkv.core.errors import EngineStepError, blame, caused_by_interrupt, culprit_of
 from jaxkv.core.recovery import abort_failed_steps, drop_all_kv, remove_requests, reset_scheduler
 from jaxkv.detokenizer import IncrementalDetokenizer
 from jaxkv.engine_config import EngineConfig, resolve_engine_config
+from jaxkv.input_processor import InputProcessor
 from jaxkv.interrupts import DeferredInterrupt
 from jaxkv.outputs import (
     CompletionOutput,
@@ -33,7 +32,7 @@ from jaxkv.outputs import (
     RequestOutput,
 )
 from jaxkv.pooling_params import PoolingParams
-from jaxkv.sampling_params import RequestOutputKind, SamplingParams, resolve_logprobs
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.worker.model_runner import ModelRunner
 from models.sharding import make_tp_mesh
 
@@ -80,19 +79,6 @@ class _Parent:
         return all(c.finish_reason is not None for c in self.children)
 
 
-def _interrupted(exc: BaseException) -> bool:
-    """Whether a KeyboardInterrupt is among the causes of ``exc``. jax's jit cache re-raises
-    an interrupt that lands in a static argument's ``__eq__`` as a ValueError holding the
-    interrupt's traceback as text, hence the second test."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt) or "\nKeyboardInterrupt" in str(exc):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
@@ -107,18 +93,19 @@ class LLMEngine:
         self.config = config
         self.kv_cache_config = config.kv_cache_config
         self.scheduler = Scheduler(config.kv_cache_config, config.scheduler_config)
+        self.input_processor = InputProcessor(config, model_config, tokenizer)
         self.runner = ModelRunner(
             model, config.kv_cache_config, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, attention_backend=config.attention_backend,
-            cache_dtype=config.cache_dtype, seed=config.seed, eos_token_id=self._eos_id(),
+            cache_dtype=config.cache_dtype, seed=config.seed, eos_token_id=self.input_processor.eos_token_id,
             speculative_config=config.speculative_config, logprobs_mode=config.logprobs_mode,
             mesh=make_tp_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None)
         # bad_words encoded, so warm-up compiles the widths requests use; a pooling-only
         # engine never decodes, so its decode steps are not warmed up.
         if config.warmup and config.runner != "pooling":
             self.runner.warmup(progress=verbose, prefill=config.warmup == "all",
-                               sampling=[self._with_bad_words_ids("warmup", p) for p in config.warmup_sampling])
+                               sampling=[self.input_processor.with_bad_words_ids("warmup", p) for p in config.warmup_sampling])
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
         self._counter = itertools.count()
@@ -138,27 +125,6 @@ class LLMEngine:
         return cls(loaded, model_config, tokenizer, config, verbose=kwargs.get("verbose", False))
 
     # ---- requests -----------------------------------------------------------------------------
-
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"model {self.config.model_name!r} has no tokenizer: pass token-id lists, not strings")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
-            ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-            if bad:
-                raise TypeError(f"prompt token ids must be ints, got {bad[:3]!r}")
-            return None, [int(t) for t in ids]   # numpy integers too
-        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None) -> None:
@@ -188,28 +154,11 @@ class LLMEngine:
             if busy:   # its results would be taken for the new request's
                 raise ValueError(f"request id {request_id!r} is still in the step in flight (as {busy}); "
                                  "reuse it after the next step()")
-        text, ids = self._tokenize(prompt)
+        text, ids = self.input_processor.tokenize(prompt)
         if isinstance(params, PoolingParams):
             self._add_pooling_request(request_id, text, ids, params, priority, cache_salt)
             return
-        ids = self._checked_prompt(request_id, ids, params.truncate_prompt_tokens, self.config.max_model_len)
-        # Everything the step would only fail on is refused here (SamplingParams has already
-        # bounded each id and top_k by int32, so no numpy conversion can overflow later).
-        self._check_vocab(request_id, "logit_bias", params.logit_bias or ())
-        self._check_vocab(request_id, "allowed_token_ids", params.allowed_token_ids or ())
-        self._check_vocab(request_id, "stop_token_ids", params.stop_token_ids)
-        vocab = self.model_config.vocab_size
-        if params.top_k > vocab:
-            raise ValueError(f"request {request_id!r}: top_k={params.top_k} is larger than the "
-                             f"vocabulary size {vocab}")
-        try:   # logprobs=-1 -> vocab_size, then vLLM's max_logprobs cap
-            params = resolve_logprobs(params, vocab_size=vocab, max_logprobs=self.config.max_logprobs)
-        except ValueError as e:
-            raise ValueError(f"request {request_id!r}: {e}") from None
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"request {request_id!r}: stop strings {params.stop} need a tokenizer")
-        params = self._with_bad_words_ids(request_id, params)
-        params = with_eos_stop_ids(params, self.config.eos_token_ids[1:])   # every EOS id stops
+        ids, params = self.input_processor.process_generation(request_id, ids, params)
         n = params.n
         children = []
         requests = []
@@ -219,7 +168,7 @@ class LLMEngine:
             if n > 1:   # seed + i taken mod 2**64 (the sampler's key is), so it stays in range
                 child_params = dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else (params.seed + i) % (1 << 64))
-            req = Request(child_id, ids, child_params, eos_token_id=self._eos_id(),
+            req = Request(child_id, ids, child_params, eos_token_id=self.input_processor.eos_token_id,
                           priority=priority, cache_salt=cache_salt)
             requests.append(req)
             detok = None
@@ -246,69 +195,13 @@ class LLMEngine:
 
     def _add_pooling_request(self, request_id: str, text, ids: list[int], params: PoolingParams,
                              priority: int, cache_salt) -> None:
-        pp = params.resolved(self.config.pooler_config, self.model_config.hidden_size)
-        # The scheduler runs at most max_model_len - 1 positions, so a pooling prompt (whose
-        # positions must all run) has one token less room than a generation prompt.
-        ids = self._checked_prompt(request_id, ids, pp.truncate_prompt_tokens, self.config.max_model_len - 1)
+        ids, pp = self.input_processor.process_pooling(request_id, ids, params)
         self.scheduler.add_request(Request(request_id, ids, _POOLING_SAMPLING, priority=priority,
                                            cache_salt=cache_salt, pooling_params=pp))
         parent = _Parent(request_id, text, ids, _POOLING_SAMPLING, [_Child(index=0, request_id=request_id)],
                          RequestMetrics(arrival_time=time.perf_counter()), pooling=pp)
         self._parents[request_id] = parent
         self._child_of[request_id] = (parent, parent.children[0])
-
-    def _checked_prompt(self, request_id: str, ids: list[int], truncate: int | None, longest: int) -> list[int]:
-        """The prompt after ``truncate_prompt_tokens`` (vLLM's left truncation: the last k
-        tokens, -1: ``max_model_len - 1``); ValueError when it is empty, has ids outside the
-        vocabulary or is longer than ``longest``."""
-        if truncate is not None:
-            ids = ids[-(self.config.max_model_len - 1 if truncate == -1 else truncate):]
-        if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        self._check_vocab(request_id, "the prompt", ids)
-        if len(ids) > longest:
-            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens is longer than {longest} "
-                             f"(max_model_len={self.config.max_model_len})")
-        return ids
-
-    def _check_vocab(self, request_id: str, what: str, token_ids) -> None:
-        """ValueError naming the first ids of ``token_ids`` outside the model's vocabulary."""
-        vocab = self.model_config.vocab_size
-        outside = sorted({t for t in token_ids if not 0 <= t < vocab})
-        if outside:
-            raise ValueError(f"request {request_id!r}: {what} has token ids {outside[:5]} outside "
-                             f"the vocabulary [0, {vocab})")
-
-    def _with_bad_words_ids(self, request_id: str, params: SamplingParams) -> SamplingParams:
-        """``params`` with ``bad_words`` encoded and appended to ``bad_words_token_ids`` (a copy:
-        the caller's object is left alone); every id checked against the vocabulary.
-
-        Each word is encoded as it stands (leading spaces stripped) and with one leading space;
-        the second form is kept only when it starts with another token and has as many tokens
-        (then it is the word's mid-sentence spelling, not the first form plus a space token).
-        """
-        words = list(params.bad_words_token_ids or [])
-        if params.bad_words:
-            if self.tokenizer is None:
-                raise ValueError(f"request {request_id!r}: bad_words {params.bad_words} need a tokenizer")
-            for word in params.bad_words:
-                plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-                spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-                if not plain:
-                    raise ValueError(f"request {request_id!r}: bad word {word!r} encodes to no tokens")
-                words.append(list(plain))
-                if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                    words.append(list(spaced))
-        self._check_vocab(request_id, "bad_words", [t for w in words for t in w])
-        if not params.bad_words:
-            return params
-        return dataclasses.replace(params, bad_words_token_ids=words)
-
-    def _eos_id(self) -> int | None:
-        """The primary EOS id: the tokenizer's, else the model config's first (None: none).
-        The other ids of ``config.eos_token_ids`` join each request's stop token ids."""
-        eos = self.config.eos_token_ids
-        return eos[0] if eos else None
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Aborts requests. Ids that are not running (finished already, or never added) are
@@ -465,7 +358,7 @@ class LLMEngine:
         if not isinstance(exc, Exception):   # KeyboardInterrupt, SystemExit: keep their type
             exc.add_note(f"jaxkv: {message}")
             return exc
-        if _interrupted(exc):   # a library turned an interrupt into its own error
+        if caused_by_interrupt(exc):   # a library turned an interrupt into its own error
             interrupt = KeyboardInterrupt(message)
             interrupt.__cause__ = exc
             return interrupt

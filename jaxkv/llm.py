@@ -164,7 +164,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         engine = self.llm_engine
-        token_lists = [engine._tokenize(p)[1] for p in _prompt_list(prompts)]
+        token_lists = [engine.input_processor.tokenize(p)[1] for p in _prompt_list(prompts)]
         k = 2 * params.beam_width
         if k > engine.model_config.vocab_size:
             raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width <= the vocabulary "

@@ -33,6 +33,19 @@ def culprit_of(exc: BaseException) -> str | None:
     return None
 
 
+def caused_by_interrupt(exc: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is among the causes of ``exc``. jax's jit cache re-raises
+    an interrupt that lands in a static argument's ``__eq__`` as a ValueError holding the
+    interrupt's traceback as text, hence the second test."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt) or "\nKeyboardInterrupt" in str(exc):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 class EngineStepError(RuntimeError):
     """``LLMEngine.step`` failed; the engine undid the step and is usable again.
 

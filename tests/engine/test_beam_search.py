@@ -108,7 +108,7 @@ def test_engine_beam_search_matches_the_dense_forward(model):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 512, 21).tolist(), rng.integers(3, 512, 7).tolist()]
     llm = make_llm(model)
-    eos = llm.llm_engine._eos_id()
+    eos = llm.llm_engine.input_processor.eos_token_id
     params = BeamSearchParams(beam_width=3, max_tokens=4)
     got = llm.beam_search(prompts, params)
     want = run_beam_search(prompts, params, _dense_expand(model, 6), eos)

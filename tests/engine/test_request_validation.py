@@ -229,7 +229,7 @@ def test_detokenize_false_returns_no_text(llm, greedy):
 def test_every_eos_id_stops_generation(llm, eos_ids, greedy):
     ids, stop_at = eos_ids
     engine = llm.llm_engine
-    assert engine.config.eos_token_ids == ids and engine._eos_id() == ids[0]   # tokenizer's first
+    assert engine.config.eos_token_ids == ids and engine.input_processor.eos_token_id == ids[0]   # tokenizer's first
     user = SamplingParams(max_tokens=10, temperature=0)
     (out,) = llm.generate([PROMPT], user, use_tqdm=False)
     c = out.outputs[0]
