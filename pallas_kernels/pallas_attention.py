@@ -150,7 +150,11 @@ def paged_attention_pallas(q,                # [T, Hq, D]
     out = tiles_lib.scatter_rows(out, _unpack_out(o, dec, num_q_heads), dec)
 
     if max_q > 1 and num_tokens > 1:
-        tile_q = min(_pow2_at_most(max(1, target_rows // group)), _pow2_at_least(max_q - 1))
+        # A tile's f32 accumulator is rows x head_size: past head_size 128 the rows shrink so
+        # it stays in registers (compiled for an H200 with D = 256, 64 rows spilled 376 bytes
+        # at 255 registers and took 160 KiB of shared memory; 32 rows do not spill).
+        rows = max(16, target_rows * 128 // max(head_size, 128))
+        tile_q = min(_pow2_at_most(max(1, rows // group)), _pow2_at_least(max_q - 1))
         bound = tiles_lib.max_prefill_tiles(num_tokens, num_seq_rows, tile_q, max_q)
         pre = tiles_lib.prefill_tiles(seq_lens, query_start_loc, num_seqs, tile_q=tile_q,
                                       num_tiles=bound)
