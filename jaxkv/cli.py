@@ -149,6 +149,10 @@ def name_flags(message: str) -> str:
 
 
 def cmd_plan(args) -> int:
+    if args.gpu is not None:   # before jax starts its backends (jaxkv.gpu_aot)
+        from jaxkv.gpu_aot import prepare_environment
+
+        prepare_environment()
     from jaxkv.plan import build_plan, format_plan, layer_infos, plan_model_config
 
     try:
@@ -164,6 +168,17 @@ def cmd_plan(args) -> int:
         return error("plan", name_flags(e))
     print(format_plan(plan, title=args.model, max_model_len=args.max_model_len,
                       max_num_batched_tokens=args.max_num_batched_tokens, budget=args.kv_cache_memory))
+    if args.gpu is not None:
+        from jaxkv import gpu_aot
+
+        try:
+            print(gpu_aot.gpu_step_report(
+                config, target=args.gpu, kv_cache_memory_bytes=args.kv_cache_memory,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                kv_cache_dtype=args.kv_cache_dtype))
+        except (ValueError, TypeError, RuntimeError) as e:
+            return error("plan", name_flags(e))
     return 0
 
 
@@ -172,6 +187,7 @@ examples:
   jaxkv plan
   jaxkv plan --model smollm2-135m-instruct --kv-cache-memory 1GiB --max-model-len 8192
   jaxkv plan --model tiny-llama --kv-cache-dtype fp8 --block-size 32
+  jaxkv plan --model smollm2-135m-instruct --dtype bfloat16 --kv-cache-memory 8GiB --gpu h200
 """
 
 
@@ -198,6 +214,12 @@ def _add_plan(sub) -> None:
                    help="longest request, prompt + output tokens (default: 4096)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, metavar="N",
                    help="tokens per engine step (default: 2048)")
+    p.add_argument("--gpu", choices=("h200",), default=None,
+                   help="also compile a decode and a mixed step for this GPU, deviceless, and print "
+                        "their temp memory and each kernel's grid, shared memory and registers "
+                        "(needs the CUDA plugin wheels) (default: off)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
+                   help="requests per step, for --gpu (default: 64)")
     p.set_defaults(func=cmd_plan)
 
 

@@ -222,16 +222,23 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self._handling: str | None = None   # the request being set up (named if it raises)
         self._out_specs: dict = {}
-        step = build_step_fn(self.graphdef, binding=self.binding, page_bytes=self.page_bytes,
-                             sample_fn=functools.partial(sample_fn, logprobs_mode=logprobs_mode),
-                             prompt_logprobs_fn=prompt_logprobs_fn, out_specs=self._out_specs,
-                             spec_sample_fn=functools.partial(spec_sample_fn, logprobs_mode=logprobs_mode),
-                             gather_rows=functools.partial(gather_rows, max_drafts=k))
-        self._step = jax.jit(step, static_argnames=("shape",),
-                             donate_argnames=("buffers", "tables", "last_sampled"))
+        self.logprobs_mode = logprobs_mode
+        self._step = self.jit_step(self.binding)
         self.compiled_shapes: set[StepShape] = set()
         self.num_compiles = 0
         self.compile_seconds = 0.0
+
+    def jit_step(self, binding: KVCacheBinding):
+        """The jitted step for ``binding`` (the runner's own, or another: ``jaxkv.gpu_aot``
+        compiles the GPU kernels' variant for a GPU this machine does not have)."""
+        k = self.speculative_config.num_speculative_tokens if self.speculative_config is not None else 0
+        mode = self.logprobs_mode
+        step = build_step_fn(self.graphdef, binding=binding, page_bytes=self.page_bytes,
+                             sample_fn=functools.partial(sample_fn, logprobs_mode=mode),
+                             prompt_logprobs_fn=prompt_logprobs_fn, out_specs=self._out_specs,
+                             spec_sample_fn=functools.partial(spec_sample_fn, logprobs_mode=mode),
+                             gather_rows=functools.partial(gather_rows, max_drafts=k))
+        return jax.jit(step, static_argnames=("shape",), donate_argnames=("buffers", "tables", "last_sampled"))
 
     # ---- persistent batch ---------------------------------------------------------------------
 
@@ -578,7 +585,8 @@ class ModelRunner:
         return ops, layout, zeros
 
     def _empty_step(self, T: int, S: int, *, max_q_len: int, sampling=None,
-                    num_output_tokens: int = 0, spec_positions: int = 0) -> tuple[StepShape, np.ndarray]:
+                    num_output_tokens: int = 0, spec_positions: int = 0,
+                    pooling: int = POOL_NONE) -> tuple[StepShape, np.ndarray]:
         """Shape and inputs of a step of T tokens and S rows with no request in it: greedy, or
         with the sampling flags of one row of ``sampling`` (SamplingParams) that has
         ``num_output_tokens`` outputs (only its flags matter: no row is scheduled); with
@@ -596,7 +604,7 @@ class ModelRunner:
         return self._pack_step(np.zeros(T, np.int32), np.zeros(S + 1, np.int32),
                                np.zeros(S, np.int32), 0, ops, layout, zeros, md, extra,
                                max_q_len=max_q_len, prompt_logprobs=-1,
-                               spec_positions=spec_positions)
+                               spec_positions=spec_positions, pooling=pooling)
 
     def step_shapes(self, *, prefill: bool) -> list[tuple[int, int, int]]:
         """(T, S, max_q_len) of the greedy steps ``warmup`` compiles: the pure-decode step of
