@@ -39,10 +39,19 @@ def validate_lowering(lowering, backend: str) -> None:
                          f"backend={backend!r}")
 
 
+def target_platform() -> str:
+    """The platform being compiled for: the default device's (``with jax.default_device(d)``,
+    e.g. a compile-only GPU device, see ``jaxkv.gpu_aot``), else the default backend's;
+    "cuda" / "rocm" as "gpu"."""
+    dev = jax.config.jax_default_device
+    platform = dev.platform if dev is not None and not isinstance(dev, str) else jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def resolve_lowering(lowering: str | None, interpret: bool) -> str:
     """"triton" | "mosaic" for ``lowering`` (None = by platform: Mosaic on TPU, else Triton).
     Compiling (``interpret=False``) needs the lowering's own platform."""
-    platform = jax.default_backend()
+    platform = target_platform()
     if lowering is None:
         lowering = "mosaic" if platform == "tpu" else "triton"
     if lowering not in tuple(LOWERINGS):
