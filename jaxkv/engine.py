@@ -337,18 +337,18 @@ class LLMEngine:
         """Undoes a failed step (see :meth:`step`); returns the exception to raise."""
         culprit = culprit_of(exc)
         kv_lost = False
+        aborted: list[str] = []
         try:
             self._in_flight = None
-            ids = set(abort_failed_steps(self.scheduler, self._family({culprit} - {None})))
-            siblings = self._family(ids) - ids   # other completions of the same prompts
-            ids |= set(self.scheduler.finish_requests(sorted(siblings), RequestStatus.FINISHED_ABORTED))
+            ids = abort_failed_steps(self.scheduler, {culprit} - {None})
+            aborted = self._abort_orphaned_parents()   # with the other completions of their prompts
             if self.runner.recover_after_failure(ids):
                 kv_lost = True
                 drop_all_kv(self.scheduler)
         except BaseException:  # noqa: BLE001 - recovery itself broke: start from nothing
             reset_scheduler(self.scheduler)
             kv_lost = self.runner.recover_after_failure(list(self.runner.requests)) or kv_lost
-        aborted = self._drop_orphaned_parents()
+        aborted += self._abort_orphaned_parents()   # what a reset aborted
         self._last_stats = None   # get_stats() reads the state after the recovery
         what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         where = f" while handling request {culprit!r}" if culprit is not None else ""
@@ -365,33 +365,15 @@ class LLMEngine:
         return EngineStepError(message, request_id=culprit, aborted_request_ids=aborted,
                                kv_cache_lost=kv_lost)
 
-    def _family(self, core_ids) -> set[str]:
-        """The core request ids of every completion of the prompts ``core_ids`` belong to."""
-        out = set(core_ids)
-        for rid in core_ids:
-            pc = self._child_of.get(rid)
-            if pc is not None:
-                out.update(c.request_id for c in pc[0].children)
-        return out
-
-    def _drop_orphaned_parents(self) -> list[str]:
-        """Forgets every request with a completion the core no longer has (aborted by a
-        recovery, or finished without its output being processed); returns their ids."""
+    def _abort_orphaned_parents(self) -> list[str]:
+        """Aborts every request with a completion the core no longer has (aborted by a
+        recovery, or finished without its output being processed), the other completions
+        included; returns their ids."""
         live = self.scheduler.requests
-        dropped = []
-        for rid, parent in list(self._parents.items()):
-            if all(c.finish_reason is not None or c.request_id in live for c in parent.children):
-                continue
-            rest = [c.request_id for c in parent.children if c.request_id in live]
-            if rest:
-                self.scheduler.finish_requests(rest, RequestStatus.FINISHED_ABORTED)
-            for c in parent.children:
-                if c.finish_reason is None:
-                    c.finish_reason = "abort"
-                self._child_of.pop(c.request_id, None)
-            del self._parents[rid]
-            dropped.append(rid)
-        return dropped
+        orphaned = [rid for rid, parent in self._parents.items()
+                    if any(c.finish_reason is None and c.request_id not in live for c in parent.children)]
+        self.abort_request(orphaned)
+        return orphaned
 
     def _process(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         """The outputs of ``core_outputs``. One that fails to process does not stop the

@@ -166,25 +166,18 @@ class TritonKernel:
     shared_mem_bytes: int | None   # None: not in the backend config of this jax version
 
 
-_TRITON_CALL = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton".*?backend_config=(\{.*?\})(?:,|\n|$)')
-
-
 def triton_kernels(compiled) -> list[TritonKernel]:
-    """The Triton kernels a compiled program launches (grid, warps, shared memory)."""
-    import json
-
+    """The Triton kernels a compiled program launches (grid, warps, shared memory), read
+    from the backend config of each ``__gpu$xla.gpu.triton`` custom call in its HLO (MLIR
+    attribute syntax, ``grid_x = 8 : i32``; JSON's ``"grid_x": 8`` reads the same)."""
     out = []
-    text = compiled.as_text()
-    for m in re.finditer(r'custom_call_target="__gpu\$xla\.gpu\.triton"[^\n]*', text):
-        line = m.group(0)
-        cfg = re.search(r'backend_config=(\{.*\})', line)
+    for m in re.finditer(r'custom_call_target="__gpu\$xla\.gpu\.triton"[^\n]*', compiled.as_text()):
+        cfg = re.search(r"backend_config=(\{.*\})", m.group(0))
         if cfg is None:
             continue
-        raw = cfg.group(1)
-        try:
-            conf = json.loads(raw)
-        except json.JSONDecodeError:
-            conf = _loose_config(raw)
+        conf = {}
+        for key, value in re.findall(r'"?(\w+)"?\s*[:=]\s*"?([\w.\-]+)"?', cfg.group(1)):
+            conf.setdefault(key, value)
         out.append(TritonKernel(
             name=str(conf.get("name", "?")),
             grid=(int(conf.get("grid_x", 1)), int(conf.get("grid_y", 1)), int(conf.get("grid_z", 1))),
@@ -192,14 +185,6 @@ def triton_kernels(compiled) -> list[TritonKernel]:
             num_stages=int(conf["num_stages"]) if "num_stages" in conf else None,
             shared_mem_bytes=int(conf["shared_mem_bytes"]) if "shared_mem_bytes" in conf else None))
     return out
-
-
-def _loose_config(raw: str) -> dict:
-    """``key: value`` / ``"key": value`` pairs of a backend config that is not strict JSON."""
-    conf = {}
-    for key, value in re.findall(r'"?(\w+)"?\s*[:=]\s*"?([\w.\-]+)"?', raw):
-        conf.setdefault(key, value)
-    return conf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +224,6 @@ def compile_with_report(jitted, device, *args, **static_kwargs):
 
     import jax
 
-    names = None
     with tempfile.TemporaryDirectory(prefix="jaxkv-aot-") as dump:
         with jax.default_device(device):
             lowered = jitted.trace(*on_device(args, device), **static_kwargs).lower()
@@ -257,10 +241,13 @@ def compile_with_report(jitted, device, *args, **static_kwargs):
         ptxas = ptxas_path()
         for ptx in dump_dir.glob("*.ptx") if ptxas else ():
             text = ptx.read_text()
-            for name in [n for n in launches if f".entry {n}(" in text]:
-                res = subprocess.run([ptxas, "-arch=sm_90a", "-v", "--warn-on-spills", str(ptx),
-                                      "-o", os.devnull], capture_output=True, text=True, check=False)
-                info = res.stderr + res.stdout
+            found = [n for n in launches if f".entry {n}(" in text]
+            if not found:
+                continue
+            res = subprocess.run([ptxas, "-arch=sm_90a", "-v", "--warn-on-spills", str(ptx),
+                                  "-o", os.devnull], capture_output=True, text=True, check=False)
+            info = res.stderr + res.stdout
+            for name in found:
                 regs = re.search(rf"Function properties for {re.escape(name)}\n.*?Used (\d+) registers",
                                  info, re.S)
                 spills = re.search(rf"Function properties for {re.escape(name)}\n\s*\d+ bytes stack frame, "

@@ -21,15 +21,21 @@ def blame(exc: BaseException, request_id: str | None) -> None:
             pass
 
 
-def culprit_of(exc: BaseException) -> str | None:
-    """The request id ``blame`` put on ``exc`` (or on the exception it was raised from)."""
+def _chain(exc: BaseException | None):
+    """``exc``, then what it was raised from or during (``__cause__``, else ``__context__``)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        rid = getattr(exc, _CULPRIT_ATTR, None)
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def culprit_of(exc: BaseException) -> str | None:
+    """The request id ``blame`` put on ``exc`` (or on the exception it was raised from)."""
+    for e in _chain(exc):
+        rid = getattr(e, _CULPRIT_ATTR, None)
         if rid is not None:
             return rid
-        exc = exc.__cause__ or exc.__context__
     return None
 
 
@@ -37,13 +43,7 @@ def caused_by_interrupt(exc: BaseException) -> bool:
     """Whether a KeyboardInterrupt is among the causes of ``exc``. jax's jit cache re-raises
     an interrupt that lands in a static argument's ``__eq__`` as a ValueError holding the
     interrupt's traceback as text, hence the second test."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt) or "\nKeyboardInterrupt" in str(exc):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(isinstance(e, KeyboardInterrupt) or "\nKeyboardInterrupt" in str(e) for e in _chain(exc))
 
 
 class EngineStepError(RuntimeError):
