@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import pallas_kernels as pk
+import jaxkv.pallas_kernels as pk
 
 
 @dataclasses.dataclass

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
-import pallas_kernels as pk
+import jaxkv.pallas_kernels as pk
 
 from _kernel_bench_common import (Workload, bytes_read, environment, make_inputs, markdown_table,
                                   out_dir, time_fn, write_results)

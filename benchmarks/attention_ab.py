@@ -68,8 +68,8 @@ def load_old(rev: str):
 def make_case(kind: str, rows: int, low: int, high: int):
     import jax.numpy as jnp
 
-    from pallas_kernels.layout import typed_to_bytes
-    from pallas_kernels.testing import make_batch
+    from jaxkv.pallas_kernels.layout import typed_to_bytes
+    from jaxkv.pallas_kernels.testing import make_batch
 
     rng = np.random.default_rng(0)
     if kind in ("decode", "shared"):
@@ -124,12 +124,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import jax
 
-    from pallas_kernels import xla_backend as new_mod
+    from jaxkv.pallas_kernels import xla_backend as new_mod
 
     old_mod = load_old(args.rev)
     new_fn = new_mod.paged_attention_xla
     if args.new == "cpu":
-        from pallas_kernels import cpu_backend
+        from jaxkv.pallas_kernels import cpu_backend
 
         if not cpu_backend.available():
             p.error(f"--new cpu: the CPU attention kernel is unavailable: {cpu_backend.build_error()}")

@@ -9,7 +9,7 @@ each (``pooling_type``, L2-normalised), fp32. jaxkv runs them as pooling request
 prefill in its token budget, ``max_num_batched_tokens`` 2048). The baseline is what one
 writes without an engine: static batches of ``--batch`` prompts in arrival order, right-padded
 to the batch's longest prompt rounded up to 64 (few compiles), one jitted dense forward
-(``models.dense_hidden``) per batch, then the same pooling over each prompt's own tokens.
+(``jaxkv.models.dense_hidden``) per batch, then the same pooling over each prompt's own tokens.
 Both run the whole workload once untimed (every compile), then ``--rounds`` alternating timed
 passes; the vectors must agree (max abs difference printed). Writes JSON, and with ``--plot``
 a PNG next to it (prompts/s of both).
@@ -28,7 +28,7 @@ import numpy as np
 
 import bench_common as bc
 from jaxkv import LLM, PoolingParams
-from models.dense_reference import dense_hidden
+from jaxkv.models.dense_reference import dense_hidden
 from throughput import _kv_pairs, load_model
 
 

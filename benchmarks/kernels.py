@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
-import pallas_kernels as pk
-from pallas_kernels.layout import typed_to_bytes
+import jaxkv.pallas_kernels as pk
+from jaxkv.pallas_kernels.layout import typed_to_bytes
 
 import bench_common as bc
 from _kernel_bench_common import (Workload, bytes_read, make_inputs, markdown_table, out_dir, time_fn,
@@ -68,7 +68,7 @@ def run(w: Workload, *, repeats: int, interpret_ok: bool) -> list[dict]:
     fns = {"xla": jax.jit(functools.partial(pk.paged_attention, sm_scale=sm_scale, k_scale=scale,
                                             v_scale=scale, max_q_len=w.max_q_len, backend="xla",
                                             kv_dtype=cache.dtype))}
-    from pallas_kernels import cpu_backend  # noqa: PLC0415
+    from jaxkv.pallas_kernels import cpu_backend  # noqa: PLC0415
 
     if jax.default_backend() == "cpu" and cpu_backend.available():
         # The "cpu" backend (C++ kernel; fp8 caches run the XLA backend), byte view.

@@ -33,7 +33,7 @@ WORKLOAD = dict(model="tiny-llama", dtype="float32", requests=64, prompt="U[32,2
 
 
 def _child(variant: str) -> dict:
-    import models.attention as attn
+    import jaxkv.models.attention as attn
 
     if variant == "no-attention":
         attn.paged_attention = lambda q, *a, **k: q

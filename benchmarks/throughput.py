@@ -281,8 +281,8 @@ def load_model(name: str, seed: int, max_pos: int | None = None, overrides: dict
     """(model, tokenizer). Random-init configs take ``overrides`` (``--model-config``) and get
     ``max_position_embeddings >= max_pos`` (positions do not change the weights: same seed,
     same parameters)."""
-    from models import build_model, get_config, load_model as _load
-    from models.registry import RANDOM_INIT_NAMES
+    from jaxkv.models import build_model, get_config, load_model as _load
+    from jaxkv.models.registry import RANDOM_INIT_NAMES
 
     if name in RANDOM_INIT_NAMES and (max_pos or overrides):
         cfg = get_config(name, **(overrides or {}))

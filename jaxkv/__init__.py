@@ -4,7 +4,24 @@
     llm = LLM("tiny-llama", kv_cache_memory_bytes=64 << 20)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
     emb = llm.embed([[1, 2, 3]])    # pooled hidden states (jaxkv.pooling_params)
+
+The repository's top-level ``models/`` and ``pallas_kernels/`` folders are the subpackages
+``jaxkv.models`` and ``jaxkv.pallas_kernels``: an installed wheel maps them there
+(pyproject.toml's ``package-dir``), so a user's own ``models`` package (research repositories
+often have one) neither shadows them nor is shadowed by them.
 """
+
+import os as _os
+
+# A source checkout (an editable install, a worktree, ``PYTHONPATH=.``): the two folders sit
+# next to this package's, so this package's search path also covers the checkout's root.
+# (The checkout's ``tests`` package would resolve as ``jaxkv.tests`` too; nothing imports it so.)
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "models")) and all(
+        _os.path.isfile(_os.path.join(_root, d, "__init__.py")) for d in ("models", "pallas_kernels")) \
+        and _os.path.isfile(_os.path.join(_root, "pyproject.toml")):
+    __path__.append(_root)  # noqa: F821 (a package's __path__)
+del _root
 
 from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxkv.outputs import (

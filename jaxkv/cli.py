@@ -258,7 +258,7 @@ def _enable_compile_cache() -> None:
         return
     import jax
 
-    from models.checkpoint.smollm2 import cache_dir
+    from jaxkv.models.checkpoint.smollm2 import cache_dir
 
     path = cache_dir() / "xla"
     jax.config.update("jax_compilation_cache_dir", str(path))

@@ -191,7 +191,7 @@ def resolve_prompts(args, file_lines: list[str] | None, has_tokenizer: bool) -> 
 
 def known_tokenizer(model: str) -> bool | None:
     """Whether ``model`` has a tokenizer, when that shows without loading it (None: unknown)."""
-    from models.registry import BUILTIN_NAMES, RANDOM_INIT_NAMES
+    from jaxkv.models.registry import BUILTIN_NAMES, RANDOM_INIT_NAMES
 
     if model in RANDOM_INIT_NAMES:
         return False

@@ -34,7 +34,7 @@ from jaxkv.outputs import (
 from jaxkv.pooling_params import PoolingParams
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 from jaxkv.worker.model_runner import ModelRunner
-from models.sharding import make_tp_mesh
+from jaxkv.models.sharding import make_tp_mesh
 
 
 #: What a pooling request's core ``Request`` carries: one greedy step's worth (the worker

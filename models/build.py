@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from flax import nnx
 
-from models.config import ModelConfig
-from models.hybrid import Gemma2ForCausalLM
-from models.llama import LlamaForCausalLM
-from models.transformer import CausalLM
+from jaxkv.models.config import ModelConfig
+from jaxkv.models.hybrid import Gemma2ForCausalLM
+from jaxkv.models.llama import LlamaForCausalLM
+from jaxkv.models.transformer import CausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {"llama": LlamaForCausalLM, "gemma2": Gemma2ForCausalLM}
 

@@ -187,7 +187,7 @@ class ModelConfig:
 
         Raises ValueError naming any model_type or field value this package does not support.
         """
-        from models.hf_config import config_from_hf  # local: keeps the mapping in its own file
+        from jaxkv.models.hf_config import config_from_hf  # local: keeps the mapping in its own file
 
         return config_from_hf(d, dtype=dtype)
 

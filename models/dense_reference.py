@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models.transformer import CausalLM
+from jaxkv.models.transformer import CausalLM
 
 
 def dense_attention(q: jax.Array,  # [Bt, L, Hq, D]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from models.config import HIDDEN_ACTS, ModelConfig, RopeScaling
+from jaxkv.models.config import HIDDEN_ACTS, ModelConfig, RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 

@@ -16,10 +16,10 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from models.attention import Attention
-from models.config import ModelConfig
-from models.layers import GatedMLP, RMSNorm
-from models.transformer import CausalLM
+from jaxkv.models.attention import Attention
+from jaxkv.models.config import ModelConfig
+from jaxkv.models.layers import GatedMLP, RMSNorm
+from jaxkv.models.transformer import CausalLM
 
 
 class Gemma2DecoderLayer(nnx.Module):

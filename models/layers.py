@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import RopeScaling
+from jaxkv.models.config import RopeScaling
 
 
 class RMSNorm(nnx.Module):

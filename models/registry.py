@@ -21,14 +21,14 @@ from pathlib import Path
 
 from flax import nnx
 
-from models.build import build_model
-from models.checkpoint.gguf_reader import read_gguf
-from models.checkpoint.orbax_io import read_saved_config, restore_params, save_params
-from models.checkpoint.safetensors_dir import read_safetensors_dir
-from models.checkpoint.smollm2 import SMOLLM2_NAME, cache_dir, smollm2_gguf_path
-from models.config import DTYPES, ModelConfig, get_config
-from models.tokenizer import Tokenizer
-from models.weights import load_hf_weights
+from jaxkv.models.build import build_model
+from jaxkv.models.checkpoint.gguf_reader import read_gguf
+from jaxkv.models.checkpoint.orbax_io import read_saved_config, restore_params, save_params
+from jaxkv.models.checkpoint.safetensors_dir import read_safetensors_dir
+from jaxkv.models.checkpoint.smollm2 import SMOLLM2_NAME, cache_dir, smollm2_gguf_path
+from jaxkv.models.config import DTYPES, ModelConfig, get_config
+from jaxkv.models.tokenizer import Tokenizer
+from jaxkv.models.weights import load_hf_weights
 
 RANDOM_INIT_NAMES = ("tiny-llama", "tiny-hybrid")
 BUILTIN_NAMES = RANDOM_INIT_NAMES + (SMOLLM2_NAME,)

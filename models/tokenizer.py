@@ -1,7 +1,7 @@
 """A thin tokenizer: a `tokenizers.Tokenizer` plus special ids and a Jinja chat template.
 
 Built from an HF directory (``tokenizer.json`` + ``tokenizer_config.json``) or from GGUF
-metadata (``models.checkpoint.gguf_tokenizer``). Chat templates are rendered the way
+metadata (``jaxkv.models.checkpoint.gguf_tokenizer``). Chat templates are rendered the way
 transformers renders them: a sandboxed Jinja environment with ``trim_blocks`` and
 ``lstrip_blocks``, a ``raise_exception`` helper, and the special tokens as variables.
 jinja2 is imported only when a template is rendered.

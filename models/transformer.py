@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import KVCacheBinding, LayerKVInfo, ModelConfig, layer_name
-from models.layers import RMSNorm
-from pallas_kernels import AttentionMetadata
+from jaxkv.models.config import KVCacheBinding, LayerKVInfo, ModelConfig, layer_name
+from jaxkv.models.layers import RMSNorm
+from jaxkv.pallas_kernels import AttentionMetadata
 
 
 class DecoderStack(nnx.Module):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.transformer import CausalLM
+from jaxkv.models.transformer import CausalLM
 
 _LEAF_NAMES = {"kernel": "weight", "bias": "bias", "weight": "weight", "embedding": "weight"}
 

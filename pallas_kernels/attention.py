@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.cpu_backend import paged_attention_cpu
-from pallas_kernels.layout import resolve_kv_dtype, typed_view_of_bytes
-from pallas_kernels.reference import paged_attention_reference
-from pallas_kernels.validation import validate_attention_args, validate_lowering
-from pallas_kernels.xla_backend import paged_attention_xla
+from jaxkv.pallas_kernels.cpu_backend import paged_attention_cpu
+from jaxkv.pallas_kernels.layout import resolve_kv_dtype, typed_view_of_bytes
+from jaxkv.pallas_kernels.reference import paged_attention_reference
+from jaxkv.pallas_kernels.validation import validate_attention_args, validate_lowering
+from jaxkv.pallas_kernels.xla_backend import paged_attention_xla
 
 BACKENDS = ("reference", "xla", "cpu", "pallas")
 
@@ -78,7 +78,7 @@ def paged_attention(
     if backend == "reference":
         return paged_attention_reference(q, kv_cache, seq_lens, query_start_loc, block_tables,
                                          num_seqs, **kw)  # validates again: cheap, shapes only
-    from pallas_kernels.pallas_attention import paged_attention_pallas  # noqa: PLC0415
+    from jaxkv.pallas_kernels.pallas_attention import paged_attention_pallas  # noqa: PLC0415
     return paged_attention_pallas(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs,
                                   max_q_len=max_q_len, interpret=interpret, lowering=lowering,
                                   **kw)

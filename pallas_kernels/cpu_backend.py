@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import xla_backend
+from jaxkv.pallas_kernels import xla_backend
 
 #: C++ sources, built into one library; custom-call target -> exported handler symbol.
 SOURCES = tuple(pathlib.Path(__file__).parent / "cpu_kernels" / n for n in ("paged_attention.cc", "kv_write.cc"))

@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.layout import page_bytes, resolve_kv_dtype, typed_to_bytes
-from pallas_kernels.validation import check_scales, validate_lowering
+from jaxkv.pallas_kernels.layout import page_bytes, resolve_kv_dtype, typed_to_bytes
+from jaxkv.pallas_kernels.validation import check_scales, validate_lowering
 
 #: Implementations of ``write_kv``.
 WRITE_BACKENDS = ("xla", "cpu", "pallas")
@@ -72,7 +72,7 @@ def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
         raise ValueError(f"buffer must be flat uint8 with a multiple of page_bytes={pb} bytes, got "
                          f"shape {buffer.shape} dtype {buffer.dtype}")
     if backend == "cpu":
-        from pallas_kernels import cpu_backend  # noqa: PLC0415
+        from jaxkv.pallas_kernels import cpu_backend  # noqa: PLC0415
 
         if cpu_backend.use_cpu_kernels():   # the rows' bytes as they are: no byte view needed
             return cpu_backend.write_rows(buffer, quantize_to_cache(k, dt, k_scale),
@@ -87,7 +87,7 @@ def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
     vb = typed_to_bytes(quantize_to_cache(v, dt, v_scale))
     slot = slot_mapping.astype(jnp.int32)
     if backend == "pallas":
-        from pallas_kernels.kv_write_pallas import write_kv_pallas  # noqa: PLC0415
+        from jaxkv.pallas_kernels.kv_write_pallas import write_kv_pallas  # noqa: PLC0415
         return write_kv_pallas(buffer, kb, vb, slot, block_size=block_size, interpret=interpret,
                                lowering=lowering)
     updates = jnp.stack([kb, vb], axis=1).reshape(num_tokens * 2 * num_kv_heads, row_bytes)

@@ -32,8 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.mosaic_backend import interpret_params
-from pallas_kernels.validation import resolve_lowering
+from jaxkv.pallas_kernels.mosaic_backend import interpret_params
+from jaxkv.pallas_kernels.validation import resolve_lowering
 
 #: Tokens per program (Triton) / per grid step (Mosaic).
 TRITON_BLOCK_TOKENS = 16

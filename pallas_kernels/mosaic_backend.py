@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.metadata import NULL_BLOCK_ID
+from jaxkv.pallas_kernels.metadata import NULL_BLOCK_ID
 
 #: Columns of the per-tile metadata (same order as triton_backend / pallas_attention._tile_meta).
 SEQ, POS0, NUM_Q, KV_LO, KV_HI, KV_T0, KV_T1, _PAD = range(8)

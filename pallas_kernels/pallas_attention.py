@@ -15,11 +15,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import mosaic_backend, triton_backend
-from pallas_kernels import tiles as tiles_lib
-from pallas_kernels.layout import compute_dtype as compute_dtype_for
-from pallas_kernels.metadata import NULL_BLOCK_ID
-from pallas_kernels.validation import resolve_lowering
+from jaxkv.pallas_kernels import mosaic_backend, triton_backend
+from jaxkv.pallas_kernels import tiles as tiles_lib
+from jaxkv.pallas_kernels.layout import compute_dtype as compute_dtype_for
+from jaxkv.pallas_kernels.metadata import NULL_BLOCK_ID
+from jaxkv.pallas_kernels.validation import resolve_lowering
 
 #: Query rows (tile_q x G) a prefill tile aims for, and keys per KV tile.
 TARGET_ROWS = 64

@@ -13,8 +13,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.metadata import NULL_BLOCK_ID
-from pallas_kernels.validation import validate_attention_args
+from jaxkv.pallas_kernels.metadata import NULL_BLOCK_ID
+from jaxkv.pallas_kernels.validation import validate_attention_args
 
 
 def token_seq_ids(query_start_loc: jax.Array,  # [S + 1] int32

@@ -12,8 +12,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kv_write import quantize_to_cache
-from pallas_kernels.layout import kv_cache_shape, resolve_kv_dtype
+from jaxkv.pallas_kernels.kv_write import quantize_to_cache
+from jaxkv.pallas_kernels.layout import kv_cache_shape, resolve_kv_dtype
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.metadata import NULL_BLOCK_ID
+from jaxkv.pallas_kernels.metadata import NULL_BLOCK_ID
 
 #: Columns of the per-tile metadata array (int32 [NT, META_COLS]).
 SEQ, POS0, NUM_Q, KV_LO, KV_HI, KV_T0, KV_T1, _PAD = range(8)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.layout import is_fp8, resolve_kv_dtype
+from jaxkv.pallas_kernels.layout import is_fp8, resolve_kv_dtype
 
 
 def _is_int(x) -> bool:

@@ -45,9 +45,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import tiles as tiles_lib
-from pallas_kernels.layout import bytes_to_typed, compute_dtype
-from pallas_kernels.metadata import NULL_BLOCK_ID
+from jaxkv.pallas_kernels import tiles as tiles_lib
+from jaxkv.pallas_kernels.layout import bytes_to_typed, compute_dtype
+from jaxkv.pallas_kernels.metadata import NULL_BLOCK_ID
 
 #: Rows per prefill tile (upper bound; smaller when max_q_len is small).
 MAX_TILE_Q = 256

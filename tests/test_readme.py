@@ -17,7 +17,7 @@ def _python_example() -> str:
 @pytest.mark.slow
 def test_readme_python_example_runs(capsys, monkeypatch):
     from jaxkv.engine import LLMEngine
-    from models.checkpoint import smollm2_gguf_path
+    from jaxkv.models.checkpoint import smollm2_gguf_path
 
     # The example as written, minus the start-up warm-up (compiles only what it runs).
     from_config = LLMEngine.from_config.__func__

@@ -11,7 +11,7 @@ def kv_cache_specs_from_layers(
     layer_infos: Mapping[str, object], *, block_size: int, cache_dtype: str
 ) -> dict[str, KVCacheSpec]:
     """``layer_infos``: layer name -> object with ``num_kv_heads``, ``head_size`` and
-    ``sliding_window`` (None for full attention), e.g. ``models.LayerKVInfo``."""
+    ``sliding_window`` (None for full attention), e.g. ``jaxkv.models.LayerKVInfo``."""
     specs: dict[str, KVCacheSpec] = {}
     for name, info in layer_infos.items():
         common = dict(block_size=block_size, num_kv_heads=info.num_kv_heads,

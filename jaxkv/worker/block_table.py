@@ -6,7 +6,7 @@ keeps a numpy mirror of every table), encodes their net effect into one flat int
 the jitted step applies it with :func:`apply_block_table_ops`. Tables are never rebuilt from
 the host; the diff is a few hundred bytes a step.
 
-Shape names (see ``pallas_kernels.metadata``): ``R`` = max_num_reqs (rows of the persistent
+Shape names (see ``jaxkv.pallas_kernels.metadata``): ``R`` = max_num_reqs (rows of the persistent
 batch), ``B_g`` = max blocks per request of group g, ``M`` / ``C`` / ``W`` = move / clear /
 write capacity of one encoded diff (bucketed).
 
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.worker.buckets import pow2_at_least
-from pallas_kernels.metadata import NULL_BLOCK_ID
+from jaxkv.pallas_kernels.metadata import NULL_BLOCK_ID
 
 #: Row index of a padding entry in an encoded diff (moves, clears, writes). It writes nothing.
 PAD_ROW = -1

@@ -3,7 +3,7 @@
 Block ``b`` of a buffer is the contiguous byte range ``[b * page_bytes, (b + 1) * page_bytes)``
 (``pallas_kernels`` lays every page out inside that range), so zeroing, reading or moving a
 block is one contiguous slice whatever the attention layout. Typed per-layer views come from
-``pallas_kernels.kv_cache_view`` (a bitcast, never a copy). All ops here are functional and
+``jaxkv.pallas_kernels.kv_cache_view`` (a bitcast, never a copy). All ops here are functional and
 meant to run under ``jax.jit`` with the buffer donated, so XLA updates it in place.
 """
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.kv_cache import PAGE_ALIGN_BYTES, KVCacheConfig
-from models.sharding import TP_AXIS
+from jaxkv.models.sharding import TP_AXIS
 
 
 def page_size_bytes(config: KVCacheConfig) -> int:
@@ -93,7 +93,7 @@ def zero_blocks(buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int,
     """
     pages = _paged(buffer, page_bytes)
     if cpu_kernel:
-        from pallas_kernels import cpu_backend  # noqa: PLC0415
+        from jaxkv.pallas_kernels import cpu_backend  # noqa: PLC0415
 
         if cpu_backend.use_cpu_kernels():
             return cpu_backend.zero_pages(buffer, block_ids, page_bytes=page_bytes)

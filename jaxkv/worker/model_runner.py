@@ -44,8 +44,8 @@ from jaxkv.worker.sampling_adapter import (
 )
 from jaxkv.worker.spec_decode import SpeculativeConfig, batch_may_speculate, propose_ngram
 from jaxkv.worker.step import StepShape, build_step_fn
-from models.config import KVCacheBinding
-from models.sharding import shard_state
+from jaxkv.models.config import KVCacheBinding
+from jaxkv.models.sharding import shard_state
 
 BACKENDS = ("auto", "xla", "cpu", "pallas", "reference")
 
@@ -66,14 +66,14 @@ def resolve_backend(name: str, platform: str | None = None, *, head_size: int | 
     platform = platform or jax.default_backend()
     if name == "auto":
         if platform == "tpu" and head_size is not None and block_size is not None:
-            from pallas_kernels.mosaic_backend import check_shapes  # noqa: PLC0415
+            from jaxkv.pallas_kernels.mosaic_backend import check_shapes  # noqa: PLC0415
             try:
                 check_shapes(head_size=head_size, block_size=block_size)
             except ValueError:
                 return "xla", False
         if platform in ("gpu", "cuda", "rocm", "tpu"):
             return "pallas", False
-        from pallas_kernels import cpu_backend  # noqa: PLC0415
+        from jaxkv.pallas_kernels import cpu_backend  # noqa: PLC0415
         return ("cpu" if cpu_backend.available() else "xla"), False
     if name == "cpu" and platform != "cpu":
         raise ValueError(f"attention_backend='cpu' runs on the CPU platform only, not {platform!r}")
@@ -156,7 +156,7 @@ class ModelRunner:
       attention_backend: "auto" | "xla" | "cpu" | "pallas" | "reference".
       cache_dtype: KV-cache dtype name ("float32", "bfloat16", "float16", "fp8").
       seed: engine seed for requests without their own.
-      mesh: a ``"tp"`` mesh for tensor parallelism (``models.sharding``), or None (one device);
+      mesh: a ``"tp"`` mesh for tensor parallelism (``jaxkv.models.sharding``), or None (one device);
         ``kv_cache_config`` is then one device's plan (its own KV heads).
     """
 

@@ -21,8 +21,8 @@ from jaxkv.worker.block_table import BlockTableOpsLayout, apply_block_table_ops
 from jaxkv.worker.packing import PackSpec, pack_device, unpack
 from jaxkv.worker.pooler import pool_outputs
 from jaxkv.worker.sampling_metadata import PAD_TOKEN_ID
-from models.sharding import TP_AXIS
-from pallas_kernels import PAD_SLOT_ID, AttentionMetadata
+from jaxkv.models.sharding import TP_AXIS
+from jaxkv.pallas_kernels import PAD_SLOT_ID, AttentionMetadata
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,10 +15,10 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from models.checkpoint.gguf_config import gguf_config
-from models.checkpoint.gguf_names import UNSUPPORTED_TENSORS, PERMUTED_ARCHS, gguf_to_hf_name, unpermute_rotary_rows
-from models.checkpoint.gguf_tokenizer import tokenizer_from_gguf_metadata
-from models.tokenizer import Tokenizer
+from jaxkv.models.checkpoint.gguf_config import gguf_config
+from jaxkv.models.checkpoint.gguf_names import UNSUPPORTED_TENSORS, PERMUTED_ARCHS, gguf_to_hf_name, unpermute_rotary_rows
+from jaxkv.models.checkpoint.gguf_tokenizer import tokenizer_from_gguf_metadata
+from jaxkv.models.tokenizer import Tokenizer
 
 
 def _field_value(field) -> Any:

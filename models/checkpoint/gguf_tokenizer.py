@@ -1,4 +1,4 @@
-"""The tokenizer stored in GGUF metadata -> `models.tokenizer.Tokenizer`.
+"""The tokenizer stored in GGUF metadata -> `jaxkv.models.tokenizer.Tokenizer`.
 
 Only ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE) is supported: ``tokens`` (id order),
 ``merges`` (``"a b"`` strings, rank order), ``token_type`` (1 normal, 3 control, 4 user
@@ -14,7 +14,7 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from models.tokenizer import Tokenizer
+from jaxkv.models.tokenizer import Tokenizer
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4

@@ -24,8 +24,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from models.build import build_model
-from models.config import ModelConfig
+from jaxkv.models.build import build_model
+from jaxkv.models.config import ModelConfig
 
 PARAMS_SUBDIR = "params"
 CONFIG_FILE = "config.json"

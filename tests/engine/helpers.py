@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxkv.engine import LLMEngine
 from jaxkv.llm import LLM
-from models import build_model, dense_forward, get_config
+from jaxkv.models import build_model, dense_forward, get_config
 
 SMALL = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, vocab_size=512,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from jaxkv import BeamSearchParams
 from jaxkv.beam_search import beam_search_score, run_beam_search
 from jaxkv.outputs import Logprob
-from models import dense_forward
+from jaxkv.models import dense_forward
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
 EOS = 9

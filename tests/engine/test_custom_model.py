@@ -4,7 +4,7 @@ The model below is unlike the built-in families on purpose: learned absolute pos
 embeddings, LayerNorm, attention and MLP in parallel off one norm (GPT-J style), a sliding
 window on every other layer, a tied head, and its own config class. It implements what the
 engine needs (``config``, ``kv_layer_infos``, ``__call__`` over the paged buffers with
-``models.attend_paged``, ``compute_logits``) and a dense forward of its own; the engine's
+``jaxkv.models.attend_paged``, ``compute_logits``) and a dense forward of its own; the engine's
 greedy tokens must equal that dense forward's, with chunked prefill, prefix hits and
 preemption. README "Serving a model of your own" points here.
 """
@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import LLM, SamplingParams
-from models import LayerKVInfo, attend_paged
+from jaxkv.models import LayerKVInfo, attend_paged
 
 
 @dataclasses.dataclass(frozen=True)

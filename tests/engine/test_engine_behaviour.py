@@ -9,7 +9,7 @@ import pytest
 
 from jaxkv.engine import LLMEngine
 from jaxkv.sampling_params import SamplingParams
-from models import dense_forward
+from jaxkv.models import dense_forward
 from tests.engine.helpers import dense_greedy, make_llm, small_model
 
 

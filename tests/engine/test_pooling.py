@@ -21,7 +21,7 @@ from jaxkv import (
     SamplingParams,
 )
 from jaxkv.worker.pooler import PoolAccumulator, finish
-from models.dense_reference import dense_hidden
+from jaxkv.models.dense_reference import dense_hidden
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
 ATOL = 2e-5

@@ -23,7 +23,7 @@ from jaxkv.core.stop_check import with_eos_stop_ids
 from jaxkv.engine_config import resolve_engine_config
 from jaxkv.sampling_params import resolve_logprobs
 from jaxkv.worker.sampling_metadata import build_sampling_metadata
-from models import dense_forward
+from jaxkv.models import dense_forward
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
 PROMPT = [3, 14, 15, 92, 65, 35]

@@ -15,7 +15,7 @@ import sys
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from models.sharding import DEFAULT_TP_RULES, TP_AXIS, partition_spec
+from jaxkv.models.sharding import DEFAULT_TP_RULES, TP_AXIS, partition_spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -18,9 +18,9 @@ import pytest
 
 from jaxkv.pooling_params import PoolingParams
 from jaxkv.sampling_params import SamplingParams
-from models import dense_forward
-from models.dense_reference import dense_hidden
-from models.sharding import param_name
+from jaxkv.models import dense_forward
+from jaxkv.models.dense_reference import dense_hidden
+from jaxkv.models.sharding import param_name
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-import pallas_kernels as pk
+import jaxkv.pallas_kernels as pk
 from jaxkv import gpu_aot
-from models import build_model, get_config
+from jaxkv.models import build_model, get_config
 from tests.engine.helpers import make_llm
 from tests.gpu_aot.helpers import compile_step, pallas_runner
 

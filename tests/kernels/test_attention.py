@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pallas_kernels as pk
-from pallas_kernels.testing import make_batch
+import jaxkv.pallas_kernels as pk
+from jaxkv.pallas_kernels.testing import make_batch
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -56,7 +56,7 @@ def run_case(backend, interpret, *, scenario, block_size, head_size, group, num_
     want = jax.jit(functools.partial(pk.paged_attention, backend="reference", **kw))(*args)
     mq = b.max_q_len if max_q_len == "auto" else max_q_len
     if as_bytes:  # the engine's form: the byte view plus kv_dtype
-        from pallas_kernels.layout import typed_to_bytes
+        from jaxkv.pallas_kernels.layout import typed_to_bytes
         args = (args[0], typed_to_bytes(args[1]), *args[2:])
         kw.update(kv_dtype=cache_dtype)
     got = jax.jit(functools.partial(pk.paged_attention, backend=backend, interpret=interpret,
@@ -131,7 +131,7 @@ class TestXla:
 def test_xla_decode_items_across_iterations(monkeypatch, as_bytes, sliding_window, soft_cap):
     """Decode work items of 1 block, 3 per iteration: a row's items span several iterations,
     one iteration holds items of several rows (and several of one row), padding rows have none."""
-    from pallas_kernels import xla_backend
+    from jaxkv.pallas_kernels import xla_backend
 
     per_block = 8 * 2 * 2 * 64 * 4                       # bs 8, K+V, Hkv 2, D 64, f32
     monkeypatch.setattr(xla_backend, "ITEM_KEYS", 8)
@@ -156,7 +156,7 @@ class TestCpu(TestXla):
     backend, interpret = "cpu", False
 
     def check(self, **kw):
-        from pallas_kernels import cpu_backend
+        from jaxkv.pallas_kernels import cpu_backend
 
         if not cpu_backend.available():
             pytest.skip(f"CPU attention kernel unavailable: {cpu_backend.build_error()}")
@@ -210,7 +210,7 @@ def test_cpu_kernel_random_batches(data):
     """Random ragged batches (chunks anywhere in a sequence, decodes, tiles of 1..32+ rows),
     block sizes, head sizes on and off the vector kernels, windows and soft-caps vs the
     reference; unused cache slots hold NaN, so a read past a row's keys fails the test."""
-    from pallas_kernels import cpu_backend
+    from jaxkv.pallas_kernels import cpu_backend
 
     if not cpu_backend.available():
         pytest.skip(f"CPU attention kernel unavailable: {cpu_backend.build_error()}")
@@ -237,7 +237,7 @@ def test_cpu_kernel_builds_where_a_compiler_exists():
     build (CI machines have g++)."""
     import shutil
 
-    from pallas_kernels import cpu_backend
+    from jaxkv.pallas_kernels import cpu_backend
 
     if ON_GPU or not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         pytest.skip("no C++ compiler / not a CPU run")
@@ -254,7 +254,7 @@ def test_cpu_kernel_build_falls_back_to_flags_the_compiler_accepts(tmp_path, mon
 
     import jax
 
-    from pallas_kernels import cpu_backend
+    from jaxkv.pallas_kernels import cpu_backend
 
     real = shutil.which("c++") or shutil.which("g++")
     picky = tmp_path / "picky-c++"

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
-from pallas_kernels.kv_write_pallas import write_kv_pallas
-from pallas_kernels.layout import resolve_kv_dtype
+import jaxkv.pallas_kernels as pk
+from jaxkv.pallas_kernels.kv_write_pallas import write_kv_pallas
+from jaxkv.pallas_kernels.layout import resolve_kv_dtype
 
 PLATFORM = jax.default_backend()
 NATIVE = {"gpu": "triton", "tpu": "mosaic"}.get(PLATFORM)
@@ -82,7 +82,7 @@ def test_token_blocks_and_padding_write_nothing(lowering):
 
 
 def _cpu_kernels():
-    from pallas_kernels import cpu_backend
+    from jaxkv.pallas_kernels import cpu_backend
 
     if not cpu_backend.use_cpu_kernels():
         pytest.skip(f"the C++ kernels do not run here: {cpu_backend.build_error() or PLATFORM}")

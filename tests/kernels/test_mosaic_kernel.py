@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels as pk
-from pallas_kernels import pallas_attention
-from pallas_kernels.testing import make_batch
+import jaxkv.pallas_kernels as pk
+from jaxkv.pallas_kernels import pallas_attention
+from jaxkv.pallas_kernels.testing import make_batch
 
 PLATFORM = jax.default_backend()
 INTERPRET = PLATFORM != "tpu"

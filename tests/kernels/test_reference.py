@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
-import pallas_kernels as pk
-from pallas_kernels.testing import make_batch
+import jaxkv.pallas_kernels as pk
+from jaxkv.pallas_kernels.testing import make_batch
 
 
 def numpy_oracle(b, *, sm_scale, sliding_window=None, soft_cap=None):

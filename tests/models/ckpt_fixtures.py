@@ -106,7 +106,7 @@ def write_llama_gguf(path, hf_config: dict, tensors: dict[str, np.ndarray], *,
 
 def small_config(name: str = "tiny-llama", **overrides):
     """A few-layer version of a named tiny config (fast on CPU; dims fit GGUF's 32-blocks)."""
-    from models import get_config
+    from jaxkv.models import get_config
 
     kw = dict(vocab_size=288, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)

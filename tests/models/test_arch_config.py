@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from models import (KVCacheBinding, LayerKVInfo, ModelConfig, RopeScaling, build_model, get_config,
+from jaxkv.models import (KVCacheBinding, LayerKVInfo, ModelConfig, RopeScaling, build_model, get_config,
                     layer_name)
 
 _BASE = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

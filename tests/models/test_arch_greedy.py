@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import build_model, dense_forward, get_config
+from jaxkv.models import build_model, dense_forward, get_config
 
 
 _forward = nnx.jit(dense_forward)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import RopeScaling
-from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from jaxkv.models import RopeScaling
+from jaxkv.models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 def test_rope_rotate_half_layout():

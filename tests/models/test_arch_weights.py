@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import build_model, dense_forward, get_config, hf_state_dict, load_hf_weights
+from jaxkv.models import build_model, dense_forward, get_config, hf_state_dict, load_hf_weights
 
 _SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8)

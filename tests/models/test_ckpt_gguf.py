@@ -11,10 +11,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_fixtures import gguf_permute_rows, small_config, write_llama_gguf, hf_config_dict  # noqa: E402
 
-from models import build_model, dense_forward, hf_state_dict  # noqa: E402
-from models.checkpoint import read_gguf  # noqa: E402
-from models.checkpoint.gguf_names import gguf_to_hf_name, unpermute_rotary_rows  # noqa: E402
-from models.registry import load_model  # noqa: E402
+from jaxkv.models import build_model, dense_forward, hf_state_dict  # noqa: E402
+from jaxkv.models.checkpoint import read_gguf  # noqa: E402
+from jaxkv.models.checkpoint.gguf_names import gguf_to_hf_name, unpermute_rotary_rows  # noqa: E402
+from jaxkv.models.registry import load_model  # noqa: E402
 
 IDS = jnp.asarray([[1, 5, 9, 200, 3, 77, 12, 8]], dtype=jnp.int32)  # [1, L]
 Q = gguf.GGMLQuantizationType

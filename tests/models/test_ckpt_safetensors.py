@@ -11,9 +11,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_fixtures import hf_config_dict, small_config  # noqa: E402
 
-from models import build_model, dense_forward, hf_state_dict  # noqa: E402
-from models.checkpoint import read_safetensors_dir, write_safetensors_dir  # noqa: E402
-from models.registry import load_model  # noqa: E402
+from jaxkv.models import build_model, dense_forward, hf_state_dict  # noqa: E402
+from jaxkv.models.checkpoint import read_safetensors_dir, write_safetensors_dir  # noqa: E402
+from jaxkv.models.registry import load_model  # noqa: E402
 
 IDS = jnp.asarray([[1, 5, 9, 200, 3, 77, 12, 8]], dtype=jnp.int32)  # [1, L]
 

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import dense_forward
-from models.checkpoint import smollm2_gguf_path
-from models.registry import load_model
+from jaxkv.models import dense_forward
+from jaxkv.models.checkpoint import smollm2_gguf_path
+from jaxkv.models.registry import load_model
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import KVCacheBinding, build_model, dense_forward, get_config, layer_name
-from pallas_kernels import NULL_BLOCK_ID, PAD_SLOT_ID, AttentionMetadata, page_bytes
+from jaxkv.models import KVCacheBinding, build_model, dense_forward, get_config, layer_name
+from jaxkv.pallas_kernels import NULL_BLOCK_ID, PAD_SLOT_ID, AttentionMetadata, page_bytes
 
 BLOCK_SIZE = 4
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models import dense_forward  # noqa: E402
-from models.registry import load_model  # noqa: E402
+from jaxkv.models import dense_forward  # noqa: E402
+from jaxkv.models.registry import load_model  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
@@ -67,7 +67,7 @@ def test_logits_and_greedy_tokens_match(checkpoint):
 def test_smollm2_gguf_matches_transformers_on_the_same_weights():
     """The dequantized SmolLM2 GGUF, loaded by transformers and by jaxkv, gives the same greedy
     tokens: an independent check of the q/k un-permutation and of the name mapping."""
-    from models.checkpoint import read_gguf, smollm2_gguf_path
+    from jaxkv.models.checkpoint import read_gguf, smollm2_gguf_path
 
     try:
         path = smollm2_gguf_path()

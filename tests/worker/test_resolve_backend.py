@@ -16,7 +16,7 @@ def test_auto(platform, head, bs, want):
 
 
 def test_auto_on_cpu_is_the_cpu_backend_when_its_kernel_builds(monkeypatch):
-    from pallas_kernels import cpu_backend
+    from jaxkv.pallas_kernels import cpu_backend
 
     monkeypatch.setattr(cpu_backend, "available", lambda: True)
     assert resolve_backend("auto", "cpu", head_size=64, block_size=16) == ("cpu", False)
