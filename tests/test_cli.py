@@ -1,4 +1,4 @@
-"""The ``jaxkv`` command line, run in-process through ``jaxkv.cli.main``.
+"""The ``jaxkv`` command line, run in-process through ``jaxkv.entrypoints.cli.main``.
 
 Bad flags give exit code 2 and one line, ``jaxkv COMMAND: error: ...``, naming the flag, and
 fail before the model loads (the ``no_load`` fixture makes loading fail the test). Runs that
@@ -27,12 +27,12 @@ def _no_cli_compile_cache(monkeypatch):
 @pytest.fixture
 def no_load(monkeypatch):
     """Any attempt to build the engine (and so load the model) fails the test."""
-    import jaxkv.llm
+    import jaxkv.entrypoints.llm
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"the model loaded: LLM{args}")
 
-    monkeypatch.setattr(jaxkv.llm, "LLM", refuse)
+    monkeypatch.setattr(jaxkv.entrypoints.llm, "LLM", refuse)
 
 
 
@@ -330,7 +330,7 @@ def test_vllm_flags_reach_the_sampling_params():
 
 
 def test_engine_flags_reach_the_llm(capsys, monkeypatch):
-    import jaxkv.llm
+    import jaxkv.entrypoints.llm
 
     seen = {}
 
@@ -338,7 +338,7 @@ def test_engine_flags_reach_the_llm(capsys, monkeypatch):
         seen.update(kwargs, model=model)
         raise ValueError("max_model_len is fake")
 
-    monkeypatch.setattr(jaxkv.llm, "LLM", fake_llm)
+    monkeypatch.setattr(jaxkv.entrypoints.llm, "LLM", fake_llm)
     code, _, err = run(TINY + ["--dtype", "bfloat16", "--kv-cache-dtype", "fp8", "--seed", "3",
                                "--kv-cache-memory-bytes", "1TiB", "--max-num-batched-tokens", "64",
                                "--attention-backend", "xla", "--block-size", "32"], capsys)

@@ -38,7 +38,7 @@ def cmd_bench(args) -> int:
     try:
         throughput = load_throughput()
     except FileNotFoundError as e:
-        from jaxkv.cli import error
+        from jaxkv.entrypoints.cli import error
 
         return error("bench", e)
     try:
