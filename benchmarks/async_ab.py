@@ -43,7 +43,7 @@ def _pass(engine, prompts, max_tokens, tag) -> tuple[float, list[list[int]]]:
 
 
 def main(argv=None) -> dict:
-    from jaxkv.cli import parse_bytes
+    from jaxkv.entrypoints.cli import parse_bytes
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-llama")

@@ -7,7 +7,7 @@ re-reading /proc/cpuinfo a second way.
 
 Benchmarks are scripts, not a package: they import each other by file name, which works when
 run as ``python benchmarks/<name>.py`` (the script's folder is ``sys.path[0]``) and from
-``jaxkv bench`` (``jaxkv/cli_bench.py`` puts this folder on ``sys.path``).
+``jaxkv bench`` (``jaxkv/entrypoints/cli_bench.py`` puts this folder on ``sys.path``).
 """
 
 from __future__ import annotations

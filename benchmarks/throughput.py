@@ -442,7 +442,7 @@ def targets(payload: dict) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jaxkv.cli import parse_bytes, parse_ngram
+    from jaxkv.entrypoints.cli import parse_bytes, parse_ngram
 
     p = argparse.ArgumentParser(prog="jaxkv bench", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -495,7 +495,7 @@ def main(argv=None) -> dict:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if not args.no_compile_cache and not os.environ.get("JAXKV_NO_COMPILE_CACHE"):
-        from jaxkv.cli import _enable_compile_cache
+        from jaxkv.entrypoints.cli import _enable_compile_cache
 
         _enable_compile_cache()
     sz = _sizes(args)

@@ -41,7 +41,7 @@ from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
 # The engine imports jax; it loads on first use of these names, so that the host core
 # (``import jaxkv.core``), which has no jax import, can be used without loading jax.
-_LAZY = {"LLM": "jaxkv.llm", "LLMEngine": "jaxkv.engine", "EngineConfig": "jaxkv.engine_config"}
+_LAZY = {"LLM": "jaxkv.entrypoints.llm", "LLMEngine": "jaxkv.engine", "EngineConfig": "jaxkv.engine_config"}
 
 
 def __getattr__(name: str):

@@ -11,12 +11,6 @@ import jax
 
 from jaxkv.core import SchedulerConfig
 from jaxkv.core.stop_check import merge_eos_token_ids
-from jaxkv.kv_cache import (
-    KVCacheConfig,
-    available_kv_cache_memory,
-    get_kv_cache_config,
-    kv_cache_specs_from_layers,
-)
 from jaxkv.pooling_params import PoolerConfig
 from jaxkv.worker.model_runner import BACKENDS
 from jaxkv.worker.sampler import LOGPROBS_MODES
@@ -30,10 +24,19 @@ RUNNERS = ("auto", "generate", "pooling")
 #: KV budget on devices that report no memory stats (CPU) when none is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
 
+#: vLLM's ``distributed_executor_backend`` values jaxkv has: "uni" (the worker in process)
+#: and "mp" (one worker process per JAX process of a ``jax.distributed`` job).
+EXECUTOR_BACKEND_NAMES = ("uni", "mp")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
+    """Every engine knob, resolved. Picklable: it is what a worker process is started with.
+    The KV-cache plan is not here: the engine core builds it from the workers' reports."""
+
     model_name: str
+    model: str | None   # what a worker loads (a name or path); None: a model built in process
+    dtype: str
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -42,7 +45,6 @@ class EngineConfig:
     attention_backend: str
     seed: int
     warmup: bool | str
-    kv_cache_config: KVCacheConfig
     scheduler_config: SchedulerConfig
     warmup_sampling: tuple = ()  # SamplingParams whose step variants warmup also compiles
     speculative_config: SpeculativeConfig | None = None
@@ -52,6 +54,18 @@ class EngineConfig:
     runner: str = "auto"                  # vLLM's: "generate" / "pooling" take one kind of request
     max_logprobs: int = 20                # vLLM's: most logprobs a request may ask for (-1: vocab)
     eos_token_ids: tuple[int, ...] = ()   # the tokenizer's EOS then the model config's; [0] is primary
+    # the KV budget of each worker (Worker.determine_available_memory)
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    verbose: bool = False
+    # executors (vLLM's names): "uni" in process, "mp" one process per worker over nnodes hosts
+    distributed_executor_backend: str = "uni"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0       # 0: a free port (one node only)
+    headless: bool = False     # this node only runs workers (node_rank > 0)
 
 
 def _positive(name, value):
@@ -113,6 +127,34 @@ def _check_argument_types(*, flags: dict, warmup, max_logprobs, seed, dtype, gpu
                          f"parallelism is not implemented (README, 'Not here (yet)')")
 
 
+def _check_executor_args(backend, model, *, nnodes, node_rank, master_addr, master_port, headless,
+                         tensor_parallel_size) -> None:
+    """vLLM's executor and multi-node arguments: each wrong one a ValueError / TypeError
+    naming it."""
+    if backend not in EXECUTOR_BACKEND_NAMES:
+        raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKEND_NAMES}, got {backend!r}")
+    for name, value in (("nnodes", nnodes), ("node_rank", node_rank), ("master_port", master_port)):
+        if type(value) is not int:
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    _check_bool("headless", headless)
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank must be in [0, nnodes): got node_rank={node_rank}, nnodes={nnodes}")
+    if not 0 <= master_port < 65536:
+        raise ValueError(f"master_port must be in [0, 65536), got {master_port}")
+    if not isinstance(master_addr, str) or not master_addr:
+        raise TypeError(f"master_addr must be a host name or address, got {master_addr!r}")
+    if backend == "uni" and (nnodes > 1 or headless):
+        raise ValueError(f"nnodes={nnodes} / headless={headless} need distributed_executor_backend='mp'")
+    if backend == "mp":
+        if not isinstance(model, str):
+            raise ValueError("distributed_executor_backend='mp' loads the model in each worker process: "
+                             "pass a model name or path, not a built model")
+        if tensor_parallel_size % nnodes:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide evenly over nnodes={nnodes}")
+        if nnodes > 1 and master_port == 0:
+            raise ValueError("nnodes > 1 needs an explicit master_port (every node must agree on it)")
+
+
 def resolve_engine_config(
     model="tiny-llama",
     *,
@@ -143,8 +185,17 @@ def resolve_engine_config(
     runner: str = "auto",
     max_logprobs: int = 20,
     verbose: bool = False,
+    distributed_executor_backend: str = "uni",
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 0,
+    headless: bool = False,
 ):
-    """Loads the model and plans the KV cache. Returns (model, model_config, tokenizer, EngineConfig).
+    """Resolves and checks every engine argument. Returns (model, model_config, tokenizer,
+    EngineConfig); ``model`` is the NNX model the in-process worker serves, or None when the
+    workers load ``EngineConfig.model`` themselves. The KV-cache plan is made later by the
+    engine core from what each worker reports (``jaxkv.engine.core``).
 
     ``warmup`` compiles the pure-decode step for every request bucket at start-up (a progress
     line on stderr when ``verbose``), so steady-state decoding never compiles; ``"all"`` also
@@ -200,6 +251,12 @@ def resolve_engine_config(
     (``EngineConfig.eos_token_ids``; the first is the requests' ``eos_token_id``, the others
     join their ``stop_token_ids``, as vLLM does with a generation config's EOS ids).
 
+    Executors (vLLM's names): ``distributed_executor_backend`` "uni" (default: the worker in
+    this process) or "mp" (one worker process per JAX process of a ``jax.distributed`` job;
+    the model must then be a name or path, which each worker loads). ``nnodes`` /
+    ``node_rank`` / ``master_addr`` / ``master_port`` / ``headless`` spread the "mp"
+    workers over several hosts as vLLM's multi-node flags do.
+
     ``model`` is a name or path (``str`` or ``os.PathLike``) for ``jaxkv.models.load_model``, or an
     already built NNX model (then ``tokenizer`` may be given). Flags (``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``async_scheduling``, ``verbose``) must be real bools.
@@ -214,6 +271,9 @@ def resolve_engine_config(
         kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
         tokenizer=tokenizer, pipeline_parallel_size=pipeline_parallel_size)
     model = _checked_model(model)
+    _check_executor_args(distributed_executor_backend, model, nnodes=nnodes, node_rank=node_rank,
+                         master_addr=master_addr, master_port=master_port, headless=headless,
+                         tensor_parallel_size=tensor_parallel_size)
     from jaxkv.sampling_params import SamplingParams  # noqa: PLC0415
 
     if isinstance(warmup_sampling, SamplingParams) or not isinstance(warmup_sampling, (list, tuple)):
@@ -222,7 +282,8 @@ def resolve_engine_config(
         if not isinstance(p, SamplingParams):
             raise TypeError(f"warmup_sampling entries must be SamplingParams, got {p!r}")
 
-    check_device_count(tensor_parallel_size)   # ValueError saying how to get more devices
+    if distributed_executor_backend != "mp":   # "mp": the devices are the worker processes'
+        check_device_count(tensor_parallel_size)   # ValueError saying how to get more devices
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     if pooler_config is None:
@@ -264,24 +325,6 @@ def resolve_engine_config(
                          f"max_num_seqs={max_num_seqs} (every running request needs a token a step)")
     cache_dtype = model_config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
-    specs = kv_cache_specs_from_layers(
-        _per_device_layers(loaded, model_config, tensor_parallel_size),
-        block_size=block_size, cache_dtype=cache_dtype)
-    stats = None
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
-        stats = None
-    if kv_cache_memory_bytes is None and not stats:
-        kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-        if verbose:
-            print(f"jaxkv: device reports no memory stats; KV cache budget "
-                  f"{kv_cache_memory_bytes / 2**20:.0f} MiB (set kv_cache_memory_bytes)", file=sys.stderr)
-    budget = available_kv_cache_memory(stats, gpu_memory_utilization=gpu_memory_utilization,
-                                       kv_cache_memory_bytes=kv_cache_memory_bytes)
-    kv_config = get_kv_cache_config(specs, budget, max_model_len=max_model_len,
-                                    max_num_batched_tokens=max_num_batched_tokens,
-                                    num_gpu_blocks_override=num_gpu_blocks_override)
     eos_ids = merge_eos_token_ids(getattr(tokenizer, "eos_token_id", None), model_config.eos_token_id)
     eos = eos_ids[0] if eos_ids else None
     sched = SchedulerConfig(
@@ -293,27 +336,15 @@ def resolve_engine_config(
     config = EngineConfig(model_name=name, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                           cache_dtype=cache_dtype, attention_backend=attention_backend, seed=seed,
-                          warmup=warmup, kv_cache_config=kv_config, scheduler_config=sched,
+                          warmup=warmup, scheduler_config=sched,
                           warmup_sampling=tuple(warmup_sampling), speculative_config=speculative_config,
                           logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size,
                           pooler_config=pooler_config, runner=runner, max_logprobs=max_logprobs,
-                          eos_token_ids=eos_ids)
+                          eos_token_ids=eos_ids, model=model if isinstance(model, str) else None,
+                          dtype=dtype, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                          gpu_memory_utilization=gpu_memory_utilization,
+                          num_gpu_blocks_override=num_gpu_blocks_override, verbose=verbose,
+                          distributed_executor_backend=distributed_executor_backend, nnodes=nnodes,
+                          node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+                          headless=headless)
     return loaded, model_config, tokenizer, config
-
-
-def _per_device_layers(model, model_config, tp: int) -> dict:
-    """The model's ``kv_layer_infos()`` with each layer's KV heads split over ``tp`` devices
-    (vLLM sizes each worker's cache by its own heads). ValueError when a head count does not
-    divide by ``tp`` (vLLM would replicate KV heads there; jaxkv does not)."""
-    infos = model.kv_layer_infos()
-    if tp == 1:
-        return infos
-    heads = getattr(model_config, "num_attention_heads", None)
-    if heads is not None and heads % tp:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads={heads}")
-    for name, info in infos.items():
-        if info.num_kv_heads % tp:
-            raise ValueError(f"tensor_parallel_size={tp} does not divide the {info.num_kv_heads} "
-                             f"KV heads of {name} (jaxkv does not replicate KV heads)")
-    return {name: dataclasses.replace(info, num_kv_heads=info.num_kv_heads // tp)
-            for name, info in infos.items()}

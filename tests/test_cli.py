@@ -1,4 +1,4 @@
-"""The ``jaxkv`` command line, run in-process through ``jaxkv.cli.main``.
+"""The ``jaxkv`` command line, run in-process through ``jaxkv.entrypoints.cli.main``.
 
 Bad flags give exit code 2 and one line, ``jaxkv COMMAND: error: ...``, naming the flag, and
 fail before the model loads (the ``no_load`` fixture makes loading fail the test). Runs that
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from jaxkv import cli, cli_generate
+from jaxkv.entrypoints import cli, cli_generate
 
 TINY = ["generate", "--model", "tiny-llama", "--max-tokens", "2", "--kv-cache-memory", "16MiB",
         "--max-model-len", "128", "--max-num-seqs", "4", "--warmup", "off"]
@@ -27,12 +27,12 @@ def _no_cli_compile_cache(monkeypatch):
 @pytest.fixture
 def no_load(monkeypatch):
     """Any attempt to build the engine (and so load the model) fails the test."""
-    import jaxkv.llm
+    import jaxkv.entrypoints.llm
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"the model loaded: LLM{args}")
 
-    monkeypatch.setattr(jaxkv.llm, "LLM", refuse)
+    monkeypatch.setattr(jaxkv.entrypoints.llm, "LLM", refuse)
 
 
 
@@ -330,7 +330,7 @@ def test_vllm_flags_reach_the_sampling_params():
 
 
 def test_engine_flags_reach_the_llm(capsys, monkeypatch):
-    import jaxkv.llm
+    import jaxkv.entrypoints.llm
 
     seen = {}
 
@@ -338,7 +338,7 @@ def test_engine_flags_reach_the_llm(capsys, monkeypatch):
         seen.update(kwargs, model=model)
         raise ValueError("max_model_len is fake")
 
-    monkeypatch.setattr(jaxkv.llm, "LLM", fake_llm)
+    monkeypatch.setattr(jaxkv.entrypoints.llm, "LLM", fake_llm)
     code, _, err = run(TINY + ["--dtype", "bfloat16", "--kv-cache-dtype", "fp8", "--seed", "3",
                                "--kv-cache-memory-bytes", "1TiB", "--max-num-batched-tokens", "64",
                                "--attention-backend", "xla", "--block-size", "32"], capsys)
@@ -389,7 +389,7 @@ def test_generate_refuses_a_prompt_outside_the_vocabulary(capsys):
 # ---- bench -------------------------------------------------------------------------------------
 
 def test_jaxkv_bench_forwards_arguments(monkeypatch):
-    from jaxkv import cli_bench
+    from jaxkv.entrypoints import cli_bench
 
     seen = {}
 

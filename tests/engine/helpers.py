@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.engine import LLMEngine
-from jaxkv.llm import LLM
+from jaxkv.entrypoints.llm import LLM
 from jaxkv.models import build_model, dense_forward, get_config
 
 SMALL = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, vocab_size=512,

@@ -106,14 +106,14 @@ def test_async_pipelines_one_step(model):
     from_device = _count_inputs_from_device(runner)
     prompt = _prompts(np.random.default_rng(2), [21])[0]
     engine.add_request("a", prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    assert engine.step() == [] and engine._in_flight is not None
+    assert engine.step() == [] and engine.engine_core._in_flight is not None
     tokens = []
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens = out.outputs[0].token_ids
     assert tokens == dense_greedy(model, prompt, 6)
     assert from_device == [0, 1, 1, 1, 1, 1]   # every decode input came from the device
-    assert engine._in_flight is None and runner._in_flight is None
+    assert engine.engine_core._in_flight is None and runner._in_flight is None
 
 
 def test_async_abort_with_a_step_in_flight(model):

@@ -175,7 +175,7 @@ def test_device_block_tables_match_scheduler(model):
                                SamplingParams(max_tokens=int(rng.integers(1, 30)), temperature=0, ignore_eos=True))
             next_id += 1
         if rng.random() < 0.05 and engine.get_num_unfinished_requests():
-            engine.abort_request(next(iter(engine._parents)))
+            engine.abort_request(next(iter(engine.output_processor._parents)))
         engine.step()
         runner = engine.runner
         tables = runner.device_block_tables()

@@ -125,7 +125,7 @@ def injection(llm, stage: str):
         "jitted_step": lambda: fail_in_jitted_step(engine.runner),
         "collect": lambda: fail_once(engine.runner, "_fetch", after=True),
         "update": lambda: fail_once(engine.scheduler, "update_from_output"),
-        "process": lambda: fail_once(engine, "_process_one"),
+        "process": lambda: fail_once(engine.output_processor, "_process_one"),
     }[stage]()
 
 
@@ -279,19 +279,19 @@ def test_output_processing_failure_keeps_other_outputs(sync_llm, reference):
     engine = sync_llm.llm_engine
     engine.add_request("ok", PROMPTS[0], GREEDY)
     engine.add_request("bad", PROMPTS[1], GREEDY)
-    real = engine._process_one
+    real = engine.output_processor._process_one
 
     def process_one(co, now, touched):
         if co.request_id == "bad":
             raise Injected("bad output")
         return real(co, now, touched)
 
-    engine._process_one = process_one
+    engine.output_processor._process_one = process_one
     try:
         with pytest.raises(EngineStepError) as info:
             engine.step()
     finally:
-        engine._process_one = real
+        engine.output_processor._process_one = real
     assert info.value.request_id == "bad" and info.value.aborted_request_ids == ("bad",)
     done = {}
     while engine.has_unfinished_requests():

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from jaxkv.cli import main
+from jaxkv.entrypoints.cli import main
 
 pytestmark = pytest.mark.gpu_aot
 

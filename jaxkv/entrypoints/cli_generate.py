@@ -42,7 +42,7 @@ _SAMPLING_ONLY = {"n": 1, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "stop": None}
 
 
 def add_parser(sub) -> None:
-    from jaxkv.cli import (
+    from jaxkv.entrypoints.cli import (
         ATTENTION_BACKENDS,
         KV_CACHE_DTYPES,
         MODEL_DTYPES,
@@ -169,7 +169,7 @@ def resolve_prompts(args, file_lines: list[str] | None, has_tokenizer: bool) -> 
     """The prompts in order: --prompt texts and --prompt-token-ids lists as given, then the
     file's lines (token ids without a tokenizer). Empty when none was given. ValueError: text
     prompts or --stop for a model without a tokenizer, or a file line that is not token ids."""
-    from jaxkv.cli import parse_token_ids
+    from jaxkv.entrypoints.cli import parse_token_ids
 
     prompts = list(args.prompts or [])
     if not has_tokenizer:
@@ -223,7 +223,7 @@ def _default_kv_budget(args) -> None:
 
 
 def cmd_generate(args) -> int:
-    from jaxkv.cli import error, name_flags
+    from jaxkv.entrypoints.cli import error, name_flags
 
     try:   # every check that needs no model, before it loads
         params = sampling_params(args)
@@ -246,7 +246,7 @@ def cmd_generate(args) -> int:
 
     if args.tensor_parallel_size > 1:
         _host_devices(args.tensor_parallel_size)
-    from jaxkv.llm import LLM
+    from jaxkv.entrypoints.llm import LLM
 
     _default_kv_budget(args)
     t0 = time.perf_counter()

@@ -18,7 +18,7 @@ import sys
 
 def benchmarks_dir() -> pathlib.Path:
     env = os.environ.get("JAXKV_BENCHMARKS_DIR")
-    return pathlib.Path(env) if env else pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    return pathlib.Path(env) if env else pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_throughput():
@@ -38,7 +38,7 @@ def cmd_bench(args) -> int:
     try:
         throughput = load_throughput()
     except FileNotFoundError as e:
-        from jaxkv.cli import error
+        from jaxkv.entrypoints.cli import error
 
         return error("bench", e)
     try:

@@ -41,6 +41,11 @@ class LLM:
     def __init__(self, model: str = "tiny-llama", **kwargs):
         self.llm_engine = LLMEngine.from_config(model, **kwargs)
 
+    def shutdown(self) -> None:
+        """Stops the engine's workers (a multi-process executor's processes; nothing to stop
+        in process). Garbage collection of the ``LLM`` does the same."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_generate(sub) -> None:
     try:
-        from jaxkv.cli_generate import add_parser
+        from jaxkv.entrypoints.cli_generate import add_parser
     except ImportError:
         return
     add_parser(sub)
@@ -243,7 +243,7 @@ def _add_generate(sub) -> None:
 
 def _add_bench(sub) -> None:
     try:
-        from jaxkv.cli_bench import add_parser
+        from jaxkv.entrypoints.cli_bench import add_parser
     except ImportError:
         return
     add_parser(sub)
@@ -267,7 +267,7 @@ def _enable_compile_cache() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns its exit code (0 done, 2 bad arguments), ``--help``
-    included, so that ``jaxkv.cli.main([...])`` can be called in-process."""
+    included, so that ``jaxkv.entrypoints.cli.main([...])`` can be called in-process."""
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)

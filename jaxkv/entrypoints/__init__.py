@@ -1,0 +1,1 @@
+"""What users call: ``LLM`` (offline batches) and the ``jaxkv`` command line."""

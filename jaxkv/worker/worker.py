@@ -1,0 +1,138 @@
+"""Worker (vLLM V1's ``Worker``): one rank's device set-up around its ``ModelRunner``.
+
+The executor calls, in order: ``init_device`` (devices and the ``"tp"`` mesh), ``load_model``,
+``get_kv_cache_spec`` and ``determine_available_memory`` (what the engine core builds the
+per-rank KV-cache plans from), ``initialize_from_config`` with this rank's plan (the runner
+allocates the flat uint8 buffers and binds the per-layer views), ``compile_or_warm_up_model``,
+then ``execute_model`` (or ``dispatch`` / ``collect``) once per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+
+from jaxkv.engine_config import DEFAULT_CPU_KV_CACHE_BYTES
+from jaxkv.kv_cache import KVCacheConfig, available_kv_cache_memory, kv_cache_specs_from_layers
+from jaxkv.models.sharding import make_tp_mesh
+from jaxkv.worker.model_runner import ModelRunner
+
+
+class Worker:
+    """One worker rank.
+
+    Args:
+      config: the engine's ``EngineConfig``.
+      rank: global rank (its ``KVCacheConfig`` is the engine core's ``configs[rank]``).
+      local_rank: rank on this host.
+      model: an NNX model already built in this process (``LLM(model_object)``); else the
+        worker loads ``config.model`` itself.
+    """
+
+    def __init__(self, config, *, rank: int = 0, local_rank: int = 0, model=None):
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.model = model
+        self.model_config = model.config if model is not None else None
+        self.mesh = None
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.model_runner: ModelRunner | None = None
+
+    # ---- start-up -----------------------------------------------------------------------------
+
+    def init_device(self) -> None:
+        """The ``"tp"`` mesh over ``tensor_parallel_size`` devices (None for one device)."""
+        tp = self.config.tensor_parallel_size
+        self.mesh = make_tp_mesh(tp) if tp > 1 else None
+
+    def load_model(self) -> None:
+        if self.model is None:
+            from jaxkv.models.registry import load_model  # noqa: PLC0415 - the engine depends on models
+
+            self.model, self.model_config, _ = load_model(self.config.model, dtype=self.config.dtype,
+                                                          seed=self.config.seed)
+
+    def get_kv_cache_spec(self) -> dict:
+        """``{layer name: KVCacheSpec}`` of this rank's share of the KV heads."""
+        c = self.config
+        return kv_cache_specs_from_layers(
+            per_device_layers(self.model, self.model_config, c.tensor_parallel_size),
+            block_size=c.block_size, cache_dtype=c.cache_dtype)
+
+    def determine_available_memory(self) -> int:
+        """Bytes for this rank's KV cache: ``kv_cache_memory_bytes`` when given; else the
+        device's memory limit x ``gpu_memory_utilization`` minus what is in use; on a device
+        that reports no memory stats (CPU) the default budget."""
+        c = self.config
+        try:
+            stats = jax.devices()[0].memory_stats()
+        except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+            stats = None
+        budget = c.kv_cache_memory_bytes
+        if budget is None and not stats:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+            if c.verbose:
+                print(f"jaxkv: device reports no memory stats; KV cache budget "
+                      f"{budget / 2**20:.0f} MiB (set kv_cache_memory_bytes)", file=sys.stderr)
+        return available_kv_cache_memory(stats, gpu_memory_utilization=c.gpu_memory_utilization,
+                                         kv_cache_memory_bytes=budget)
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        """Builds the runner on this rank's plan: its buffers are allocated here."""
+        c = self.config
+        self.kv_cache_config = kv_cache_config
+        self.model_runner = ModelRunner(
+            self.model, kv_cache_config, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
+            attention_backend=c.attention_backend, cache_dtype=c.cache_dtype, seed=c.seed,
+            eos_token_id=c.eos_token_ids[0] if c.eos_token_ids else None,
+            speculative_config=c.speculative_config, logprobs_mode=c.logprobs_mode, mesh=self.mesh)
+
+    def compile_or_warm_up_model(self, sampling=()) -> None:
+        """Compiles the step shapes serving will use (``warmup``: decode, or "all"), with the
+        sampling variants of ``sampling`` (SamplingParams, bad words encoded)."""
+        c = self.config
+        if c.warmup and c.runner != "pooling":   # a pooling-only engine never decodes
+            self.model_runner.warmup(progress=c.verbose, prefill=c.warmup == "all", sampling=list(sampling))
+
+    # ---- steps --------------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output):
+        return self.model_runner.execute_model(scheduler_output)
+
+    def dispatch(self, scheduler_output):
+        return self.model_runner.dispatch(scheduler_output)
+
+    def collect(self, handle):
+        return self.model_runner.collect(handle)
+
+    def recover_after_failure(self, req_ids: list[str] | None) -> bool:
+        """See ``ModelRunner.recover_after_failure``; ``None`` forgets every request."""
+        runner = self.model_runner
+        return runner.recover_after_failure(list(runner.requests) if req_ids is None else req_ids)
+
+    def runner_stats(self) -> dict:
+        r = self.model_runner
+        return dict(num_compiles=r.num_compiles, compile_seconds=r.compile_seconds,
+                    num_draft_tokens=r.num_draft_tokens, num_accepted_tokens=r.num_accepted_tokens)
+
+
+def per_device_layers(model, model_config, tp: int) -> dict:
+    """The model's ``kv_layer_infos()`` with each layer's KV heads split over ``tp`` devices
+    (vLLM sizes each worker's cache by its own heads). ValueError when a head count does not
+    divide by ``tp`` (vLLM would replicate KV heads there; jaxkv does not)."""
+    infos = model.kv_layer_infos()
+    if tp == 1:
+        return infos
+    heads = getattr(model_config, "num_attention_heads", None)
+    if heads is not None and heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads={heads}")
+    for name, info in infos.items():
+        if info.num_kv_heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the {info.num_kv_heads} "
+                             f"KV heads of {name} (jaxkv does not replicate KV heads)")
+    return {name: dataclasses.replace(info, num_kv_heads=info.num_kv_heads // tp)
+            for name, info in infos.items()}
