@@ -1,6 +1,7 @@
 """Worker (vLLM V1's ``Worker``): one rank's device set-up around its ``ModelRunner``.
 
-The executor calls, in order: ``init_device`` (devices and the ``"tp"`` mesh), ``load_model``,
+The executor calls, in order: ``init_device`` (devices and the ``"tp"`` mesh), ``load_model``
+(weights created on the mesh shard by shard: no device holds a whole split parameter),
 ``get_kv_cache_spec`` and ``determine_available_memory`` (what the engine core builds the
 per-rank KV-cache plans from), ``initialize_from_config`` with this rank's plan (the runner
 allocates the flat uint8 buffers and binds the per-layer views), ``compile_or_warm_up_model``,
@@ -49,11 +50,15 @@ class Worker:
         self.mesh = make_tp_mesh(tp) if tp > 1 else None
 
     def load_model(self) -> None:
+        """Loads ``config.model`` onto the mesh (``init_device`` first): each parameter is
+        created already split, shard by shard (a checkpoint's shards read from the file, a
+        random init jitted onto its shardings). A model given to the constructor is kept
+        (the runner places it on the mesh)."""
         if self.model is None:
             from jaxkv.models.registry import load_model  # noqa: PLC0415 - the engine depends on models
 
             self.model, self.model_config, _ = load_model(self.config.model, dtype=self.config.dtype,
-                                                          seed=self.config.seed)
+                                                          seed=self.config.seed, mesh=self.mesh)
 
     def get_kv_cache_spec(self) -> dict:
         """``{layer name: KVCacheSpec}`` of this rank's share of the KV heads."""
