@@ -193,9 +193,12 @@ def resolve_engine_config(
     headless: bool = False,
 ):
     """Resolves and checks every engine argument. Returns (model, model_config, tokenizer,
-    EngineConfig); ``model`` is the NNX model the in-process worker serves, or None when the
-    workers load ``EngineConfig.model`` themselves. The KV-cache plan is made later by the
-    engine core from what each worker reports (``jaxkv.engine.core``).
+    EngineConfig); ``model`` is the NNX model given (the in-process worker serves it), or
+    None for a name or path: then only its config and tokenizer are read here
+    (``load_model_config``: no weights, nothing placed on a device) and each worker loads
+    ``EngineConfig.model`` onto its mesh shard by shard (``jaxkv.worker.worker``). The
+    KV-cache plan is made later by the engine core from what each worker reports
+    (``jaxkv.engine.core``).
 
     ``warmup`` compiles the pure-decode step for every request bucket at start-up (a progress
     line on stderr when ``verbose``), so steady-state decoding never compiles; ``"all"`` also
@@ -261,7 +264,7 @@ def resolve_engine_config(
     already built NNX model (then ``tokenizer`` may be given). Flags (``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``async_scheduling``, ``verbose``) must be real bools.
     """
-    from jaxkv.models.registry import load_model  # the engine depends on models, never the reverse
+    from jaxkv.models.registry import load_model_config  # the engine depends on models, never the reverse
 
     _check_argument_types(
         flags=dict(enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
@@ -299,8 +302,8 @@ def resolve_engine_config(
         raise ValueError("speculative_config does not work with async_scheduling (the drafts "
                          "come from the tokens the host has; turn one of them off)")
 
-    if isinstance(model, str):
-        loaded, model_config, tok = load_model(model, dtype=dtype, seed=seed)
+    if isinstance(model, str):   # config and tokenizer only: the workers load the weights sharded
+        loaded, (model_config, tok) = None, load_model_config(model, dtype=dtype)
         name = model
     else:
         loaded, model_config, tok = model, model.config, None

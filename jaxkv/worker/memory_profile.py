@@ -26,13 +26,11 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
+from jaxkv.engine_config import DEFAULT_CPU_KV_CACHE_BYTES  # noqa: F401 - the CPU budget, re-exported
 from jaxkv.kv_cache import KVCacheSpec, get_kv_cache_config
 from jaxkv.models.sharding import TP_AXIS
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.model_runner import ModelRunner
-
-#: KV budget on devices that report no memory stats (CPU) when none is given (as the engine's).
-DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
 
 #: The sampled variant profiled next to the greedy one, as vLLM's dummy sampler run: not
 #: greedy, top-p and top-k (a sort over the vocabulary per row), and a sampled token's logprob.

@@ -1,6 +1,7 @@
 """Worker (vLLM V1's ``Worker``): one rank's device set-up around its ``ModelRunner``.
 
-The executor calls, in order: ``init_device`` (devices and the ``"tp"`` mesh), ``load_model``,
+The executor calls, in order: ``init_device`` (devices and the ``"tp"`` mesh), ``load_model``
+(weights created on the mesh shard by shard: no device holds a whole split parameter),
 ``get_kv_cache_spec`` and ``determine_available_memory`` (what the engine core builds the
 per-rank KV-cache plans from), ``initialize_from_config`` with this rank's plan (the runner
 allocates the flat uint8 buffers and binds the per-layer views), ``compile_or_warm_up_model``,
@@ -15,8 +16,9 @@ import sys
 import jax
 
 from jaxkv.engine_config import DEFAULT_CPU_KV_CACHE_BYTES
-from jaxkv.kv_cache import KVCacheConfig, available_kv_cache_memory, kv_cache_specs_from_layers
+from jaxkv.kv_cache import KVCacheConfig, kv_cache_specs_from_layers
 from jaxkv.models.sharding import make_tp_mesh
+from jaxkv.worker.memory_profile import available_kv_bytes, device_weight_bytes, largest_step_temp_bytes
 from jaxkv.worker.model_runner import ModelRunner
 
 
@@ -38,22 +40,29 @@ class Worker:
         self.model = model
         self.model_config = model.config if model is not None else None
         self.mesh = None
+        self.devices: list = []   # this process's devices of the worker (init_device)
         self.kv_cache_config: KVCacheConfig | None = None
         self.model_runner: ModelRunner | None = None
 
     # ---- start-up -----------------------------------------------------------------------------
 
     def init_device(self) -> None:
-        """The ``"tp"`` mesh over ``tensor_parallel_size`` devices (None for one device)."""
+        """The ``"tp"`` mesh over ``tensor_parallel_size`` devices (None for one device) and
+        this process's devices of it (``devices``: whose memory the worker measures)."""
         tp = self.config.tensor_parallel_size
         self.mesh = make_tp_mesh(tp) if tp > 1 else None
+        self.devices = list(self.mesh.local_devices) if self.mesh is not None else [jax.local_devices()[0]]
 
     def load_model(self) -> None:
+        """Loads ``config.model`` onto the mesh (``init_device`` first): each parameter is
+        created already split, shard by shard (a checkpoint's shards read from the file, a
+        random init jitted onto its shardings). A model given to the constructor is kept
+        (the runner places it on the mesh)."""
         if self.model is None:
             from jaxkv.models.registry import load_model  # noqa: PLC0415 - the engine depends on models
 
             self.model, self.model_config, _ = load_model(self.config.model, dtype=self.config.dtype,
-                                                          seed=self.config.seed)
+                                                          seed=self.config.seed, mesh=self.mesh)
 
     def get_kv_cache_spec(self) -> dict:
         """``{layer name: KVCacheSpec}`` of this rank's share of the KV heads."""
@@ -62,23 +71,54 @@ class Worker:
             per_device_layers(self.model, self.model_config, c.tensor_parallel_size),
             block_size=c.block_size, cache_dtype=c.cache_dtype)
 
+    def device_memory_stats(self) -> dict | None:
+        """``memory_stats()`` of this worker's device with the smallest ``bytes_limit``, or
+        None when a device reports none (CPU)."""
+        stats = []
+        for device in self.devices:
+            try:
+                s = device.memory_stats()
+            except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+                s = None
+            if not s or "bytes_limit" not in s:
+                return None
+            stats.append(s)
+        return min(stats, key=lambda s: s["bytes_limit"], default=None)
+
     def determine_available_memory(self) -> int:
-        """Bytes for this rank's KV cache: ``kv_cache_memory_bytes`` when given; else the
-        device's memory limit x ``gpu_memory_utilization`` minus what is in use; on a device
-        that reports no memory stats (CPU) the default budget."""
+        """Bytes for this rank's KV cache on each of its devices (vLLM's): an explicit
+        ``kv_cache_memory_bytes`` wins; else, on a device with memory stats, ``bytes_limit x
+        gpu_memory_utilization`` minus this device's weights minus the temp memory of the
+        largest step (read from that step's compiled ``memory_analysis()``, no profiling run:
+        ``jaxkv.worker.memory_profile``); on a device without (CPU) the default budget."""
         c = self.config
-        try:
-            stats = jax.devices()[0].memory_stats()
-        except Exception:  # noqa: BLE001 - some backends raise instead of returning None
-            stats = None
-        budget = c.kv_cache_memory_bytes
-        if budget is None and not stats:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-            if c.verbose:
-                print(f"jaxkv: device reports no memory stats; KV cache budget "
-                      f"{budget / 2**20:.0f} MiB (set kv_cache_memory_bytes)", file=sys.stderr)
-        return available_kv_cache_memory(stats, gpu_memory_utilization=c.gpu_memory_utilization,
-                                         kv_cache_memory_bytes=budget)
+        stats = self.device_memory_stats() if c.kv_cache_memory_bytes is None else None
+        weights = temp = 0
+        if stats is not None:
+            weights = device_weight_bytes(self.model)
+            temp = largest_step_temp_bytes(
+                self.model, self.get_kv_cache_spec(), max_num_seqs=c.max_num_seqs,
+                max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
+                mesh=self.mesh, **self._runner_kwargs())
+        elif c.kv_cache_memory_bytes is None and c.verbose:
+            print(f"jaxkv: device reports no memory stats; KV cache budget "
+                  f"{DEFAULT_CPU_KV_CACHE_BYTES / 2**20:.0f} MiB (set kv_cache_memory_bytes)", file=sys.stderr)
+        available = available_kv_bytes(stats, gpu_memory_utilization=c.gpu_memory_utilization,
+                                       kv_cache_memory_bytes=c.kv_cache_memory_bytes, weights_bytes=weights,
+                                       step_temp_bytes=temp, cpu_kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES)
+        if stats is not None and c.verbose:
+            print(f"jaxkv: rank {self.rank}: {stats['bytes_limit'] / 2**30:.2f} GiB x "
+                  f"{c.gpu_memory_utilization} - weights {weights / 2**30:.2f} GiB - largest step's temp "
+                  f"{temp / 2**30:.2f} GiB = {available / 2**30:.2f} GiB for the KV cache", file=sys.stderr)
+        return available
+
+    def _runner_kwargs(self) -> dict:
+        """The ``ModelRunner`` arguments besides the model and the plan (the profiled step
+        is the one the engine compiles)."""
+        c = self.config
+        return dict(attention_backend=c.attention_backend, cache_dtype=c.cache_dtype, seed=c.seed,
+                    eos_token_id=c.eos_token_ids[0] if c.eos_token_ids else None,
+                    speculative_config=c.speculative_config, logprobs_mode=c.logprobs_mode)
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         """Builds the runner on this rank's plan: its buffers are allocated here."""
@@ -87,9 +127,7 @@ class Worker:
         self.model_runner = ModelRunner(
             self.model, kv_cache_config, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
-            attention_backend=c.attention_backend, cache_dtype=c.cache_dtype, seed=c.seed,
-            eos_token_id=c.eos_token_ids[0] if c.eos_token_ids else None,
-            speculative_config=c.speculative_config, logprobs_mode=c.logprobs_mode, mesh=self.mesh)
+            mesh=self.mesh, **self._runner_kwargs())
 
     def compile_or_warm_up_model(self, sampling=()) -> None:
         """Compiles the step shapes serving will use (``warmup``: decode, or "all"), with the

@@ -179,3 +179,57 @@ def test_model_rules_and_bad_sizes():
                  tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"axis 0 of model\.layers\.0\.mlp\.down_proj\.kernel"):
         make_llm(small_model("tiny-llama", intermediate_size=255), tensor_parallel_size=2)
+
+
+def test_named_model_loads_onto_the_mesh_and_measures_its_devices(tmp_path, monkeypatch):
+    """A model named by path (``LLM(path, tensor_parallel_size=2)``): the worker creates
+    every parameter already split (its model's arrays carry the TP shardings before any
+    runner places them), greedy tokens equal the dense forward, and with devices that
+    report a limit (faked) each rank reports limit x util - its own shards' weights - the
+    largest step's temp (faked: 1 MiB; the profile on a mesh is memory_profile_cases.py's),
+    over its smallest device."""
+    from flax import nnx
+
+    from jaxkv.models import hf_state_dict
+    from jaxkv.models.checkpoint import write_safetensors_dir
+    from jaxkv.models.sharding import state_shardings
+    from jaxkv.worker import worker as worker_module
+    from tests.models.ckpt_fixtures import hf_config_dict
+    from tests.worker.test_worker_memory import FakeDevice
+
+    model = small_model("tiny-llama", seed=4)
+    write_safetensors_dir(tmp_path, hf_config_dict(model.config), hf_state_dict(model))
+    real_init, meshes = worker_module.Worker.init_device, []
+
+    def init_device(self):
+        real_init(self)
+        assert len(self.devices) == 2
+        self.devices = [FakeDevice(64 << 20), FakeDevice(32 << 20)]
+
+    def temp(m, specs, **kwargs):
+        meshes.append(kwargs["mesh"])
+        return 1 << 20
+
+    monkeypatch.setattr(worker_module.Worker, "init_device", init_device)
+    monkeypatch.setattr(worker_module, "largest_step_temp_bytes", temp)
+    llm = make_llm(str(tmp_path), tensor_parallel_size=2, kv_cache_memory_bytes=None,
+                   gpu_memory_utilization=0.5, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    worker = llm.llm_engine.engine_core.model_executor.driver_worker.worker
+    state = nnx.state(worker.model)
+    want = state_shardings(state, worker.mesh)
+    for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree_util.tree_leaves(want)):
+        assert x.sharding.is_equivalent_to(s, x.ndim), param_name(path)
+    per_device = collections.Counter()
+    for x in jax.tree_util.tree_leaves(state):
+        for shard in x.addressable_shards:
+            per_device[shard.device] += shard.data.nbytes
+    assert len(per_device) == 2
+    per_device = max(per_device.values())
+    assert per_device < 0.6 * sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
+    assert meshes == [worker.mesh]
+    config = llm.llm_engine.kv_cache_config
+    page = config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    assert config.num_blocks == ((15 << 20) - per_device) // page // len(config.kv_cache_tensors)
+    prompt = list(range(3, 30))
+    (out,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == dense_greedy(model, prompt, 8)

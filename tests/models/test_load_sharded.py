@@ -3,9 +3,7 @@ host devices, ``load_sharded_cases.py``) loading shard by shard onto a mesh."""
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
@@ -20,8 +18,8 @@ from jaxkv.models import build_model, hf_state_dict  # noqa: E402
 from jaxkv.models.checkpoint import GGUFTensors, SafetensorsTensors, read_gguf, write_safetensors_dir  # noqa: E402
 from jaxkv.models.checkpoint.smollm2 import SMOLLM2_NAME, smollm2_gguf_path  # noqa: E402
 from jaxkv.models.registry import load_model, load_model_config  # noqa: E402
+from tests.two_host_devices import run_cases_on_two_host_devices  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _checkpoints(tmp_path):
@@ -111,12 +109,4 @@ def test_smollm2_config_from_metadata():
 
 def test_sharded_cases_on_two_host_devices():
     """Runs tests/models/load_sharded_cases.py on two CPU devices; every case must pass."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/models/load_sharded_cases.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout and "deselected" not in proc.stdout, tail
+    run_cases_on_two_host_devices("tests/models/load_sharded_cases.py")

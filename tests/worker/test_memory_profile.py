@@ -3,13 +3,10 @@ program, and vLLM's budget arithmetic."""
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
-
+import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from jaxkv.kv_cache import kv_cache_specs_from_layers
 from jaxkv.worker.memory_profile import (
@@ -20,9 +17,10 @@ from jaxkv.worker.memory_profile import (
     largest_step_temp_bytes,
     profile_largest_steps,
 )
+from jaxkv.worker.spec_decode import SpeculativeConfig
 from tests.engine.helpers import make_llm, small_model
+from tests.two_host_devices import run_cases_on_two_host_devices
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256)
 
 
@@ -70,7 +68,6 @@ def test_temp_does_not_depend_on_num_blocks_but_on_tokens():
 def test_speculative_decoding_adds_its_largest_step():
     model = small_model("tiny-llama")
     specs = kv_cache_specs_from_layers(model.kv_layer_infos(), block_size=16, cache_dtype="float32")
-    from jaxkv.worker.spec_decode import SpeculativeConfig
     spec = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 3,
                                          "prompt_lookup_max": 3, "prompt_lookup_min": 1})
     steps = profile_largest_steps(model, specs, sampling=(None,), speculative_config=spec, **LIMITS)
@@ -79,8 +76,6 @@ def test_speculative_decoding_adds_its_largest_step():
 
 def test_device_weight_bytes_one_device():
     model = small_model("tiny-llama")
-    from flax import nnx
-    import jax
     total = sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model)))
     assert device_weight_bytes(nnx.state(model)) == device_weight_bytes(model) == total
 
@@ -129,12 +124,4 @@ def test_available_kv_bytes_errors_print_the_numbers():
 
 def test_mesh_cases_on_two_host_devices():
     """Runs tests/worker/memory_profile_cases.py on two CPU devices; every case must pass."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/worker/memory_profile_cases.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout and "deselected" not in proc.stdout, tail
+    run_cases_on_two_host_devices("tests/worker/memory_profile_cases.py")
