@@ -3,11 +3,17 @@
 Started as ``python -m jaxkv.executor.worker_proc`` with its ``SpawnArgs`` pickled on stdin
 (by the executor on the head node, or by a ``--headless`` launcher on another node). It
 
-1. sets up JAX before the first backend call: the platform, ``jax_num_cpu_devices`` host
-   devices on CPU, gloo CPU collectives (``jax_cpu_collectives_implementation="gloo"``: without
+1. sets up JAX before the first backend call (what a multi-process CPU job needs on jax
+   0.10.2): ``JAX_PLATFORMS`` (cpu here, so the CUDA plugin stays out), ``jax_num_cpu_devices``
+   host devices (the spawner's ``--xla_force_host_platform_device_count`` is dropped from
+   ``XLA_FLAGS``), gloo CPU collectives (``jax_cpu_collectives_implementation="gloo"``: without
    it a computation over a mesh that spans processes fails on CPU), then
-   ``jax.distributed.initialize(coordinator_address, num_processes, process_id)`` (one process
-   per GPU with ``local_device_ids=[local_rank]``); the coordinator runs in rank 0's process;
+   ``jax.distributed.initialize(coordinator_address, num_processes, process_id,
+   initialization_timeout)`` (GPU: one process per GPU, ``local_device_ids=[local_rank]``);
+   the coordinator runs in rank 0's process. ``jax.devices()`` is then global, so the Worker's
+   ``make_tp_mesh`` spans the processes. jax installs a SIGTERM handler (its preemption
+   notifier) that keeps the process alive, so the executor stops a worker by message, then
+   SIGKILL;
 2. connects a zmq DEALER (identity = its rank) to the executor's ROUTER and says READY;
 3. runs every call it receives on its ``WorkerWrapperBase`` in order, replying to each.
 
@@ -134,7 +140,12 @@ class _Loop:
         self.in_flight = None   # (call id, StepHandle) of a dispatched step
 
     def reply(self, call_id: int, ok: bool, value) -> None:
-        self.sock.send(pickle.dumps(("reply", call_id, self.rank, ok, value), protocol=5))
+        try:
+            blob = pickle.dumps(("reply", call_id, self.rank, ok, value), protocol=5)
+        except Exception as exc:  # noqa: BLE001 - a result that does not pickle is the call's error
+            err = TypeError(f"the worker's result of type {type(value).__name__} cannot be pickled: {exc}")
+            blob = pickle.dumps(("reply", call_id, self.rank, False, _exception_payload(err)))
+        self.sock.send(blob)
 
     def run_call(self, call_id: int, fn) -> None:
         try:
@@ -199,6 +210,9 @@ def _empty_output():
 def main() -> None:
     args: SpawnArgs = pickle.loads(sys.stdin.buffer.read())   # imports from PYTHONPATH (the spawner's sys.path)
     _set_parent_death_signal()
+    # Ctrl-C in a terminal reaches the whole process group: the engine core handles it (and
+    # stops the workers); a worker interrupted on its own would only break the SPMD job.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import zmq  # noqa: PLC0415
 
     ctx = zmq.Context()

@@ -42,3 +42,7 @@ def holds_config(worker, configs: list) -> bool:
     local = runner.buffers[0].addressable_shards
     assert len(local) == 1 and local[0].data.shape[0] == configs[worker.rank].kv_cache_tensors[0].size
     return True
+
+
+def unpicklable(worker):
+    return lambda: worker.rank

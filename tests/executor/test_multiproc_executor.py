@@ -100,6 +100,8 @@ def test_replay_per_rank_configs_and_errors(tiny):
         note = "\n".join(info.value.__notes__)
         assert f"worker rank 1 (pid {pids[1]})" in note and "in fail_on_rank" in note
         assert ex.collective_rpc(rpc_funcs.fail_on_rank, args=(7,)) == [0, 1]   # still usable
+        with pytest.raises(TypeError, match="result of type function cannot be pickled"):
+            ex.collective_rpc(rpc_funcs.unpicklable)
 
         t0 = time.monotonic()
         with pytest.raises(WorkerTimeoutError, match=rf"worker rank 0 \(pid {pids[0]}\)"):
