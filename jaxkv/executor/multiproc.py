@@ -200,6 +200,11 @@ class MultiprocExecutor(Executor):
         self._info: dict[int, dict] = {}                 # rank -> {"pid", "host"}
         self._last_beat: dict[int, float] = {}
         self._deferred_error: BaseException | None = None
+        #: the driver's perf_counter() times of the last blocking step: its message arrived,
+        #: dispatch began, collect ended, reply pickled; then when this process received it
+        #: (one host's CLOCK_MONOTONIC): the step is (began, ended), the rest is the hop
+        self.last_step_timing: tuple | None = None
+        self.last_send_time = 0.0   # perf_counter() when the last blocking step was sent
         ctl = self._ctl = _Control()
         self._finalizer = weakref.finalize(self, ctl.close)
         if control_port:
@@ -262,12 +267,15 @@ class MultiprocExecutor(Executor):
                 _, payload = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            received = time.perf_counter()
             msg = pickle.loads(payload)
             if msg[0] == "hb":
                 self._last_beat[msg[1]] = time.monotonic()
                 continue
-            kind, call_id, rank, ok, value = msg
+            kind, call_id, rank, ok, value = msg[:5]
             self._last_beat[rank] = time.monotonic()
+            if kind == "reply" and rank == 0 and msg[5] is not None:
+                self.last_step_timing = msg[5] + (received,)
             if kind == "ready":
                 self._info[rank] = value
                 if rank not in self._ctl.ranks:
@@ -361,6 +369,7 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output, non_block: bool = False):
         if not non_block:
+            self.last_send_time = time.perf_counter()
             return self._call_all(("execute_model", scheduler_output, True),
                                   self.execute_timeout_s, what="execute_model")[0]
         call_id = self._call_all(("execute_model", scheduler_output, False))

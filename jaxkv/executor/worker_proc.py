@@ -38,6 +38,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 
 #: seconds between a worker's heartbeats
@@ -138,13 +139,16 @@ class _Loop:
     def __init__(self, sock, wrapper, rank: int, local_rank: int):
         self.sock, self.wrapper, self.rank, self.local_rank = sock, wrapper, rank, local_rank
         self.in_flight = None   # (call id, StepHandle) of a dispatched step
+        self.received = 0.0     # perf_counter() when the message at hand arrived
 
-    def reply(self, call_id: int, ok: bool, value) -> None:
+    def reply(self, call_id: int, ok: bool, value, timing: tuple | None = None) -> None:
+        if timing is not None:
+            timing += (time.perf_counter(),)
         try:
-            blob = pickle.dumps(("reply", call_id, self.rank, ok, value), protocol=5)
+            blob = pickle.dumps(("reply", call_id, self.rank, ok, value, timing), protocol=5)
         except Exception as exc:  # noqa: BLE001 - a result that does not pickle is the call's error
             err = TypeError(f"the worker's result of type {type(value).__name__} cannot be pickled: {exc}")
-            blob = pickle.dumps(("reply", call_id, self.rank, False, _exception_payload(err)))
+            blob = pickle.dumps(("reply", call_id, self.rank, False, _exception_payload(err), None))
         self.sock.send(blob)
 
     def run_call(self, call_id: int, fn) -> None:
@@ -155,14 +159,20 @@ class _Loop:
         else:
             self.reply(call_id, True, value)
 
-    def collect(self, entry) -> None:
-        """Answers a dispatched step: the driver's ``ModelRunnerOutput``, None from the others."""
+    def collect(self, entry, started: float | None = None) -> None:
+        """Answers a dispatched step: the driver's ``ModelRunnerOutput``, None from the others;
+        with ``started`` (a blocking step: when its dispatch began) also the step's timing
+        (perf_counter when its message arrived, dispatch began, collect ended, the reply was
+        pickled; CLOCK_MONOTONIC, so comparable across processes of one Linux host), so the
+        executor can tell the hop from the step."""
         call_id, handle = entry
-
-        def fetch():
+        try:
             out = self.wrapper.worker.collect(handle) if handle is not None else _empty_output()
-            return out if self.rank == 0 else None
-        self.run_call(call_id, fetch)
+        except BaseException as exc:  # noqa: BLE001
+            self.reply(call_id, False, _exception_payload(exc))
+            return
+        timing = (self.received, started, time.perf_counter()) if started is not None else None
+        self.reply(call_id, True, out if self.rank == 0 else None, timing)
 
     def flush(self) -> None:
         if self.in_flight is not None:
@@ -176,6 +186,7 @@ class _Loop:
             return False
         if kind == "execute_model":
             _, call_id, so, block = msg
+            started = time.perf_counter()
             prev, self.in_flight = self.in_flight, None
             try:
                 handle = self.wrapper.worker.dispatch(so)
@@ -187,7 +198,7 @@ class _Loop:
             if prev is not None:   # dispatched this step first: the device runs it meanwhile
                 self.collect(prev)
             if block:
-                self.collect((call_id, handle))
+                self.collect((call_id, handle), started)
             else:
                 self.in_flight = (call_id, handle)
             return True
@@ -245,7 +256,9 @@ def main() -> None:
                 elif event == zmq.EVENT_DISCONNECTED and connected:
                     os._exit(4)   # the executor's process is gone
             if sock in events:
-                if not loop.handle(pickle.loads(sock.recv())):
+                blob = sock.recv()
+                loop.received = time.perf_counter()
+                if not loop.handle(pickle.loads(blob)):
                     break
     finally:
         beat.stop.set()
