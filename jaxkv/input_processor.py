@@ -16,9 +16,26 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
+from jaxkv.core.request import Request
 from jaxkv.core.stop_check import with_eos_stop_ids
 from jaxkv.pooling_params import PoolingParams
-from jaxkv.sampling_params import SamplingParams, resolve_logprobs
+from jaxkv.sampling_params import RequestOutputKind, SamplingParams, resolve_logprobs
+
+#: What a pooling request's core ``Request`` carries: one greedy step's worth (the worker
+#: returns its hidden states and never a token), output only when it finishes.
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                  output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+@dataclasses.dataclass
+class ProcessedRequest:
+    """A validated request as the front end registers it and the core queues it."""
+
+    prompt: str | None               # the text, when the prompt was one
+    prompt_token_ids: list[int]      # after truncation
+    params: SamplingParams           # resolved (pooling requests: POOLING_SAMPLING)
+    core_requests: list[Request]     # one per completion (n > 1: ids "i_<request_id>")
+    pooling_params: PoolingParams | None = None   # resolved; None for generation
 
 
 class InputProcessor:
@@ -64,6 +81,48 @@ class InputProcessor:
                 raise TypeError(f"prompt token ids must be ints, got {bad[:3]!r}")
             return None, [int(t) for t in ids]   # numpy integers too
         raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def check_args(self, request_id, params, priority, cache_salt) -> SamplingParams | PoolingParams:
+        """The request's arguments' types (and the engine's ``runner``); ``params`` (None:
+        ``SamplingParams()``)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, (SamplingParams, PoolingParams)):
+            raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
+        refused = {"pooling": SamplingParams, "generate": PoolingParams}.get(self.config.runner)
+        if refused is not None and isinstance(params, refused):
+            raise ValueError(f"this engine was built with runner={self.config.runner!r}: it takes no "
+                             f"{refused.__name__} requests (runner='auto' takes both)")
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {request_id!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
+        return params
+
+    def process(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None, *,
+                priority: int = 0, cache_salt: str | None = None) -> ProcessedRequest:
+        """Tokenises and validates one request and builds its core requests (``n > 1``: one
+        per completion, ids ``f"{i}_{request_id}"`` and seeds ``seed + i``, as vLLM fans them
+        out). ValueError / TypeError naming the field otherwise; nothing is registered."""
+        params = self.check_args(request_id, params, priority, cache_salt)
+        text, ids = self.tokenize(prompt)
+        if isinstance(params, PoolingParams):
+            ids, pp = self.process_pooling(request_id, ids, params)
+            core = Request(request_id, ids, POOLING_SAMPLING, priority=priority, cache_salt=cache_salt,
+                           pooling_params=pp)
+            return ProcessedRequest(text, ids, POOLING_SAMPLING, [core], pp)
+        ids, params = self.process_generation(request_id, ids, params)
+        n = params.n
+        requests = []
+        for i in range(n):
+            child_params = params
+            if n > 1:   # seed + i taken mod 2**64 (the sampler's key is), so it stays in range
+                child_params = dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else (params.seed + i) % (1 << 64))
+            requests.append(Request(request_id if n == 1 else f"{i}_{request_id}", ids, child_params,
+                                    eos_token_id=self.eos_token_id, priority=priority, cache_salt=cache_salt))
+        return ProcessedRequest(text, ids, params, requests)
 
     def process_generation(self, request_id: str, ids: list[int], params: SamplingParams
                            ) -> tuple[list[int], SamplingParams]:

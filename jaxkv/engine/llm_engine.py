@@ -14,12 +14,11 @@ Quick start::
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Iterable, Sequence
 
-from jaxkv.core import EngineCoreOutput, Request, RequestStatus
+from jaxkv.core import EngineCoreOutput, RequestStatus
 from jaxkv.core.errors import EngineStepError, caused_by_interrupt, culprit_of
 from jaxkv.engine.core import EngineCore
 from jaxkv.engine.output_processor import OutputProcessor
@@ -29,13 +28,7 @@ from jaxkv.input_processor import InputProcessor
 from jaxkv.interrupts import DeferredInterrupt
 from jaxkv.outputs import RequestOutput
 from jaxkv.pooling_params import PoolingParams
-from jaxkv.sampling_params import RequestOutputKind, SamplingParams
-
-
-#: What a pooling request's core ``Request`` carries: one greedy step's worth (the worker
-#: returns its hidden states and never a token), output only when it finishes.
-_POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                   output_kind=RequestOutputKind.FINAL_ONLY)
+from jaxkv.sampling_params import SamplingParams
 
 
 class LLMEngine:
@@ -100,21 +93,9 @@ class LLMEngine:
         With ``PoolingParams`` it is a pooling request: it runs its prompt only and ``step``
         returns one ``PoolingRequestOutput`` when the prompt is done (task "embed" unless the
         params say otherwise)."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, (SamplingParams, PoolingParams)):
-            raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
-        refused = {"pooling": SamplingParams, "generate": PoolingParams}.get(self.config.runner)
-        if refused is not None and isinstance(params, refused):
-            raise ValueError(f"this engine was built with runner={self.config.runner!r}: it takes no "
-                             f"{refused.__name__} requests (runner='auto' takes both)")
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {request_id!r}")
+        params = self.input_processor.check_args(request_id, params, priority, cache_salt)
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"priority must be an int, got {priority!r}")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
         in_flight = self.engine_core.in_flight_request_ids()
         if in_flight:
             child_ids = {request_id} | {f"{i}_{request_id}" for i in range(getattr(params, "n", 1))}
@@ -122,26 +103,10 @@ class LLMEngine:
             if busy:   # its results would be taken for the new request's
                 raise ValueError(f"request id {request_id!r} is still in the step in flight (as {busy}); "
                                  "reuse it after the next step()")
-        text, ids = self.input_processor.tokenize(prompt)
-        if isinstance(params, PoolingParams):
-            ids, pp = self.input_processor.process_pooling(request_id, ids, params)
-            self.engine_core.add_requests([Request(request_id, ids, _POOLING_SAMPLING, priority=priority,
-                                                   cache_salt=cache_salt, pooling_params=pp)])
-            self.output_processor.add_request(request_id, text, ids, _POOLING_SAMPLING, [request_id], pooling=pp)
-            return
-        ids, params = self.input_processor.process_generation(request_id, ids, params)
-        n = params.n
-        requests = []
-        for i in range(n):
-            child_id = request_id if n == 1 else f"{i}_{request_id}"
-            child_params = params
-            if n > 1:   # seed + i taken mod 2**64 (the sampler's key is), so it stays in range
-                child_params = dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else (params.seed + i) % (1 << 64))
-            requests.append(Request(child_id, ids, child_params, eos_token_id=self.input_processor.eos_token_id,
-                                    priority=priority, cache_salt=cache_salt))
-        self.engine_core.add_requests(requests)   # all or none
-        self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in requests])
+        req = self.input_processor.process(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+        self.engine_core.add_requests(req.core_requests)   # all or none
+        self.output_processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.params,
+                                          [r.request_id for r in req.core_requests], pooling=req.pooling_params)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Aborts requests. Ids that are not running (finished already, or never added) are
