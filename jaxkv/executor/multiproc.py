@@ -25,7 +25,9 @@ fail). Device data never crosses the control plane: collectives go through JAX (
 Failures: every wait has a deadline (``startup_timeout_s``, ``execute_timeout_s``,
 ``rpc_timeout_s``); while waiting, the executor polls its own workers' processes and every
 worker's heartbeat (``heartbeat_timeout_s``), so a dead worker is a ``WorkerDiedError`` naming
-its rank and pid within about a second (a silent remote one within the heartbeat timeout). A
+its rank and pid within about a second, and a silent one (remote, or a local one that is
+stopped or holds the GIL: its heartbeat thread stops with it) within the heartbeat timeout; a
+worker that waits with the GIL released (in a collective) is caught by the call's deadline. A
 dead or hung worker leaves the job unusable (the others may wait in a collective forever): the
 executor then stops every process and refuses further calls. A worker's exception comes back
 as the same exception type (when it pickles) with the worker's formatted traceback as a note.
@@ -250,12 +252,11 @@ class MultiprocExecutor(Executor):
                 how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
                 self._fail(f"{self._describe(rank)} died ({how})")
         now = time.monotonic()
-        for rank in self._ctl.ranks:
-            if rank in self._ctl.procs:
-                continue   # its process is watched directly
+        for rank in self._ctl.ranks:   # local ones too: a stopped process has not exited
             silent = now - max(self._last_beat.get(rank, since), since)
             if silent > self.heartbeat_timeout_s:
-                self._fail(f"{self._describe(rank)} sent no heartbeat for {silent:.1f} s")
+                self._fail(f"{self._describe(rank)} sent no heartbeat for {silent:.1f} s "
+                           f"(hung, stopped or unreachable)")
 
     def _drain(self, timeout_ms: int) -> None:
         """Receives whatever the workers sent (waiting up to ``timeout_ms`` for the first)."""

@@ -96,21 +96,39 @@ def test_llama_matches_one_process_and_dense(models):
 
 
 @pytest.mark.slow
-def test_hybrid_sliding_window_async(models):
+def test_hybrid_sliding_window_async_then_stopped_worker(models):
     """The hybrid model (sliding-window + full layers: two KV groups; soft-caps, tied
-    embedding) under async scheduling (non-blocking execute_model) equals the dense forward."""
+    embedding) under async scheduling (non-blocking execute_model) equals the dense forward.
+    Then SIGSTOP of the driver worker mid-generation (a hung process: it has not exited, so
+    only its missing heartbeats tell): WorkerDiedError naming it within the heartbeat timeout,
+    and no process is left (SIGKILL ends a stopped process)."""
     path, model = models["tiny-hybrid"]
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 512, size=n).tolist() for n in (40, 9, 70)]
     llm = _mp(path, async_scheduling=True, max_num_seqs=4)
+    ex = llm.llm_engine.engine_core.model_executor
+    pids = ex.worker_pids
+    stopped = []
+
+    def stop():
+        stopped.append(time.monotonic())
+        os.kill(pids[0], signal.SIGSTOP)
+    timer = threading.Timer(1.0, stop)
     try:
         assert len(llm.llm_engine.kv_cache_config.kv_cache_groups) == 2
         outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
                             use_tqdm=False)
         for p, o in zip(prompts, outs):
             assert o.outputs[0].token_ids == dense_greedy(model, p, 20)
+        timer.start()
+        with pytest.raises(WorkerDiedError, match=rf"worker rank 0 \(pid {pids[0]}\) sent no heartbeat"):
+            llm.generate(prompts[:1], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+                         use_tqdm=False)
+        assert stopped and time.monotonic() - stopped[0] < ex.heartbeat_timeout_s + 5
+        assert _gone(pids.values(), 2.0)
     finally:
-        llm.shutdown()
+        timer.cancel()
+        llm.shutdown()   # SIGKILL ends a stopped worker too
 
 
 @pytest.mark.slow
