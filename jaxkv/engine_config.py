@@ -127,13 +127,15 @@ def _check_argument_types(*, flags: dict, warmup, max_logprobs, seed, dtype, gpu
                          f"parallelism is not implemented (README, 'Not here (yet)')")
 
 
-def _check_executor_args(backend, model, *, nnodes, node_rank, master_addr, master_port, headless,
-                         tensor_parallel_size) -> None:
+def check_executor_args(backend, model, *, nnodes, node_rank, master_addr, master_port, headless,
+                        tensor_parallel_size, engine: bool = True) -> None:
     """vLLM's executor and multi-node arguments: each wrong one a ValueError / TypeError
-    naming it."""
+    naming it. ``engine``: the arguments build an engine (node 0); False for a headless
+    node's launcher (``jaxkv generate --headless``, ``run_headless``), which builds none."""
     if backend not in EXECUTOR_BACKEND_NAMES:
         raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKEND_NAMES}, got {backend!r}")
-    for name, value in (("nnodes", nnodes), ("node_rank", node_rank), ("master_port", master_port)):
+    for name, value in (("nnodes", nnodes), ("node_rank", node_rank), ("master_port", master_port),
+                        ("tensor_parallel_size", tensor_parallel_size)):
         if type(value) is not int:
             raise TypeError(f"{name} must be an int, got {value!r}")
     _check_bool("headless", headless)
@@ -145,14 +147,24 @@ def _check_executor_args(backend, model, *, nnodes, node_rank, master_addr, mast
         raise TypeError(f"master_addr must be a host name or address, got {master_addr!r}")
     if backend == "uni" and (nnodes > 1 or headless):
         raise ValueError(f"nnodes={nnodes} / headless={headless} need distributed_executor_backend='mp'")
+    if headless and node_rank == 0:
+        raise ValueError("headless is for the nodes that only run workers (node_rank >= 1); node 0 "
+                         "runs the engine: got headless=True, node_rank=0")
+    if node_rank > 0 and not headless:
+        raise ValueError(f"node_rank={node_rank} runs only this node's workers, the engine runs on "
+                         f"node 0: pass headless=True there")
     if backend == "mp":
-        if not isinstance(model, str):
+        if engine and not isinstance(model, str):
             raise ValueError("distributed_executor_backend='mp' loads the model in each worker process: "
                              "pass a model name or path, not a built model")
         if tensor_parallel_size % nnodes:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide evenly over nnodes={nnodes}")
-        if nnodes > 1 and master_port == 0:
-            raise ValueError("nnodes > 1 needs an explicit master_port (every node must agree on it)")
+        if nnodes > 1 and not 0 < master_port < 65535:   # the control socket is master_port + 1
+            raise ValueError(f"nnodes > 1 needs an explicit master_port below 65535 (every node must "
+                             f"agree on it; the next port is the control socket), got {master_port}")
+    if engine and headless:
+        raise ValueError("headless=True builds no engine: a headless node runs only its workers "
+                         "(jaxkv.executor.multiproc.run_headless, or jaxkv generate --headless)")
 
 
 def resolve_engine_config(
@@ -271,9 +283,9 @@ def resolve_engine_config(
         kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
         tokenizer=tokenizer, pipeline_parallel_size=pipeline_parallel_size)
     model = _checked_model(model)
-    _check_executor_args(distributed_executor_backend, model, nnodes=nnodes, node_rank=node_rank,
-                         master_addr=master_addr, master_port=master_port, headless=headless,
-                         tensor_parallel_size=tensor_parallel_size)
+    check_executor_args(distributed_executor_backend, model, nnodes=nnodes, node_rank=node_rank,
+                        master_addr=master_addr, master_port=master_port, headless=headless,
+                        tensor_parallel_size=tensor_parallel_size)
     from jaxkv.sampling_params import SamplingParams  # noqa: PLC0415
 
     if isinstance(warmup_sampling, SamplingParams) or not isinstance(warmup_sampling, (list, tuple)):
