@@ -220,7 +220,10 @@ class MultiprocExecutor(Executor):
             args = SpawnArgs(rank=local_rank, local_rank=local_rank, world_size=self.world_size,
                              coordinator_address=self.coordinator_address,
                              control_address=self.control_address, platform=self.platform,
-                             devices_per_worker=per_worker, init_timeout_s=int(self.startup_timeout_s))
+                             devices_per_worker=per_worker,
+                             # past our own deadline, so a missing node is reported as such (below)
+                             # rather than as this node's worker giving up first
+                             init_timeout_s=int(self.startup_timeout_s) + 30)
             ctl.procs[local_rank] = start_worker(args)
         try:
             self._wait_ready(time.monotonic() + self.startup_timeout_s)
@@ -301,9 +304,14 @@ class MultiprocExecutor(Executor):
                 raise WorkerDiedError(self._failure)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(self._ctl.ranks))
-                self._fail(f"worker ranks {missing} did not start within {self.startup_timeout_s:.0f} s "
-                           f"(other nodes: is `python -m jaxkv.executor.multiproc --headless` running "
-                           f"with --master-addr {self.config.master_addr}?)", WorkerTimeoutError)
+                remote = [r for r in missing if r not in self._ctl.procs]
+                c = self.config
+                hint = (f"; ranks {remote} run on other nodes: is `jaxkv generate --headless --nnodes "
+                        f"{c.nnodes} --node-rank N --master-addr {c.master_addr} --master-port "
+                        f"{c.master_port}` (or run_headless) running there? This node's workers wait "
+                        f"in jax.distributed.initialize until every rank joins" if remote else "")
+                self._fail(f"worker ranks {missing} did not start within {self.startup_timeout_s:.0f} s"
+                           f"{hint}", WorkerTimeoutError)
             self._check_alive(start)
             self._drain(self.poll_ms)
         self._ctl.ranks.sort()

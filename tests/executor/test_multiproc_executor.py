@@ -228,3 +228,38 @@ def test_two_nodes_on_loopback_remote_worker_killed(tiny):
             ex.shutdown()
         launcher.kill()
         launcher.wait()
+
+
+def _worker_children() -> list[int]:
+    """Pids of this process's live children that are worker processes (from /proc)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().split(")")[-1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z" and b"jaxkv.executor.worker_proc" in cmd:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.slow
+def test_missing_node_is_a_timeout_naming_it(tiny):
+    """nnodes=2 and no node 1: the start-up deadline names the missing rank and the command
+    node 1 should run; this node's worker (waiting in jax.distributed.initialize) is stopped."""
+    path, _ = tiny
+    quick = type("QuickStart", (MultiprocExecutor,), {"startup_timeout_s": 6.0})
+    port = _two_free_ports()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerTimeoutError) as info:
+        quick(executor_config(path, nnodes=2, master_port=port))
+    assert time.monotonic() - t0 < 20
+    assert str(info.value).startswith("worker ranks [0, 1] did not start within 6 s; ranks [1] run on "
+                                      f"other nodes: is `jaxkv generate --headless --nnodes 2 --node-rank "
+                                      f"N --master-addr 127.0.0.1 --master-port {port}`"), info.value
+    assert _worker_children() == []
