@@ -139,7 +139,7 @@ import gc, os, sys, time
 sys.path.insert(0, {root!r})
 from tests.executor.helpers import executor_config
 from jaxkv.executor.multiproc import MultiprocExecutor
-ex = MultiprocExecutor(executor_config({path!r}))
+ex = MultiprocExecutor(executor_config({path!r}, **{extra!r}))
 pids = list(ex.worker_pids.values())
 if sys.argv[1] == "gc":
     del ex
@@ -152,13 +152,23 @@ else:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["gc", "parent_killed"])
+@pytest.mark.parametrize("how", ["gc", "parent_killed", "node0_killed"])
 def test_no_orphans(tiny, how):
     """Garbage collection of the executor stops its workers; so does SIGKILL of the process
-    that started them (the workers watch their parent)."""
+    that started them (the workers watch their parent). With two nodes, SIGKILL of node 0's
+    process also ends node 1's worker (its control socket disconnects) and node 1's launcher."""
     path, _ = tiny
-    proc = subprocess.Popen([sys.executable, "-c", _PARENT.format(root=str(ROOT), path=str(path)), how],
-                            stdout=subprocess.PIPE, text=True, env=worker_env(), cwd=ROOT)
+    extra, launcher = {}, None
+    if how == "node0_killed":
+        port = _two_free_ports()
+        extra = dict(nnodes=2, master_port=port)
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "jaxkv.executor.multiproc", "--headless", "--nnodes", "2", "--node-rank",
+             "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--tensor-parallel-size", "2"],
+            env=worker_env(), cwd=ROOT)
+    script = _PARENT.format(root=str(ROOT), path=str(path), extra=extra)
+    proc = subprocess.Popen([sys.executable, "-c", script, how], stdout=subprocess.PIPE, text=True,
+                            env=worker_env(), cwd=ROOT)
     try:
         line = proc.stdout.readline()
         assert line.startswith("PIDS"), line
@@ -171,10 +181,15 @@ def test_no_orphans(tiny, how):
             assert all(pid_alive(p) for p in pids)
             proc.kill()
             proc.wait(timeout=10)
-            assert _gone(pids, 5.0)
+            assert _gone(pids, 10.0 if launcher else 5.0)
+        if launcher is not None:
+            assert launcher.wait(timeout=10) != 0
     finally:
         proc.kill()
         proc.wait()
+        if launcher is not None:
+            launcher.kill()
+            launcher.wait()
 
 
 def _two_free_ports() -> int:
