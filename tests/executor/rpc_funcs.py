@@ -46,3 +46,14 @@ def holds_config(worker, configs: list) -> bool:
 
 def unpicklable(worker):
     return lambda: worker.rank
+
+
+def fail_next_dispatch(worker) -> int:
+    """This worker's next step raises in dispatch (before any device work), once."""
+    real = worker.dispatch
+
+    def failing(scheduler_output):
+        worker.dispatch = real
+        raise ValueError(f"dispatch failed on purpose in rank {worker.rank}")
+    worker.dispatch = failing
+    return worker.rank

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from jaxkv.core.errors import EngineStepError
 from jaxkv.entrypoints.llm import LLM
 from jaxkv.executor.multiproc import WorkerDiedError
 from jaxkv.sampling_params import SamplingParams
@@ -67,7 +68,9 @@ def _gone(pids, within=5.0) -> bool:
 def test_llama_matches_one_process_and_dense(models):
     """Greedy tokens equal the dense forward's and the one-process engine's (chunked prefill,
     prefix hits, preemption); seeded sampling draws what one process draws; each worker holds
-    exactly configs[rank] (checked inside the worker); shutdown() leaves no process."""
+    exactly configs[rank] (checked inside the worker); a step that raises in the workers is the
+    caller's EngineStepError caused by the worker's exception, with its traceback, and the
+    engine carries on; shutdown() leaves no process."""
     path, model = models["tiny-llama"]
     first, later = _workload()
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -90,6 +93,19 @@ def test_llama_matches_one_process_and_dense(models):
         assert_no_block_leaks(llm)
         got = llm.generate(first, seeded, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref_seeded]
+
+        # a step that raises in every worker: the caller gets the worker's exception (with its
+        # traceback) as the EngineStepError's cause; the engine recovers through the workers
+        assert ex.collective_rpc(rpc_funcs.fail_next_dispatch) == [0, 1]
+        with pytest.raises(EngineStepError) as info:
+            llm.generate(first[:1], greedy, use_tqdm=False)
+        cause = info.value.__cause__
+        assert isinstance(cause, ValueError) and "dispatch failed on purpose in rank" in str(cause)
+        note = "\n".join(cause.__notes__)
+        assert "raised in worker rank" in note and "in failing" in note, note
+        assert_no_block_leaks(llm)
+        (again,) = llm.generate(first[:1], greedy, use_tqdm=False)
+        assert again.outputs[0].token_ids == ref[0].outputs[0].token_ids
     finally:
         llm.shutdown()
     assert _gone(pids, 1.0)
