@@ -354,11 +354,12 @@ def test_engine_flags_reach_the_llm(capsys, monkeypatch):
 NODES = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "29500", "-tp", "2"]
 
 
-@pytest.mark.parametrize("flags, backend", [
-    (["--distributed-executor-backend", "mp", "--node-rank", "0"] + NODES, "mp"),
-    (NODES, "mp"),   # --nnodes > 1 defaults to the mp backend, as in vLLM
+@pytest.mark.parametrize("flags, backend, per_worker, tp", [
+    (["--distributed-executor-backend", "mp", "--node-rank", "0"] + NODES + ["--devices-per-worker", "2", "-tp", "4"],
+     "mp", 2, 4),
+    (NODES, "mp", 1, 2),   # --nnodes > 1 defaults to the mp backend, as in vLLM
 ])
-def test_multi_node_flags_reach_the_llm(capsys, monkeypatch, flags, backend):
+def test_multi_node_flags_reach_the_llm(capsys, monkeypatch, flags, backend, per_worker, tp):
     """vLLM's executor and multi-node flags reach LLM(...); the mp backend sets up no host
     devices in this process (its workers set their own)."""
     import os
@@ -376,9 +377,9 @@ def test_multi_node_flags_reach_the_llm(capsys, monkeypatch, flags, backend):
     code, _, err = run(TINY + flags, capsys)
     assert (code, error_line(err)) == (2, "jaxkv generate: error: --master-port is fake")
     assert {k: seen[k] for k in ("distributed_executor_backend", "nnodes", "node_rank", "master_addr",
-                                 "master_port", "tensor_parallel_size")} == {
+                                 "master_port", "tensor_parallel_size", "devices_per_worker")} == {
         "distributed_executor_backend": backend, "nnodes": 2, "node_rank": 0, "master_addr": "10.0.0.1",
-        "master_port": 29500, "tensor_parallel_size": 2}
+        "master_port": 29500, "tensor_parallel_size": tp, "devices_per_worker": per_worker}
     assert os.environ["XLA_FLAGS"] == ""
 
 
@@ -391,7 +392,7 @@ def test_headless_node_runs_its_workers_only(capsys, monkeypatch, no_load):
     code, out, err = run(["generate", "--headless", "--node-rank", "1"] + NODES, capsys)
     assert (code, out) == (0, "")
     assert seen == dict(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500,
-                        tensor_parallel_size=2)
+                        tensor_parallel_size=2, devices_per_worker=1)
     assert "node 1 of 2, waiting for node 0's engine at 10.0.0.1:29500" in err
 
 
@@ -403,7 +404,9 @@ def test_headless_node_runs_its_workers_only(capsys, monkeypatch, no_load):
     (NODES + ["--distributed-executor-backend", "uni"],
      "--nnodes=2 / --headless=False need --distributed-executor-backend='mp'"),
     (NODES + ["--node-rank", "2", "--headless"], "--node-rank must be in [0, --nnodes): got --node-rank=2"),
-    (NODES + ["-tp", "3"], "--tensor-parallel-size=3 must divide evenly over --nnodes=2"),
+    (NODES + ["-tp", "3"], "--tensor-parallel-size=3 must divide evenly over --nnodes=2 x --devices-per-worker=1"),
+    (["--devices-per-worker", "2", "-tp", "2"], "--devices-per-worker=2: must be >= 1, and 1 unless "
+                                                "--distributed-executor-backend='mp'"),
     (["--master-port", "70000"], "--master-port must be in [0, 65536), got 70000"),
     (["--distributed-executor-backend", "ray"], "argument --distributed-executor-backend: invalid choice"),
     (["--nnodes", "0"], "argument --nnodes: must be a positive int, got 0"),

@@ -138,7 +138,7 @@ FLAG_NAMES = {
     "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "stop": "--stop", "n": "-n",
     "distributed_executor_backend": "--distributed-executor-backend", "nnodes": "--nnodes",
     "node_rank": "--node-rank", "master_addr": "--master-addr", "master_port": "--master-port",
-    "headless": "--headless",
+    "headless": "--headless", "devices_per_worker": "--devices-per-worker",
 }
 _FLAG_RE = re.compile(r"(?<![\w-])(" + "|".join(sorted(FLAG_NAMES, key=len, reverse=True)) + r")(?![\w-])")
 

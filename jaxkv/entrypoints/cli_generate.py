@@ -141,6 +141,9 @@ def add_parser(sub) -> None:
     g.add_argument("--master-port", type=int, default=0, metavar="PORT",
                    help="jax.distributed coordinator port on node 0, the next port is the control "
                         "socket; needed with --nnodes > 1 (default: 0, two free ports)")
+    g.add_argument("--devices-per-worker", type=positive_int, default=1, metavar="N",
+                   help="devices of each mp worker process (CPU host devices, or GPUs), so -tp / N "
+                        "processes (default: 1)")
     g.add_argument("--headless", action="store_true",
                    help="only start this node's workers and wait for node 0's engine; generates "
                         "nothing (default: off)")
@@ -238,7 +241,8 @@ def check_executor_flags(args) -> None:
 
     check_executor_args(executor_backend(args), args.model, nnodes=args.nnodes, node_rank=args.node_rank,
                         master_addr=args.master_addr, master_port=args.master_port, headless=args.headless,
-                        tensor_parallel_size=args.tensor_parallel_size, engine=not args.headless)
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        devices_per_worker=args.devices_per_worker, engine=not args.headless)
 
 
 def _headless(args) -> int:
@@ -249,7 +253,8 @@ def _headless(args) -> int:
     print(f"jaxkv generate --headless: node {args.node_rank} of {args.nnodes}, waiting for node 0's "
           f"engine at {args.master_addr}:{args.master_port}", file=sys.stderr, flush=True)
     return run_headless(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                        master_port=args.master_port, tensor_parallel_size=args.tensor_parallel_size)
+                        master_port=args.master_port, tensor_parallel_size=args.tensor_parallel_size,
+                        devices_per_worker=args.devices_per_worker)
 
 
 def _default_kv_budget(args) -> None:
@@ -320,7 +325,8 @@ def cmd_generate(args) -> int:
                   speculative_config=args.speculative_ngram,
                   tensor_parallel_size=args.tensor_parallel_size,
                   distributed_executor_backend=executor_backend(args), nnodes=args.nnodes,
-                  node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+                  node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                  devices_per_worker=args.devices_per_worker)
     except (ValueError, TypeError, RuntimeError, OSError) as e:
         return error("generate", name_flags(e))
     from jaxkv.executor.multiproc import WorkerDiedError, WorkerTimeoutError

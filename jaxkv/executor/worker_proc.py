@@ -9,7 +9,8 @@ Started as ``python -m jaxkv.executor.worker_proc`` with its ``SpawnArgs`` pickl
    ``XLA_FLAGS``), gloo CPU collectives (``jax_cpu_collectives_implementation="gloo"``: without
    it a computation over a mesh that spans processes fails on CPU), then
    ``jax.distributed.initialize(coordinator_address, num_processes, process_id,
-   initialization_timeout)`` (GPU: one process per GPU, ``local_device_ids=[local_rank]``);
+   initialization_timeout)`` (GPU: ``local_device_ids``, the ``devices_per_worker`` GPUs of
+   this local rank);
    the coordinator runs in rank 0's process. ``jax.devices()`` is then global, so the Worker's
    ``make_tp_mesh`` spans the processes. jax installs a SIGTERM handler (its preemption
    notifier) that keeps the process alive, so the executor stops a worker by message, then
@@ -78,7 +79,9 @@ def _init_jax(args: SpawnArgs):
     if args.platform == "cpu":
         jax.config.update("jax_num_cpu_devices", args.devices_per_worker)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    local_ids = [args.local_rank] if args.platform in ("gpu", "cuda", "rocm") else None
+    n = args.devices_per_worker   # GPUs: this process's n of the host's, by local rank
+    local_ids = (list(range(args.local_rank * n, (args.local_rank + 1) * n))
+                 if args.platform in ("gpu", "cuda", "rocm") else None)
     if args.world_size > 1:
         jax.distributed.initialize(coordinator_address=args.coordinator_address,
                                    num_processes=args.world_size, process_id=args.rank,

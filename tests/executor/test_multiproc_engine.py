@@ -184,25 +184,28 @@ def test_worker_killed_mid_generation(models):
 
 
 @pytest.mark.slow
-def test_two_nodes_on_loopback_through_jaxkv_generate(models):
+def test_two_nodes_on_loopback_through_jaxkv_generate(tmp_path):
     """vLLM's two-node command lines on one machine, each node its own launcher process:
     node 1 runs ``jaxkv generate --headless`` (run_headless: one worker, rank 1, no model, no
     prompts), node 0 ``jaxkv generate --nnodes 2 --node-rank 0`` (the engine and worker rank
-    0), tensor parallel 2 across them. The printed greedy tokens equal the dense forward's,
-    through chunked prefill (a 90-token prompt, 64-token steps), prefix hits and preemption
-    (12 blocks); node 0's exit shuts node 1's worker down, and its launcher then exits 0."""
+    0); each worker has two CPU devices (``--devices-per-worker 2``), so tensor parallel 4
+    spans the two processes. The printed greedy tokens equal the dense forward's, through
+    chunked prefill (a 90-token prompt, 64-token steps), prefix hits and preemption (12
+    blocks); node 0's exit shuts node 1's worker down, and its launcher then exits 0."""
     import re  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
 
     from tests.executor.helpers import ROOT, worker_env  # noqa: PLC0415
     from tests.executor.test_multiproc_executor import _two_free_ports  # noqa: PLC0415
 
-    path, model = models["tiny-llama"]
+    path = tmp_path / "tiny-llama-kv4"
+    model = save_small_model("tiny-llama", path, num_key_value_heads=4)   # 4 KV heads: TP 4
     first, later = _workload()
     prompts = first + later
     port = _two_free_ports()
     cli = [sys.executable, "-m", "jaxkv.entrypoints.cli", "generate"]
-    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "-tp", "2"]
+    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "-tp", "4",
+             "--devices-per-worker", "2"]
     node1 = subprocess.Popen(cli + nodes + ["--headless", "--node-rank", "1"], env=worker_env(), cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -216,7 +219,8 @@ def test_two_nodes_on_loopback_through_jaxkv_generate(models):
         out = node0.stdout
         got = [list(map(int, line.split())) for line in re.findall(r"^(\d+(?: \d+)*)$", out, re.M)]
         assert got == [dense_greedy(model, p, 10) for p in prompts], out
-        assert "2 worker processes on 2 nodes" in out and "KV cache: 12 blocks" in out, out
+        assert "x 4 (tensor parallel), 2 worker processes on 2 nodes" in out, out
+        assert "KV cache: 12 blocks" in out, out
         assert int(re.search(r"prefix-cache hits (\d+)", out)[1]) >= 32, out
         assert int(re.search(r"preemptions (\d+)", out)[1]) > 0, out
         assert node1.wait(timeout=30) == 0, node1.stderr.read()[-3000:]
