@@ -66,6 +66,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0       # 0: a free port (one node only)
     headless: bool = False     # this node only runs workers (node_rank > 0)
+    devices_per_worker: int = 1   # "mp": devices of each worker process (CPU host devices; GPUs per process)
 
 
 def _positive(name, value):
@@ -127,13 +128,15 @@ def _check_argument_types(*, flags: dict, warmup, max_logprobs, seed, dtype, gpu
                          f"parallelism is not implemented (README, 'Not here (yet)')")
 
 
-def _check_executor_args(backend, model, *, nnodes, node_rank, master_addr, master_port, headless,
-                         tensor_parallel_size) -> None:
+def check_executor_args(backend, model, *, nnodes, node_rank, master_addr, master_port, headless,
+                        tensor_parallel_size, devices_per_worker: int = 1, engine: bool = True) -> None:
     """vLLM's executor and multi-node arguments: each wrong one a ValueError / TypeError
-    naming it."""
+    naming it. ``engine``: the arguments build an engine (node 0); False for a headless
+    node's launcher (``jaxkv generate --headless``, ``run_headless``), which builds none."""
     if backend not in EXECUTOR_BACKEND_NAMES:
         raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKEND_NAMES}, got {backend!r}")
-    for name, value in (("nnodes", nnodes), ("node_rank", node_rank), ("master_port", master_port)):
+    for name, value in (("nnodes", nnodes), ("node_rank", node_rank), ("master_port", master_port),
+                        ("tensor_parallel_size", tensor_parallel_size), ("devices_per_worker", devices_per_worker)):
         if type(value) is not int:
             raise TypeError(f"{name} must be an int, got {value!r}")
     _check_bool("headless", headless)
@@ -145,14 +148,29 @@ def _check_executor_args(backend, model, *, nnodes, node_rank, master_addr, mast
         raise TypeError(f"master_addr must be a host name or address, got {master_addr!r}")
     if backend == "uni" and (nnodes > 1 or headless):
         raise ValueError(f"nnodes={nnodes} / headless={headless} need distributed_executor_backend='mp'")
+    if devices_per_worker < 1 or (backend == "uni" and devices_per_worker != 1):
+        raise ValueError(f"devices_per_worker={devices_per_worker}: must be >= 1, and 1 unless "
+                         f"distributed_executor_backend='mp' (the in-process worker uses "
+                         f"tensor_parallel_size devices)")
+    if headless and node_rank == 0:
+        raise ValueError("headless is for the nodes that only run workers (node_rank >= 1); node 0 "
+                         "runs the engine: got headless=True, node_rank=0")
+    if node_rank > 0 and not headless:
+        raise ValueError(f"node_rank={node_rank} runs only this node's workers, the engine runs on "
+                         f"node 0: pass headless=True there")
     if backend == "mp":
-        if not isinstance(model, str):
+        if engine and not isinstance(model, str):
             raise ValueError("distributed_executor_backend='mp' loads the model in each worker process: "
                              "pass a model name or path, not a built model")
-        if tensor_parallel_size % nnodes:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide evenly over nnodes={nnodes}")
-        if nnodes > 1 and master_port == 0:
-            raise ValueError("nnodes > 1 needs an explicit master_port (every node must agree on it)")
+        if tensor_parallel_size % (nnodes * devices_per_worker):
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide evenly over "
+                             f"nnodes={nnodes} x devices_per_worker={devices_per_worker}")
+        if nnodes > 1 and not 0 < master_port < 65535:   # the control socket is master_port + 1
+            raise ValueError(f"nnodes > 1 needs an explicit master_port below 65535 (every node must "
+                             f"agree on it; the next port is the control socket), got {master_port}")
+    if engine and headless:
+        raise ValueError("headless=True builds no engine: a headless node runs only its workers "
+                         "(jaxkv.executor.multiproc.run_headless, or jaxkv generate --headless)")
 
 
 def resolve_engine_config(
@@ -191,6 +209,7 @@ def resolve_engine_config(
     master_addr: str = "127.0.0.1",
     master_port: int = 0,
     headless: bool = False,
+    devices_per_worker: int = 1,
 ):
     """Resolves and checks every engine argument. Returns (model, model_config, tokenizer,
     EngineConfig); ``model`` is the NNX model given (the in-process worker serves it), or
@@ -258,7 +277,10 @@ def resolve_engine_config(
     this process) or "mp" (one worker process per JAX process of a ``jax.distributed`` job;
     the model must then be a name or path, which each worker loads). ``nnodes`` /
     ``node_rank`` / ``master_addr`` / ``master_port`` / ``headless`` spread the "mp"
-    workers over several hosts as vLLM's multi-node flags do.
+    workers over several hosts as vLLM's multi-node flags do. ``devices_per_worker`` (not
+    vLLM's: its workers have one GPU each) gives each worker process that many devices (CPU
+    host devices, or the GPUs of one host), so there are ``tensor_parallel_size /
+    devices_per_worker`` worker processes.
 
     ``model`` is a name or path (``str`` or ``os.PathLike``) for ``jaxkv.models.load_model``, or an
     already built NNX model (then ``tokenizer`` may be given). Flags (``enable_prefix_caching``,
@@ -274,9 +296,9 @@ def resolve_engine_config(
         kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
         tokenizer=tokenizer, pipeline_parallel_size=pipeline_parallel_size)
     model = _checked_model(model)
-    _check_executor_args(distributed_executor_backend, model, nnodes=nnodes, node_rank=node_rank,
-                         master_addr=master_addr, master_port=master_port, headless=headless,
-                         tensor_parallel_size=tensor_parallel_size)
+    check_executor_args(distributed_executor_backend, model, nnodes=nnodes, node_rank=node_rank,
+                        master_addr=master_addr, master_port=master_port, headless=headless,
+                        tensor_parallel_size=tensor_parallel_size, devices_per_worker=devices_per_worker)
     from jaxkv.sampling_params import SamplingParams  # noqa: PLC0415
 
     if isinstance(warmup_sampling, SamplingParams) or not isinstance(warmup_sampling, (list, tuple)):
@@ -349,5 +371,5 @@ def resolve_engine_config(
                           num_gpu_blocks_override=num_gpu_blocks_override, verbose=verbose,
                           distributed_executor_backend=distributed_executor_backend, nnodes=nnodes,
                           node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-                          headless=headless)
+                          headless=headless, devices_per_worker=devices_per_worker)
     return loaded, model_config, tokenizer, config

@@ -351,6 +351,80 @@ def test_engine_flags_reach_the_llm(capsys, monkeypatch):
         "block_size": 32, "warmup": False, "max_model_len": 128, "max_num_seqs": 4}
 
 
+NODES = ["--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "29500", "-tp", "2"]
+
+
+@pytest.mark.parametrize("flags, backend, per_worker, tp", [
+    (["--distributed-executor-backend", "mp", "--node-rank", "0"] + NODES + ["--devices-per-worker", "2", "-tp", "4"],
+     "mp", 2, 4),
+    (NODES, "mp", 1, 2),   # --nnodes > 1 defaults to the mp backend, as in vLLM
+])
+def test_multi_node_flags_reach_the_llm(capsys, monkeypatch, flags, backend, per_worker, tp):
+    """vLLM's executor and multi-node flags reach LLM(...); the mp backend sets up no host
+    devices in this process (its workers set their own)."""
+    import os
+
+    import jaxkv.entrypoints.llm
+
+    seen = {}
+
+    def fake_llm(model, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("master_port is fake")
+
+    monkeypatch.setattr(jaxkv.entrypoints.llm, "LLM", fake_llm)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    code, _, err = run(TINY + flags, capsys)
+    assert (code, error_line(err)) == (2, "jaxkv generate: error: --master-port is fake")
+    assert {k: seen[k] for k in ("distributed_executor_backend", "nnodes", "node_rank", "master_addr",
+                                 "master_port", "tensor_parallel_size", "devices_per_worker")} == {
+        "distributed_executor_backend": backend, "nnodes": 2, "node_rank": 0, "master_addr": "10.0.0.1",
+        "master_port": 29500, "tensor_parallel_size": tp, "devices_per_worker": per_worker}
+    assert os.environ["XLA_FLAGS"] == ""
+
+
+def test_headless_node_runs_its_workers_only(capsys, monkeypatch, no_load):
+    """--headless runs run_headless with the node's flags, loads no model, generates nothing."""
+    from jaxkv.executor import multiproc
+
+    seen = {}
+    monkeypatch.setattr(multiproc, "run_headless", lambda **kw: seen.update(kw) or 0)
+    code, out, err = run(["generate", "--headless", "--node-rank", "1"] + NODES, capsys)
+    assert (code, out) == (0, "")
+    assert seen == dict(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500,
+                        tensor_parallel_size=2, devices_per_worker=1)
+    assert "node 1 of 2, waiting for node 0's engine at 10.0.0.1:29500" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nnodes", "2", "-tp", "2"], "--nnodes > 1 needs an explicit --master-port below 65535"),
+    (NODES + ["--node-rank", "1"], "--node-rank=1 runs only this node's workers, the engine runs on "
+                                   "node 0: pass --headless"),
+    (["--headless"], "--headless is for the nodes that only run workers (--node-rank >= 1)"),
+    (NODES + ["--distributed-executor-backend", "uni"],
+     "--nnodes=2 / --headless=False need --distributed-executor-backend='mp'"),
+    (NODES + ["--node-rank", "2", "--headless"], "--node-rank must be in [0, --nnodes): got --node-rank=2"),
+    (NODES + ["-tp", "3"], "--tensor-parallel-size=3 must divide evenly over --nnodes=2 x --devices-per-worker=1"),
+    (["--devices-per-worker", "2", "-tp", "2"], "--devices-per-worker=2: must be >= 1, and 1 unless "
+                                                "--distributed-executor-backend='mp'"),
+    (["--master-port", "70000"], "--master-port must be in [0, 65536), got 70000"),
+    (["--distributed-executor-backend", "ray"], "argument --distributed-executor-backend: invalid choice"),
+    (["--nnodes", "0"], "argument --nnodes: must be a positive int, got 0"),
+])
+def test_bad_multi_node_flags_are_one_line_naming_the_flag(capsys, monkeypatch, no_load, flags, message):
+    from jaxkv.executor import multiproc
+
+    def refuse(**kwargs):
+        raise AssertionError(f"workers started: {kwargs}")
+
+    monkeypatch.setattr(multiproc, "run_headless", refuse)
+    code, out, err = run(TINY + flags, capsys)
+    assert (code, out) == (2, "")
+    line = error_line(err)
+    assert message in line, line
+    assert "_" not in line.split(": error: ")[1], line   # flags, not parameter names
+
+
 def test_generate_token_ids_file_and_n(capsys, tmp_path):
     """Token-id prompts from a flag and a file, three completions each (greedy, so the steps
     compile as the other runs'; test_vllm_flags_reach_the_sampling_params covers sampling)."""

@@ -136,6 +136,9 @@ FLAG_NAMES = {
     "async_scheduling": "--async-scheduling", "beam_width": "--beam-width", "warmup": "--warmup",
     "max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
     "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "stop": "--stop", "n": "-n",
+    "distributed_executor_backend": "--distributed-executor-backend", "nnodes": "--nnodes",
+    "node_rank": "--node-rank", "master_addr": "--master-addr", "master_port": "--master-port",
+    "headless": "--headless", "devices_per_worker": "--devices-per-worker",
 }
 _FLAG_RE = re.compile(r"(?<![\w-])(" + "|".join(sorted(FLAG_NAMES, key=len, reverse=True)) + r")(?![\w-])")
 

@@ -35,6 +35,10 @@ examples:
   jaxkv generate --model tiny-llama --prompt-token-ids 1,2,3 --prompt-token-ids "4 5 6" --max-tokens 8
   printf '1,2,3\\n4,5\\n' | jaxkv generate --model tiny-llama --prompts-file -
   jaxkv generate --model tiny-llama --beam-width 4 --max-tokens 16
+
+two nodes (vLLM's multi-node flags; tensor parallel 2, one worker process per node):
+  node 1: jaxkv generate --headless --nnodes 2 --node-rank 1 --master-addr HOST0 --master-port 29500 -tp 2
+  node 0: jaxkv generate --model tiny-llama --nnodes 2 --node-rank 0 --master-addr HOST0 --master-port 29500 -tp 2
 """
 
 #: The sampling flags with their defaults: beam search takes none but --temperature.
@@ -42,6 +46,7 @@ _SAMPLING_ONLY = {"n": 1, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "stop": None}
 
 
 def add_parser(sub) -> None:
+    from jaxkv.engine_config import EXECUTOR_BACKEND_NAMES
     from jaxkv.entrypoints.cli import (
         ATTENTION_BACKENDS,
         KV_CACHE_DTYPES,
@@ -123,6 +128,25 @@ def add_parser(sub) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
                    help="split the model over N devices; on CPU, N host devices set up here "
                         "(default: 1)")
+    g = p.add_argument_group("processes and nodes (vLLM's)")
+    g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKEND_NAMES, default=None,
+                   help="uni: the worker in this process; mp: one worker process per device group, "
+                        "over --nnodes hosts (default: mp with --nnodes > 1 or --headless, else uni)")
+    g.add_argument("--nnodes", type=positive_int, default=1, metavar="N",
+                   help="hosts the mp workers are spread over, -tp / N workers each (default: 1)")
+    g.add_argument("--node-rank", type=int, default=0, metavar="R",
+                   help="this host's rank: 0 runs the engine, others run --headless (default: 0)")
+    g.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
+                   help="node 0's address, which every node can reach (default: 127.0.0.1)")
+    g.add_argument("--master-port", type=int, default=0, metavar="PORT",
+                   help="jax.distributed coordinator port on node 0, the next port is the control "
+                        "socket; needed with --nnodes > 1 (default: 0, two free ports)")
+    g.add_argument("--devices-per-worker", type=positive_int, default=1, metavar="N",
+                   help="devices of each mp worker process (CPU host devices, or GPUs), so -tp / N "
+                        "processes (default: 1)")
+    g.add_argument("--headless", action="store_true",
+                   help="only start this node's workers and wait for node 0's engine; generates "
+                        "nothing (default: off)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -203,19 +227,56 @@ def known_tokenizer(model: str) -> bool | None:
     return None
 
 
+def executor_backend(args) -> str:
+    """``--distributed-executor-backend``, defaulting to mp where the flags need processes."""
+    given = getattr(args, "distributed_executor_backend", None)
+    if given is not None:
+        return given
+    return "mp" if getattr(args, "nnodes", 1) > 1 or getattr(args, "headless", False) else "uni"
+
+
+def check_executor_flags(args) -> None:
+    """The executor and multi-node flags, before anything loads (ValueError / TypeError)."""
+    from jaxkv.engine_config import check_executor_args
+
+    check_executor_args(executor_backend(args), args.model, nnodes=args.nnodes, node_rank=args.node_rank,
+                        master_addr=args.master_addr, master_port=args.master_port, headless=args.headless,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        devices_per_worker=args.devices_per_worker, engine=not args.headless)
+
+
+def _headless(args) -> int:
+    """A ``--headless`` node: starts its workers (``run_headless``) and waits until node 0's
+    engine shuts them down; loads no model and generates nothing."""
+    from jaxkv.executor.multiproc import run_headless
+
+    print(f"jaxkv generate --headless: node {args.node_rank} of {args.nnodes}, waiting for node 0's "
+          f"engine at {args.master_addr}:{args.master_port}", file=sys.stderr, flush=True)
+    return run_headless(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                        master_port=args.master_port, tensor_parallel_size=args.tensor_parallel_size,
+                        devices_per_worker=args.devices_per_worker)
+
+
 def _default_kv_budget(args) -> None:
     """Sets ``--kv-cache-memory`` to the engine's CPU default where the device reports no
-    memory stats, and says so naming the flag (the engine's note names its parameter)."""
+    memory stats, and says so naming the flag (the engine's note names its parameter). With
+    the mp backend this process starts no jax backend (it would take a GPU from the workers):
+    the workers' platform decides."""
     if args.kv_cache_memory is not None:
         return
-    import jax
-
     from jaxkv.engine_config import DEFAULT_CPU_KV_CACHE_BYTES
 
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
-        stats = None
+    if executor_backend(args) == "mp":
+        from jaxkv.executor.multiproc import default_platform
+
+        stats = None if default_platform() == "cpu" else True
+    else:
+        import jax
+
+        try:
+            stats = jax.devices()[0].memory_stats()
+        except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+            stats = None
     if not stats:
         args.kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
         print(f"jaxkv generate: the device reports no memory stats; KV cache budget "
@@ -237,6 +298,9 @@ def cmd_generate(args) -> int:
         if not 0.0 < args.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
                              f"got {args.gpu_memory_utilization}")
+        check_executor_flags(args)
+        if args.headless:   # no model, no prompts here: node 0 has them
+            return _headless(args)
         file_lines = read_prompts_file(args.prompts_file) if args.prompts_file else None
         has_tok = known_tokenizer(args.model)
         if has_tok is not None:
@@ -244,7 +308,7 @@ def cmd_generate(args) -> int:
     except (ValueError, TypeError) as e:
         return error("generate", name_flags(e))
 
-    if args.tensor_parallel_size > 1:
+    if args.tensor_parallel_size > 1 and executor_backend(args) == "uni":   # mp: the workers' own
         _host_devices(args.tensor_parallel_size)
     from jaxkv.entrypoints.llm import LLM
 
@@ -259,10 +323,28 @@ def cmd_generate(args) -> int:
                   warmup=False if args.warmup == "off" else args.warmup,
                   async_scheduling=args.async_scheduling, verbose=True,
                   speculative_config=args.speculative_ngram,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  distributed_executor_backend=executor_backend(args), nnodes=args.nnodes,
+                  node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                  devices_per_worker=args.devices_per_worker)
     except (ValueError, TypeError, RuntimeError, OSError) as e:
         return error("generate", name_flags(e))
-    load_s = time.perf_counter() - t0
+    from jaxkv.executor.multiproc import WorkerDiedError, WorkerTimeoutError
+
+    try:
+        return _run(llm, args, params, file_lines, time.perf_counter() - t0)
+    except (ValueError, TypeError) as e:   # a prompt the engine refuses (length, vocabulary)
+        return error("generate", name_flags(e))
+    except (WorkerDiedError, WorkerTimeoutError) as e:   # mp: a worker process died or hung
+        error("generate", e)
+        return 1
+    finally:
+        llm.shutdown()   # the mp backend's workers (and the --headless nodes) exit now
+
+
+def _run(llm, args, params, file_lines, load_s: float) -> int:
+    from jaxkv.entrypoints.cli import error, name_flags
+
     engine = llm.llm_engine
     tok = engine.tokenizer
     try:
@@ -281,18 +363,16 @@ def cmd_generate(args) -> int:
     if tok is not None and not args.no_chat and tok.chat_template:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) if isinstance(p, str) else p
                    for p in prompts]
-    try:
-        if args.beam_width is not None:
-            return _beam_search(llm, args, params, prompts, shown, load_s)
-        return _generate(llm, args, params, prompts, shown, load_s)
-    except (ValueError, TypeError) as e:   # a prompt the engine refuses (length, vocabulary)
-        return error("generate", name_flags(e))
+    if args.beam_width is not None:
+        return _beam_search(llm, args, params, prompts, shown, load_s)
+    return _generate(llm, args, params, prompts, shown, load_s)
 
 
 def _generate(llm, args, params, prompts, shown, load_s: float) -> int:
     engine = llm.llm_engine
     tok = engine.tokenizer
-    c0, cs0 = engine.runner.num_compiles, engine.runner.compile_seconds   # warm-up's are in load
+    before = engine.get_stats()   # warm-up's compiles are in load
+    c0, cs0 = before["num_compiles"], before["compile_seconds"]
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t1
@@ -305,8 +385,7 @@ def _generate(llm, args, params, prompts, shown, load_s: float) -> int:
     stats = engine.get_stats()
     num_blocks = engine.kv_cache_config.num_blocks
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    tp = f" x {args.tensor_parallel_size} (tensor parallel)" if args.tensor_parallel_size > 1 else ""
-    print(f"\nmodel {args.model} on {engine.runner.backend} ({_device()}{tp}), load {load_s:.1f} s")
+    print(f"\nmodel {args.model} on {_where(engine, args)}, load {load_s:.1f} s")
     print(f"{n_out} tokens in {gen_s:.2f} s = {n_out / gen_s:.1f} tok/s "
           f"(includes {stats['num_compiles'] - c0} compiles, {stats['compile_seconds'] - cs0:.1f} s; "
           f"load includes {c0} warm-up compiles)")
@@ -322,7 +401,7 @@ def _generate(llm, args, params, prompts, shown, load_s: float) -> int:
 def _beam_search(llm, args, params, prompts, shown, load_s: float) -> int:
     engine = llm.llm_engine
     tok = engine.tokenizer
-    c0 = engine.runner.num_compiles
+    c0 = engine.get_stats()["num_compiles"]
     t1 = time.perf_counter()
     results = llm.beam_search(prompts, params)
     gen_s = time.perf_counter() - t1
@@ -334,7 +413,7 @@ def _beam_search(llm, args, params, prompts, shown, load_s: float) -> int:
             text = tok.decode(new).strip() if tok is not None else " ".join(map(str, new))
             print(f"  beam {rank}: cum logprob {seq.cum_logprob:.3f}, finish {seq.finish_reason}: {text}")
     stats = engine.get_stats()
-    print(f"\nmodel {args.model} on {engine.runner.backend} ({_device()}), load {load_s:.1f} s; "
+    print(f"\nmodel {args.model} on {_where(engine, args)}, load {load_s:.1f} s; "
           f"beam search width {args.beam_width}, {args.max_tokens} rounds in {gen_s:.2f} s "
           f"(includes {stats['num_compiles'] - c0} compiles); prefix-cache hits {stats['prefix_hit_tokens']} tokens")
     return 0
@@ -351,8 +430,21 @@ def _host_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def _device() -> str:
+def worker_description(worker) -> tuple[str, str]:
+    """(attention backend, "platform:device kind") of a worker; run by collective_rpc, in
+    the worker's process with the mp backend."""
     import jax
 
-    d = jax.devices()[0]
-    return f"{d.platform}:{getattr(d, 'device_kind', '')}"
+    d = jax.local_devices()[0]
+    return worker.model_runner.backend, f"{d.platform}:{getattr(d, 'device_kind', '')}"
+
+
+def _where(engine, args) -> str:
+    """'xla (cpu:cpu x 2 (tensor parallel))', and the worker processes with the mp backend."""
+    backend, device = engine.engine_core.model_executor.collective_rpc(worker_description)[0]
+    tp = f" x {args.tensor_parallel_size} (tensor parallel)" if args.tensor_parallel_size > 1 else ""
+    procs = ""
+    if executor_backend(args) == "mp":
+        n = len(engine.engine_core.model_executor.worker_pids)
+        procs = f", {n} worker process{'es' if n > 1 else ''} on {args.nnodes} node{'s' if args.nnodes > 1 else ''}"
+    return f"{backend} ({device}{tp}{procs})"

@@ -25,7 +25,9 @@ fail). Device data never crosses the control plane: collectives go through JAX (
 Failures: every wait has a deadline (``startup_timeout_s``, ``execute_timeout_s``,
 ``rpc_timeout_s``); while waiting, the executor polls its own workers' processes and every
 worker's heartbeat (``heartbeat_timeout_s``), so a dead worker is a ``WorkerDiedError`` naming
-its rank and pid within about a second (a silent remote one within the heartbeat timeout). A
+its rank and pid within about a second, and a silent one (remote, or a local one that is
+stopped or holds the GIL: its heartbeat thread stops with it) within the heartbeat timeout; a
+worker that waits with the GIL released (in a collective) is caught by the call's deadline. A
 dead or hung worker leaves the job unusable (the others may wait in a collective forever): the
 executor then stops every process and refuses further calls. A worker's exception comes back
 as the same exception type (when it pickles) with the worker's formatted traceback as a note.
@@ -200,6 +202,11 @@ class MultiprocExecutor(Executor):
         self._info: dict[int, dict] = {}                 # rank -> {"pid", "host"}
         self._last_beat: dict[int, float] = {}
         self._deferred_error: BaseException | None = None
+        #: the driver's perf_counter() times of the last blocking step: its message arrived,
+        #: dispatch began, collect ended, reply pickled; then when this process received it
+        #: (one host's CLOCK_MONOTONIC): the step is (began, ended), the rest is the hop
+        self.last_step_timing: tuple | None = None
+        self.last_send_time = 0.0   # perf_counter() when the last blocking step was sent
         ctl = self._ctl = _Control()
         self._finalizer = weakref.finalize(self, ctl.close)
         if control_port:
@@ -213,7 +220,10 @@ class MultiprocExecutor(Executor):
             args = SpawnArgs(rank=local_rank, local_rank=local_rank, world_size=self.world_size,
                              coordinator_address=self.coordinator_address,
                              control_address=self.control_address, platform=self.platform,
-                             devices_per_worker=per_worker, init_timeout_s=int(self.startup_timeout_s))
+                             devices_per_worker=per_worker,
+                             # past our own deadline, so a missing node is reported as such (below)
+                             # rather than as this node's worker giving up first
+                             init_timeout_s=int(self.startup_timeout_s) + 30)
             ctl.procs[local_rank] = start_worker(args)
         try:
             self._wait_ready(time.monotonic() + self.startup_timeout_s)
@@ -245,12 +255,11 @@ class MultiprocExecutor(Executor):
                 how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
                 self._fail(f"{self._describe(rank)} died ({how})")
         now = time.monotonic()
-        for rank in self._ctl.ranks:
-            if rank in self._ctl.procs:
-                continue   # its process is watched directly
+        for rank in self._ctl.ranks:   # local ones too: a stopped process has not exited
             silent = now - max(self._last_beat.get(rank, since), since)
             if silent > self.heartbeat_timeout_s:
-                self._fail(f"{self._describe(rank)} sent no heartbeat for {silent:.1f} s")
+                self._fail(f"{self._describe(rank)} sent no heartbeat for {silent:.1f} s "
+                           f"(hung, stopped or unreachable)")
 
     def _drain(self, timeout_ms: int) -> None:
         """Receives whatever the workers sent (waiting up to ``timeout_ms`` for the first)."""
@@ -262,12 +271,15 @@ class MultiprocExecutor(Executor):
                 _, payload = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            received = time.perf_counter()
             msg = pickle.loads(payload)
             if msg[0] == "hb":
                 self._last_beat[msg[1]] = time.monotonic()
                 continue
-            kind, call_id, rank, ok, value = msg
+            kind, call_id, rank, ok, value = msg[:5]
             self._last_beat[rank] = time.monotonic()
+            if kind == "reply" and rank == 0 and msg[5] is not None:
+                self.last_step_timing = msg[5] + (received,)
             if kind == "ready":
                 self._info[rank] = value
                 if rank not in self._ctl.ranks:
@@ -292,9 +304,14 @@ class MultiprocExecutor(Executor):
                 raise WorkerDiedError(self._failure)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(self._ctl.ranks))
-                self._fail(f"worker ranks {missing} did not start within {self.startup_timeout_s:.0f} s "
-                           f"(other nodes: is `python -m jaxkv.executor.multiproc --headless` running "
-                           f"with --master-addr {self.config.master_addr}?)", WorkerTimeoutError)
+                remote = [r for r in missing if r not in self._ctl.procs]
+                c = self.config
+                hint = (f"; ranks {remote} run on other nodes: is `jaxkv generate --headless --nnodes "
+                        f"{c.nnodes} --node-rank N --master-addr {c.master_addr} --master-port "
+                        f"{c.master_port}` (or run_headless) running there? This node's workers wait "
+                        f"in jax.distributed.initialize until every rank joins" if remote else "")
+                self._fail(f"worker ranks {missing} did not start within {self.startup_timeout_s:.0f} s"
+                           f"{hint}", WorkerTimeoutError)
             self._check_alive(start)
             self._drain(self.poll_ms)
         self._ctl.ranks.sort()
@@ -361,6 +378,7 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output, non_block: bool = False):
         if not non_block:
+            self.last_send_time = time.perf_counter()
             return self._call_all(("execute_model", scheduler_output, True),
                                   self.execute_timeout_s, what="execute_model")[0]
         call_id = self._call_all(("execute_model", scheduler_output, False))

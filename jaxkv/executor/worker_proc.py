@@ -3,11 +3,18 @@
 Started as ``python -m jaxkv.executor.worker_proc`` with its ``SpawnArgs`` pickled on stdin
 (by the executor on the head node, or by a ``--headless`` launcher on another node). It
 
-1. sets up JAX before the first backend call: the platform, ``jax_num_cpu_devices`` host
-   devices on CPU, gloo CPU collectives (``jax_cpu_collectives_implementation="gloo"``: without
+1. sets up JAX before the first backend call (what a multi-process CPU job needs on jax
+   0.10.2): ``JAX_PLATFORMS`` (cpu here, so the CUDA plugin stays out), ``jax_num_cpu_devices``
+   host devices (the spawner's ``--xla_force_host_platform_device_count`` is dropped from
+   ``XLA_FLAGS``), gloo CPU collectives (``jax_cpu_collectives_implementation="gloo"``: without
    it a computation over a mesh that spans processes fails on CPU), then
-   ``jax.distributed.initialize(coordinator_address, num_processes, process_id)`` (one process
-   per GPU with ``local_device_ids=[local_rank]``); the coordinator runs in rank 0's process;
+   ``jax.distributed.initialize(coordinator_address, num_processes, process_id,
+   initialization_timeout)`` (GPU: ``local_device_ids``, the ``devices_per_worker`` GPUs of
+   this local rank);
+   the coordinator runs in rank 0's process. ``jax.devices()`` is then global, so the Worker's
+   ``make_tp_mesh`` spans the processes. jax installs a SIGTERM handler (its preemption
+   notifier) that keeps the process alive, so the executor stops a worker by message, then
+   SIGKILL;
 2. connects a zmq DEALER (identity = its rank) to the executor's ROUTER and says READY;
 3. runs every call it receives on its ``WorkerWrapperBase`` in order, replying to each.
 
@@ -32,6 +39,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 
 #: seconds between a worker's heartbeats
@@ -71,7 +79,9 @@ def _init_jax(args: SpawnArgs):
     if args.platform == "cpu":
         jax.config.update("jax_num_cpu_devices", args.devices_per_worker)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    local_ids = [args.local_rank] if args.platform in ("gpu", "cuda", "rocm") else None
+    n = args.devices_per_worker   # GPUs: this process's n of the host's, by local rank
+    local_ids = (list(range(args.local_rank * n, (args.local_rank + 1) * n))
+                 if args.platform in ("gpu", "cuda", "rocm") else None)
     if args.world_size > 1:
         jax.distributed.initialize(coordinator_address=args.coordinator_address,
                                    num_processes=args.world_size, process_id=args.rank,
@@ -132,9 +142,17 @@ class _Loop:
     def __init__(self, sock, wrapper, rank: int, local_rank: int):
         self.sock, self.wrapper, self.rank, self.local_rank = sock, wrapper, rank, local_rank
         self.in_flight = None   # (call id, StepHandle) of a dispatched step
+        self.received = 0.0     # perf_counter() when the message at hand arrived
 
-    def reply(self, call_id: int, ok: bool, value) -> None:
-        self.sock.send(pickle.dumps(("reply", call_id, self.rank, ok, value), protocol=5))
+    def reply(self, call_id: int, ok: bool, value, timing: tuple | None = None) -> None:
+        if timing is not None:
+            timing += (time.perf_counter(),)
+        try:
+            blob = pickle.dumps(("reply", call_id, self.rank, ok, value, timing), protocol=5)
+        except Exception as exc:  # noqa: BLE001 - a result that does not pickle is the call's error
+            err = TypeError(f"the worker's result of type {type(value).__name__} cannot be pickled: {exc}")
+            blob = pickle.dumps(("reply", call_id, self.rank, False, _exception_payload(err), None))
+        self.sock.send(blob)
 
     def run_call(self, call_id: int, fn) -> None:
         try:
@@ -144,14 +162,20 @@ class _Loop:
         else:
             self.reply(call_id, True, value)
 
-    def collect(self, entry) -> None:
-        """Answers a dispatched step: the driver's ``ModelRunnerOutput``, None from the others."""
+    def collect(self, entry, started: float | None = None) -> None:
+        """Answers a dispatched step: the driver's ``ModelRunnerOutput``, None from the others;
+        with ``started`` (a blocking step: when its dispatch began) also the step's timing
+        (perf_counter when its message arrived, dispatch began, collect ended, the reply was
+        pickled; CLOCK_MONOTONIC, so comparable across processes of one Linux host), so the
+        executor can tell the hop from the step."""
         call_id, handle = entry
-
-        def fetch():
+        try:
             out = self.wrapper.worker.collect(handle) if handle is not None else _empty_output()
-            return out if self.rank == 0 else None
-        self.run_call(call_id, fetch)
+        except BaseException as exc:  # noqa: BLE001
+            self.reply(call_id, False, _exception_payload(exc))
+            return
+        timing = (self.received, started, time.perf_counter()) if started is not None else None
+        self.reply(call_id, True, out if self.rank == 0 else None, timing)
 
     def flush(self) -> None:
         if self.in_flight is not None:
@@ -165,6 +189,7 @@ class _Loop:
             return False
         if kind == "execute_model":
             _, call_id, so, block = msg
+            started = time.perf_counter()
             prev, self.in_flight = self.in_flight, None
             try:
                 handle = self.wrapper.worker.dispatch(so)
@@ -176,7 +201,7 @@ class _Loop:
             if prev is not None:   # dispatched this step first: the device runs it meanwhile
                 self.collect(prev)
             if block:
-                self.collect((call_id, handle))
+                self.collect((call_id, handle), started)
             else:
                 self.in_flight = (call_id, handle)
             return True
@@ -199,6 +224,9 @@ def _empty_output():
 def main() -> None:
     args: SpawnArgs = pickle.loads(sys.stdin.buffer.read())   # imports from PYTHONPATH (the spawner's sys.path)
     _set_parent_death_signal()
+    # Ctrl-C in a terminal reaches the whole process group: the engine core handles it (and
+    # stops the workers); a worker interrupted on its own would only break the SPMD job.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import zmq  # noqa: PLC0415
 
     ctx = zmq.Context()
@@ -231,7 +259,9 @@ def main() -> None:
                 elif event == zmq.EVENT_DISCONNECTED and connected:
                     os._exit(4)   # the executor's process is gone
             if sock in events:
-                if not loop.handle(pickle.loads(sock.recv())):
+                blob = sock.recv()
+                loop.received = time.perf_counter()
+                if not loop.handle(pickle.loads(blob)):
                     break
     finally:
         beat.stop.set()

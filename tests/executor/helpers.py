@@ -12,16 +12,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "models"))   # ckpt_fixtures (the HF config writer)
 
 
-def save_small_model(family: str, path: pathlib.Path):
-    """``tests.engine.helpers.small_model(family)`` written as an HF safetensors directory at
-    ``path`` (what a worker process loads); returns the model built in this process."""
+def save_small_model(family: str, path: pathlib.Path, **overrides):
+    """``tests.engine.helpers.small_model(family, **overrides)`` written as an HF safetensors
+    directory at ``path`` (what a worker process loads); returns the model built here."""
     from ckpt_fixtures import hf_config_dict  # noqa: PLC0415
 
     from jaxkv.models import hf_state_dict  # noqa: PLC0415
     from jaxkv.models.checkpoint import write_safetensors_dir  # noqa: PLC0415
     from tests.engine.helpers import small_model  # noqa: PLC0415
 
-    model = small_model(family)
+    model = small_model(family, **overrides)
     if not (path / "config.json").exists():
         write_safetensors_dir(path, hf_config_dict(model.config), hf_state_dict(model))
     return model

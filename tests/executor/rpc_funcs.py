@@ -42,3 +42,18 @@ def holds_config(worker, configs: list) -> bool:
     local = runner.buffers[0].addressable_shards
     assert len(local) == 1 and local[0].data.shape[0] == configs[worker.rank].kv_cache_tensors[0].size
     return True
+
+
+def unpicklable(worker):
+    return lambda: worker.rank
+
+
+def fail_next_dispatch(worker) -> int:
+    """This worker's next step raises in dispatch (before any device work), once."""
+    real = worker.dispatch
+
+    def failing(scheduler_output):
+        worker.dispatch = real
+        raise ValueError(f"dispatch failed on purpose in rank {worker.rank}")
+    worker.dispatch = failing
+    return worker.rank

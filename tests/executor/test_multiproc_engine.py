@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from jaxkv.core.errors import EngineStepError
 from jaxkv.entrypoints.llm import LLM
 from jaxkv.executor.multiproc import WorkerDiedError
 from jaxkv.sampling_params import SamplingParams
@@ -67,7 +68,9 @@ def _gone(pids, within=5.0) -> bool:
 def test_llama_matches_one_process_and_dense(models):
     """Greedy tokens equal the dense forward's and the one-process engine's (chunked prefill,
     prefix hits, preemption); seeded sampling draws what one process draws; each worker holds
-    exactly configs[rank] (checked inside the worker); shutdown() leaves no process."""
+    exactly configs[rank] (checked inside the worker); a step that raises in the workers is the
+    caller's EngineStepError caused by the worker's exception, with its traceback, and the
+    engine carries on; shutdown() leaves no process."""
     path, model = models["tiny-llama"]
     first, later = _workload()
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -90,27 +93,58 @@ def test_llama_matches_one_process_and_dense(models):
         assert_no_block_leaks(llm)
         got = llm.generate(first, seeded, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref_seeded]
+
+        # a step that raises in every worker: the caller gets the worker's exception (with its
+        # traceback) as the EngineStepError's cause; the engine recovers through the workers
+        assert ex.collective_rpc(rpc_funcs.fail_next_dispatch) == [0, 1]
+        with pytest.raises(EngineStepError) as info:
+            llm.generate(first[:1], greedy, use_tqdm=False)
+        cause = info.value.__cause__
+        assert isinstance(cause, ValueError) and "dispatch failed on purpose in rank" in str(cause)
+        note = "\n".join(cause.__notes__)
+        assert "raised in worker rank" in note and "in failing" in note, note
+        assert_no_block_leaks(llm)
+        (again,) = llm.generate(first[:1], greedy, use_tqdm=False)
+        assert again.outputs[0].token_ids == ref[0].outputs[0].token_ids
     finally:
         llm.shutdown()
     assert _gone(pids, 1.0)
 
 
 @pytest.mark.slow
-def test_hybrid_sliding_window_async(models):
+def test_hybrid_sliding_window_async_then_stopped_worker(models):
     """The hybrid model (sliding-window + full layers: two KV groups; soft-caps, tied
-    embedding) under async scheduling (non-blocking execute_model) equals the dense forward."""
+    embedding) under async scheduling (non-blocking execute_model) equals the dense forward.
+    Then SIGSTOP of the driver worker mid-generation (a hung process: it has not exited, so
+    only its missing heartbeats tell): WorkerDiedError naming it within the heartbeat timeout,
+    and no process is left (SIGKILL ends a stopped process)."""
     path, model = models["tiny-hybrid"]
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 512, size=n).tolist() for n in (40, 9, 70)]
     llm = _mp(path, async_scheduling=True, max_num_seqs=4)
+    ex = llm.llm_engine.engine_core.model_executor
+    pids = ex.worker_pids
+    stopped = []
+
+    def stop():
+        stopped.append(time.monotonic())
+        os.kill(pids[0], signal.SIGSTOP)
+    timer = threading.Timer(1.0, stop)
     try:
         assert len(llm.llm_engine.kv_cache_config.kv_cache_groups) == 2
         outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
                             use_tqdm=False)
         for p, o in zip(prompts, outs):
             assert o.outputs[0].token_ids == dense_greedy(model, p, 20)
+        timer.start()
+        with pytest.raises(WorkerDiedError, match=rf"worker rank 0 \(pid {pids[0]}\) sent no heartbeat"):
+            llm.generate(prompts[:1], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+                         use_tqdm=False)
+        assert stopped and time.monotonic() - stopped[0] < ex.heartbeat_timeout_s + 5
+        assert _gone(pids.values(), 2.0)
     finally:
-        llm.shutdown()
+        timer.cancel()
+        llm.shutdown()   # SIGKILL ends a stopped worker too
 
 
 @pytest.mark.slow
@@ -147,3 +181,49 @@ def test_worker_killed_mid_generation(models):
     del again, out
     gc.collect()
     assert _gone(new_pids, 5.0)
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_through_jaxkv_generate(tmp_path):
+    """vLLM's two-node command lines on one machine, each node its own launcher process:
+    node 1 runs ``jaxkv generate --headless`` (run_headless: one worker, rank 1, no model, no
+    prompts), node 0 ``jaxkv generate --nnodes 2 --node-rank 0`` (the engine and worker rank
+    0); each worker has two CPU devices (``--devices-per-worker 2``), so tensor parallel 4
+    spans the two processes. The printed greedy tokens equal the dense forward's, through
+    chunked prefill (a 90-token prompt, 64-token steps), prefix hits and preemption (12
+    blocks); node 0's exit shuts node 1's worker down, and its launcher then exits 0."""
+    import re  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    from tests.executor.helpers import ROOT, worker_env  # noqa: PLC0415
+    from tests.executor.test_multiproc_executor import _two_free_ports  # noqa: PLC0415
+
+    path = tmp_path / "tiny-llama-kv4"
+    model = save_small_model("tiny-llama", path, num_key_value_heads=4)   # 4 KV heads: TP 4
+    first, later = _workload()
+    prompts = first + later
+    port = _two_free_ports()
+    cli = [sys.executable, "-m", "jaxkv.entrypoints.cli", "generate"]
+    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "-tp", "4",
+             "--devices-per-worker", "2"]
+    node1 = subprocess.Popen(cli + nodes + ["--headless", "--node-rank", "1"], env=worker_env(), cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ids = [a for p in prompts for a in ("--prompt-token-ids", ",".join(map(str, p)))]
+        node0 = subprocess.run(
+            cli + nodes + ["--node-rank", "0", "--model", str(path), "--max-tokens", "10", "--warmup", "off",
+                           "--kv-cache-memory", "96KiB", "--max-model-len", "128", "--max-num-seqs", "4",
+                           "--max-num-batched-tokens", "64"] + ids,
+            env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert node0.returncode == 0, node0.stderr[-3000:]
+        out = node0.stdout
+        got = [list(map(int, line.split())) for line in re.findall(r"^(\d+(?: \d+)*)$", out, re.M)]
+        assert got == [dense_greedy(model, p, 10) for p in prompts], out
+        assert "x 4 (tensor parallel), 2 worker processes on 2 nodes" in out, out
+        assert "KV cache: 12 blocks" in out, out
+        assert int(re.search(r"prefix-cache hits (\d+)", out)[1]) >= 32, out
+        assert int(re.search(r"preemptions (\d+)", out)[1]) > 0, out
+        assert node1.wait(timeout=30) == 0, node1.stderr.read()[-3000:]
+    finally:
+        node1.kill()
+        node1.communicate()

@@ -100,6 +100,8 @@ def test_replay_per_rank_configs_and_errors(tiny):
         note = "\n".join(info.value.__notes__)
         assert f"worker rank 1 (pid {pids[1]})" in note and "in fail_on_rank" in note
         assert ex.collective_rpc(rpc_funcs.fail_on_rank, args=(7,)) == [0, 1]   # still usable
+        with pytest.raises(TypeError, match="result of type function cannot be pickled"):
+            ex.collective_rpc(rpc_funcs.unpicklable)
 
         t0 = time.monotonic()
         with pytest.raises(WorkerTimeoutError, match=rf"worker rank 0 \(pid {pids[0]}\)"):
@@ -137,7 +139,7 @@ import gc, os, sys, time
 sys.path.insert(0, {root!r})
 from tests.executor.helpers import executor_config
 from jaxkv.executor.multiproc import MultiprocExecutor
-ex = MultiprocExecutor(executor_config({path!r}))
+ex = MultiprocExecutor(executor_config({path!r}, **{extra!r}))
 pids = list(ex.worker_pids.values())
 if sys.argv[1] == "gc":
     del ex
@@ -150,13 +152,23 @@ else:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["gc", "parent_killed"])
+@pytest.mark.parametrize("how", ["gc", "parent_killed", "node0_killed"])
 def test_no_orphans(tiny, how):
     """Garbage collection of the executor stops its workers; so does SIGKILL of the process
-    that started them (the workers watch their parent)."""
+    that started them (the workers watch their parent). With two nodes, SIGKILL of node 0's
+    process also ends node 1's worker (its control socket disconnects) and node 1's launcher."""
     path, _ = tiny
-    proc = subprocess.Popen([sys.executable, "-c", _PARENT.format(root=str(ROOT), path=str(path)), how],
-                            stdout=subprocess.PIPE, text=True, env=worker_env(), cwd=ROOT)
+    extra, launcher = {}, None
+    if how == "node0_killed":
+        port = _two_free_ports()
+        extra = dict(nnodes=2, master_port=port)
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "jaxkv.executor.multiproc", "--headless", "--nnodes", "2", "--node-rank",
+             "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--tensor-parallel-size", "2"],
+            env=worker_env(), cwd=ROOT)
+    script = _PARENT.format(root=str(ROOT), path=str(path), extra=extra)
+    proc = subprocess.Popen([sys.executable, "-c", script, how], stdout=subprocess.PIPE, text=True,
+                            env=worker_env(), cwd=ROOT)
     try:
         line = proc.stdout.readline()
         assert line.startswith("PIDS"), line
@@ -169,10 +181,15 @@ def test_no_orphans(tiny, how):
             assert all(pid_alive(p) for p in pids)
             proc.kill()
             proc.wait(timeout=10)
-            assert _gone(pids, 5.0)
+            assert _gone(pids, 10.0 if launcher else 5.0)
+        if launcher is not None:
+            assert launcher.wait(timeout=10) != 0
     finally:
         proc.kill()
         proc.wait()
+        if launcher is not None:
+            launcher.kill()
+            launcher.wait()
 
 
 def _two_free_ports() -> int:
@@ -195,13 +212,13 @@ def _two_free_ports() -> int:
 
 
 @pytest.mark.slow
-def test_two_nodes_on_loopback(tiny):
+def test_two_nodes_on_loopback_remote_worker_killed(tiny):
     """Node 1 is a separate ``--headless`` launcher process (one worker, rank 1); node 0 is this
-    process's executor (one worker, rank 0): replayed steps give the one-process engine's
-    tokens. Killing node 1's worker is an error naming rank 1; node 1's launcher then exits
-    and no process is left."""
-    path, model = tiny
-    steps, max_model_len = _record(model)
+    process's executor (one worker, rank 0). Killing node 1's worker (which this process cannot
+    poll) is an error naming rank 1 and its pid; node 1's launcher then exits non-zero and no
+    process is left. (Tokens over two nodes: test_multiproc_engine.py's
+    test_two_nodes_on_loopback_through_jaxkv_generate.)"""
+    path, _ = tiny
     port = _two_free_ports()
     launcher = subprocess.Popen(
         [sys.executable, "-m", "jaxkv.executor.multiproc", "--headless", "--nnodes", "2", "--node-rank", "1",
@@ -209,15 +226,11 @@ def test_two_nodes_on_loopback(tiny):
         env=worker_env(), cwd=ROOT)
     ex = None
     try:
-        ex = MultiprocExecutor(executor_config(path, max_model_len=max_model_len, nnodes=2, master_port=port))
+        ex = MultiprocExecutor(executor_config(path, nnodes=2, master_port=port))
         pids = ex.worker_pids
         assert list(ex._ctl.procs) == [0]   # this node started rank 0 only
-        assert ex.collective_rpc(rpc_funcs.whoami)[1]["pid"] == pids[1]
-        configs = get_kv_cache_configs(ex.get_kv_cache_specs(), ex.determine_available_memory(),
-                                       max_model_len=max_model_len, num_gpu_blocks_override=12)
-        ex.initialize_from_config(configs)
-        for i, (blob, tokens) in enumerate(steps):
-            assert ex.execute_model(pickle.loads(blob)).sampled_token_ids == tokens, i
+        who = ex.collective_rpc(rpc_funcs.whoami)
+        assert [w["pid"] for w in who] == [pids[0], pids[1]] and [w["devices"] for w in who] == [2, 2]
         os.kill(pids[1], signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(WorkerDiedError, match=rf"worker rank 1 \(pid {pids[1]}"):
@@ -230,3 +243,38 @@ def test_two_nodes_on_loopback(tiny):
             ex.shutdown()
         launcher.kill()
         launcher.wait()
+
+
+def _worker_children() -> list[int]:
+    """Pids of this process's live children that are worker processes (from /proc)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().split(")")[-1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z" and b"jaxkv.executor.worker_proc" in cmd:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.slow
+def test_missing_node_is_a_timeout_naming_it(tiny):
+    """nnodes=2 and no node 1: the start-up deadline names the missing rank and the command
+    node 1 should run; this node's worker (waiting in jax.distributed.initialize) is stopped."""
+    path, _ = tiny
+    quick = type("QuickStart", (MultiprocExecutor,), {"startup_timeout_s": 6.0})
+    port = _two_free_ports()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerTimeoutError) as info:
+        quick(executor_config(path, nnodes=2, master_port=port))
+    assert time.monotonic() - t0 < 20
+    assert str(info.value).startswith("worker ranks [0, 1] did not start within 6 s; ranks [1] run on "
+                                      f"other nodes: is `jaxkv generate --headless --nnodes 2 --node-rank "
+                                      f"N --master-addr 127.0.0.1 --master-port {port}`"), info.value
+    assert _worker_children() == []
