@@ -1,6 +1,6 @@
 """GPU microbenchmark (run by gpu_check.sh): Pallas kernel vs jax's Pallas paged_attention vs XLA.
 
-    python benchmarks/_kernel_bench_gpu.py OUT_DIR [--smoke] [--repeats N] [--budget-s S]
+    python benchmarks/_kernel_bench_gpu.py OUT_DIR [--smoke] [--repeats N] [--budget-s S] [--aot h200]
 
 Decode and mixed batches, batch 1..256, context 512..32k, bfloat16 and fp8. Columns: time,
 achieved HBM bandwidth (K/V + q bytes needed / time; H200 peak ~4.8 TB/s), ratio of jax's
@@ -8,6 +8,12 @@ achieved HBM bandwidth (K/V + q bytes needed / time; H200 peak ~4.8 TB/s), ratio
 outside the timing; q pre-scaled) and of the XLA backend to our kernel, and the max abs
 difference of our kernel vs the XLA backend. ``--smoke`` runs tiny shapes in interpret mode on
 CPU to test this script. Stops adding workloads when ``--budget-s`` is spent.
+
+``--aot h200`` (``gpu_check.sh``'s dry run, no GPU needed): every workload's functions (ours,
+jax's, the XLA backend), with the same arguments, are compiled for a compile-only H200
+(``jaxkv.gpu_aot``; inputs are shapes only, nothing is allocated) and not timed; the table
+lists each program's temp memory and its Triton kernels (grid, shared memory, registers,
+spills), and any error fails the run (exit 1).
 """
 
 from __future__ import annotations
@@ -48,35 +54,69 @@ def workloads(smoke: bool) -> list[Workload]:
     return w
 
 
-def jax_builtin(q, cache, seq_lens, tables, *, sm_scale, interpret):
-    """jax's decode kernel on the same data: [Hkv, N, bs, D] pages, q scaled by the caller."""
-    k_pages = jnp.swapaxes(cache[:, 0], 0, 1)
-    v_pages = jnp.swapaxes(cache[:, 1], 0, 1)
+def _jax_builtin_inputs(q, cache, seq_lens, tables, *, sm_scale):
+    """jax's decode kernel's inputs from ours: [Hkv, N, bs, D] pages, q scaled by the caller,
+    the table padded to its block multiple."""
     width = -(-tables.shape[1] // 128) * 128 if tables.shape[1] > 16 else 16
     tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+    return (q * jnp.asarray(sm_scale, q.dtype), jnp.swapaxes(cache[:, 0], 0, 1),
+            jnp.swapaxes(cache[:, 1], 0, 1), tables, seq_lens)
+
+
+def jax_builtin(q, cache, seq_lens, tables, *, sm_scale, interpret, shapes_only=False):
+    """jax's decode kernel on the same data (``shapes_only``: arguments as ShapeDtypeStructs)."""
+    inputs = functools.partial(_jax_builtin_inputs, sm_scale=sm_scale)
+    jargs = jax.eval_shape(inputs, q, cache, seq_lens, tables) if shapes_only else \
+        inputs(q, cache, seq_lens, tables)
+    width = jargs[3].shape[1]
     k_splits = 16 if width >= 16 else 1
     fn = jax.jit(functools.partial(jax_paged.paged_attention, k_splits=k_splits,
                                    pages_per_compute_block=min(8, width // k_splits),
                                    interpret=interpret))
-    qs = q * jnp.asarray(sm_scale, q.dtype)
-    return fn, (qs, k_pages, v_pages, tables, seq_lens)
+    return fn, jargs
+
+
+def functions(w: Workload, *, interpret: bool, shapes_only: bool = False) -> dict:
+    """name -> (jitted function, its arguments) for workload ``w``: ours, the XLA backend (not
+    past XLA_MAX_BYTES on a GPU) and jax's decode kernel (decode, bfloat16)."""
+    args = jax.eval_shape(functools.partial(make_inputs, w)) if shapes_only else make_inputs(w)
+    q, cache, seq_lens, _, tables, _ = args
+    scale = 0.5 if w.cache_dtype == "fp8" else None
+    kw = dict(sm_scale=w.head_size ** -0.5, k_scale=scale, v_scale=scale, max_q_len=w.max_q_len)
+    ours = jax.jit(functools.partial(pk.paged_attention, backend="pallas", interpret=interpret, **kw))
+    fns = {"pallas": (ours, args)}
+    if bytes_read(w) * 3 <= XLA_MAX_BYTES or interpret:
+        fns["xla"] = (jax.jit(functools.partial(pk.paged_attention, backend="xla", **kw)), args)
+    if w.kind == "decode" and w.cache_dtype == "bfloat16":
+        fn, jargs = jax_builtin(q, cache, seq_lens, tables, sm_scale=kw["sm_scale"],
+                                interpret=interpret, shapes_only=shapes_only)
+        if not shapes_only:
+            jax.block_until_ready(jargs)
+        fns["jax-pallas-paged"] = (fn, jargs)
+    return fns
+
+
+def compile_only(w: Workload, device) -> list[dict]:
+    """``--aot``: each of ``functions(w)`` compiled for ``device`` (compile-only), not run."""
+    from jaxkv import gpu_aot
+
+    rows = []
+    for name, (fn, args) in functions(w, interpret=False, shapes_only=True).items():
+        t0 = time.perf_counter()
+        compiled, kernels = gpu_aot.compile_with_report(fn, device, *args)
+        rows.append({"workload": w.name, "kind": w.kind, "backend": name, "cache_dtype": w.cache_dtype,
+                     "batch": w.num_seqs, "context": w.context, "tokens": int(args[0].shape[0]),
+                     "compile_s": time.perf_counter() - t0,
+                     "temp_MiB": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+                     "kernels": "; ".join(f"{k.name} grid {list(k.grid)} smem {k.shared_mem_bytes} "
+                                          f"regs {k.registers} spills {k.spill_bytes}" for k in kernels)})
+    return rows
 
 
 def run(w: Workload, *, repeats: int, interpret: bool) -> list[dict]:
-    args = make_inputs(w)
-    q, cache, seq_lens, _, tables, _ = args
-    sm_scale = w.head_size ** -0.5
-    scale = 0.5 if w.cache_dtype == "fp8" else None
+    fns = functions(w, interpret=interpret)
+    q = fns["pallas"][1][0]
     nbytes = bytes_read(w)
-    kw = dict(sm_scale=sm_scale, k_scale=scale, v_scale=scale, max_q_len=w.max_q_len)
-    ours = jax.jit(functools.partial(pk.paged_attention, backend="pallas", interpret=interpret, **kw))
-    fns = {"pallas": (ours, args)}
-    if nbytes * 3 <= XLA_MAX_BYTES or interpret:
-        fns["xla"] = (jax.jit(functools.partial(pk.paged_attention, backend="xla", **kw)), args)
-    if w.kind == "decode" and w.cache_dtype == "bfloat16":
-        fn, jargs = jax_builtin(q, cache, seq_lens, tables, sm_scale=sm_scale, interpret=interpret)
-        jax.block_until_ready(jargs)
-        fns["jax-pallas-paged"] = (fn, jargs)
     rows, outs = [], {}
     for name, (fn, a) in fns.items():
         t = time_fn(fn, *a, repeats=repeats)
@@ -95,12 +135,13 @@ def run(w: Workload, *, repeats: int, interpret: bool) -> list[dict]:
     return rows
 
 
-def view_copy_check(interpret: bool) -> list[dict]:
+def view_copy_check(interpret: bool, device=None) -> list[dict]:
     """Does ``kv_cache_view`` of a uint8 buffer feeding attention materialise the cache?
 
     On XLA:CPU a size-changing bitcast (uint8 -> bf16) is expanded into an elementwise pass
     that is only free when fused into a single gather. A custom call (the Pallas kernel) needs
-    its operand materialised: this records temp bytes vs cache bytes per backend (compile only).
+    its operand materialised: this records temp bytes vs cache bytes per backend (compile only;
+    for ``device``, a compile-only GPU, when given).
     """
     bs, hkv, hq, d, s, b = 16, 8, 32, 128, 8, 64
     rows = []
@@ -117,7 +158,11 @@ def view_copy_check(interpret: bool) -> list[dict]:
             sds, i32 = jax.ShapeDtypeStruct, jnp.int32
             args = (sds((n * pb,), jnp.uint8), sds((s, hq, d), jnp.bfloat16), sds((s,), i32),
                     sds((s + 1,), i32), sds((s, b), i32), sds((), i32))
-            mem = jax.jit(step).lower(*args).compile().memory_analysis()
+            if device is None:
+                mem = jax.jit(step).lower(*args).compile().memory_analysis()
+            else:
+                from jaxkv import gpu_aot
+                mem = gpu_aot.aot_compile(jax.jit(step), device, *args).memory_analysis()
             rows.append({"check": "view->attention temp", "backend": backend, "cache_dtype": dtype,
                          "cache_MiB": n * pb / 2**20, "temp_MiB": mem.temp_size_in_bytes / 2**20,
                          "copies_cache": mem.temp_size_in_bytes >= 0.5 * n * pb})
@@ -130,7 +175,11 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=240.0)
+    p.add_argument("--aot", metavar="TARGET", default=None,
+                   help="compile every workload for this GPU (e.g. h200) without one; nothing is timed")
     a = p.parse_args(argv)
+    if a.aot:
+        return main_aot(a)
     interpret = jax.default_backend() != "gpu"
     if interpret and not a.smoke:
         print("no GPU: use --smoke (interpret mode, tiny shapes)", file=sys.stderr)
@@ -165,6 +214,50 @@ def main(argv=None) -> int:
                            "view_copy_check": copies}, table)
     print("wrote", *paths)
     return 0
+
+
+def main_aot(a) -> int:
+    """``--aot TARGET``: the full workload list compiled for a compile-only GPU; exit 1 on any
+    error (a workload that does not compile, a copied cache)."""
+    from jaxkv import gpu_aot
+
+    gpu_aot.prepare_environment()   # before jax starts its backends
+    device = gpu_aot.aot_device(a.aot)
+    env = environment()
+    env["aot_target"] = f"{a.aot} ({device.device_kind}, compile only)"
+    print(f"# jaxkv GPU kernels compiled for {device.device_kind} (deviceless, not timed); jax {env['jax']}")
+    rows, start, skipped, failed = [], time.perf_counter(), [], []
+    for w in workloads(a.smoke):
+        if time.perf_counter() - start > a.budget_s:
+            skipped.append(w.name)
+            continue
+        print(f"# {w.name}", flush=True)
+        try:
+            rows += compile_only(w, device)
+        except Exception as e:
+            failed.append(w.name)
+            rows.append({"workload": w.name, "backend": "ERROR", "error": repr(e)[:300]})
+            print(f"# {w.name} failed: {e!r}"[:400], flush=True)
+    table = markdown_table(rows, ["workload", "backend", "cache_dtype", "tokens", "temp_MiB",
+                                  "compile_s", "kernels"])
+    try:
+        copies = view_copy_check(False, device)
+        table += "\n\n" + markdown_table(copies, ["check", "backend", "cache_dtype", "cache_MiB",
+                                                     "temp_MiB", "copies_cache"])
+        failed += [f"view->attention {r['backend']} {r['cache_dtype']}" for r in copies if r["copies_cache"]]
+    except Exception as e:
+        copies = [{"check": "view->attention temp", "error": repr(e)[:300]}]
+        failed.append(f"view->attention: {e!r}"[:300])
+    if skipped:
+        table += f"\n\nskipped (time budget): {', '.join(skipped)}"
+    print(table)
+    paths = write_results(out_dir(a.out), f"kernels_gpu_aot_{a.aot}",
+                          {"environment": env, "rows": rows, "skipped": skipped,
+                           "view_copy_check": copies, "failed": failed}, table)
+    print("wrote", *paths)
+    if failed:
+        print(f"# failed: {failed}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

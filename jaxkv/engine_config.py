@@ -282,7 +282,8 @@ def resolve_engine_config(
         if not isinstance(p, SamplingParams):
             raise TypeError(f"warmup_sampling entries must be SamplingParams, got {p!r}")
 
-    check_device_count(tensor_parallel_size)   # ValueError saying how to get more devices
+    if distributed_executor_backend != "mp":   # "mp": the devices are the worker processes'
+        check_device_count(tensor_parallel_size)   # ValueError saying how to get more devices
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     if pooler_config is None:

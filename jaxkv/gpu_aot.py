@@ -218,7 +218,9 @@ def compile_with_report(jitted, device, *args, **static_kwargs):
 
     XLA dumps the compile (``xla_dump_to``, a temporary directory): the thunk sequence gives
     each kernel's grid, threads and shared memory; each kernel's PTX goes through ptxas
-    (``-arch=sm_90a -v``) for its registers and spills."""
+    (``-arch=sm_90a -v``) for its registers and spills. (jax 0.10.2's XLA dumps every kernel's
+    PTX with ``xla_dump_to``; from jax 0.11 the PTX needs ``xla_dump_emitter_re`` to match
+    "ptx" as well: ".*" dumps every pass's IR too, 7x the compile time, measured.)"""
     import subprocess
     import tempfile
 
@@ -227,7 +229,7 @@ def compile_with_report(jitted, device, *args, **static_kwargs):
     with tempfile.TemporaryDirectory(prefix="jaxkv-aot-") as dump:
         with jax.default_device(device):
             lowered = jitted.trace(*on_device(args, device), **static_kwargs).lower()
-            compiled = lowered.compile(compiler_options={"xla_dump_to": dump})
+            compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_emitter_re": "ptx"})
         names = {k.name for k in triton_kernels(compiled)}
         dump_dir = pathlib.Path(dump)
         launches: dict[str, KernelLaunch] = {}

@@ -17,6 +17,7 @@ attention with soft-capping). Public surface:
   weights:  load_hf_weights, hf_state_dict
   sharding: tensor parallelism: DEFAULT_TP_RULES (parameter name -> split), IF_DIVISIBLE,
             make_tp_mesh, shard_state; a model may set ``tp_partition_rules``
+  loading:  load_model (mesh=: parameters created shard by shard), load_model_config
   testing:  dense_forward (non-paged reference, [Bt, L] -> [Bt, L, V])
 """
 from jaxkv.models.attention import attend_paged
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 # Checkpoints, tokenizer and the name/path loader (issue 5 part B).
-from jaxkv.models.registry import BUILTIN_NAMES, load_model  # noqa: E402
+from jaxkv.models.registry import BUILTIN_NAMES, load_model, load_model_config  # noqa: E402
 from jaxkv.models.tokenizer import Tokenizer  # noqa: E402
 
-__all__ += ["BUILTIN_NAMES", "Tokenizer", "load_model"]
+__all__ += ["BUILTIN_NAMES", "Tokenizer", "load_model", "load_model_config"]

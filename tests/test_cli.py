@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from jaxkv import cli, cli_generate
+from jaxkv.entrypoints import cli, cli_generate
 
 TINY = ["generate", "--model", "tiny-llama", "--max-tokens", "2", "--kv-cache-memory", "16MiB",
         "--max-model-len", "128", "--max-num-seqs", "4", "--warmup", "off"]
@@ -389,7 +389,7 @@ def test_generate_refuses_a_prompt_outside_the_vocabulary(capsys):
 # ---- bench -------------------------------------------------------------------------------------
 
 def test_jaxkv_bench_forwards_arguments(monkeypatch):
-    from jaxkv import cli_bench
+    from jaxkv.entrypoints import cli_bench
 
     seen = {}
 

@@ -18,7 +18,7 @@ import sys
 
 def benchmarks_dir() -> pathlib.Path:
     env = os.environ.get("JAXKV_BENCHMARKS_DIR")
-    return pathlib.Path(env) if env else pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    return pathlib.Path(env) if env else pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_throughput():

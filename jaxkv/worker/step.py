@@ -141,6 +141,10 @@ def build_step_fn(graphdef, *, binding, page_bytes: int, sample_fn, prompt_logpr
         if shape.pooling:
             out.update(pool_outputs(hidden, seq, valid, qsl, shape.pooling))
         packed_out, out_specs[shape] = pack_device(out)
+        if binding.mesh is not None and binding.mesh.is_multi_process:
+            # every process reads the results from its own shard: they must be whole there
+            packed_out = jax.lax.with_sharding_constraint(
+                packed_out, NamedSharding(binding.mesh, PartitionSpec()))
         rows = min(shape.num_seqs, last_sampled.shape[0])
         last_sampled = jax.lax.dynamic_update_slice(last_sampled, last_token[:rows], (0,))
         return buffers, tables, last_sampled, packed_out

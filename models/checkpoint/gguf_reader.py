@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from jaxkv.models.checkpoint.gguf_config import gguf_config
 from jaxkv.models.checkpoint.gguf_names import UNSUPPORTED_TENSORS, PERMUTED_ARCHS, gguf_to_hf_name, unpermute_rotary_rows
 from jaxkv.models.checkpoint.gguf_tokenizer import tokenizer_from_gguf_metadata
+from jaxkv.models.checkpoint.tensors import CheckpointTensors, Index
 from jaxkv.models.tokenizer import Tokenizer
 
 
@@ -62,6 +63,67 @@ def dequantize_tensor(tensor) -> np.ndarray:
     return out.reshape(shape)
 
 
+class GGUFTensors(CheckpointTensors):
+    """A GGUF checkpoint opened for reading: its HF config, metadata and tokenizer at once
+    (metadata only), its tensors on demand in HF names and layouts (``read_gguf``'s).
+
+    ``read(name, index)`` dequantizes the whole tensor (quantized blocks run along rows, so
+    a slice is no cheaper) and then slices it; the last tensor is kept, so the shards of one
+    parameter dequantize it once.
+
+    Raises:
+      ValueError: missing file, unsupported architecture, tensor name or tensor (rope
+        frequency factors), no token embedding; a tensor type on ``read``.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"GGUF file {str(p)!r} does not exist")
+        self.path = p
+        reader = gguf.GGUFReader(str(p))
+        self.metadata = read_gguf_metadata(reader)
+        by_name = {t.name: t for t in reader.tensors}
+        if "token_embd.weight" not in by_name:
+            raise ValueError(f"GGUF file {str(p)!r} has no 'token_embd.weight' tensor")
+        vocab_size = int(by_name["token_embd.weight"].shape[-1])
+        self.hf_config = gguf_config(self.metadata, vocab_size=vocab_size,
+                                     tied_embeddings="output.weight" not in by_name)
+        for name in by_name:
+            if name in UNSUPPORTED_TENSORS:
+                raise ValueError(f"GGUF tensor {name!r} (rope frequency factors) is not supported yet")
+        self._tensors = {gguf_to_hf_name(name): t for name, t in by_name.items()}
+        arch = self.metadata["general.architecture"]
+        heads = {"attn_q": self.hf_config["num_attention_heads"],
+                 "attn_k": self.hf_config["num_key_value_heads"]}
+        self._permuted_heads = {}   # HF name -> heads whose rotary rows llama.cpp permuted
+        if arch in PERMUTED_ARCHS:
+            for name in by_name:
+                kind = name.split(".")[2] if name.startswith("blk.") else None
+                if kind in heads:
+                    self._permuted_heads[gguf_to_hf_name(name)] = heads[kind]
+        self._last: tuple[str, np.ndarray] | None = None
+
+    def tokenizer(self) -> Tokenizer | None:
+        return tokenizer_from_gguf_metadata(self.metadata)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in self._tensors.items()}
+
+    def read(self, name: str, index: Index | None = None) -> np.ndarray:
+        if self._last is None or self._last[0] != name:
+            self._last = None   # free the previous tensor before dequantizing the next
+            value = dequantize_tensor(self._tensors[name])
+            if name in self._permuted_heads:
+                value = unpermute_rotary_rows(value, self._permuted_heads[name])
+            self._last = (name, value)
+        value = self._last[1]
+        return value if index is None else value[tuple(index)]
+
+    def close(self) -> None:
+        self._last = None
+
+
 def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray], Tokenizer | None, str | None]:
     """Reads a GGUF checkpoint.
 
@@ -75,27 +137,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray], Tok
     Raises:
       ValueError: missing file, unsupported architecture, tensor type, tensor name or tokenizer.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"GGUF file {str(p)!r} does not exist")
-    reader = gguf.GGUFReader(str(p))
-    meta = read_gguf_metadata(reader)
-    by_name = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in by_name:
-        raise ValueError(f"GGUF file {str(p)!r} has no 'token_embd.weight' tensor")
-    vocab_size = int(by_name["token_embd.weight"].shape[-1])
-    config = gguf_config(meta, vocab_size=vocab_size, tied_embeddings="output.weight" not in by_name)
-
-    arch = meta["general.architecture"]
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    tensors: dict[str, np.ndarray] = {}
-    for name, tensor in by_name.items():
-        if name in UNSUPPORTED_TENSORS:
-            raise ValueError(f"GGUF tensor {name!r} (rope frequency factors) is not supported yet")
-        value = dequantize_tensor(tensor)
-        kind = name.split(".")[2] if name.startswith("blk.") else None
-        if arch in PERMUTED_ARCHS and kind in heads:
-            value = unpermute_rotary_rows(value, heads[kind])
-        tensors[gguf_to_hf_name(name)] = value
-    tokenizer = tokenizer_from_gguf_metadata(meta)
-    return config, tensors, tokenizer, meta.get("tokenizer.chat_template")
+    with GGUFTensors(path) as source:
+        tensors = {name: source.read(name) for name in source.shapes()}
+        return (source.hf_config, tensors, source.tokenizer(),
+                source.metadata.get("tokenizer.chat_template"))

@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxkv.models.build import build_model
 from jaxkv.models.config import ModelConfig
+from jaxkv.models.sharding import model_rules, shard_state, state_shardings
 
 PARAMS_SUBDIR = "params"
 CONFIG_FILE = "config.json"
@@ -67,8 +68,12 @@ def read_saved_config(path: str | os.PathLike) -> ModelConfig:
         return ModelConfig(**json.load(f))
 
 
-def restore_params(config: ModelConfig, path: str | os.PathLike) -> nnx.Module:
+def restore_params(config: ModelConfig, path: str | os.PathLike, *, mesh=None, rules=None) -> nnx.Module:
     """Builds the model of ``config`` with the parameters saved under ``path``.
+
+    With a ``"tp"`` mesh orbax restores each parameter straight into its
+    ``jaxkv.models.sharding`` placement (``rules``, else the model's own or the defaults), so
+    each device reads and holds its own shard.
 
     Raises:
       ValueError: no checkpoint at ``path``, or it was saved from a different config.
@@ -86,12 +91,19 @@ def restore_params(config: ModelConfig, path: str | os.PathLike) -> nnx.Module:
     graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree_util.tree_leaves(rest):
         # Non-parameter variables need concrete values: take them from a real build.
-        graphdef, _, rest = nnx.split(build_model(config, seed=0), nnx.Param, ...)
+        graphdef, _, rest = nnx.split(build_model(config, seed=0, mesh=mesh, rules=rules), nnx.Param, ...)
+    rules = model_rules(abstract) if rules is None else rules
     with ocp.StandardCheckpointer() as ckptr:
         saved_head = _saved_keys(ckptr, root / PARAMS_SUBDIR, "lm_head")
         if "kernel" in saved_head and "weight" not in saved_head:
             params = _restore_linear_lm_head(ckptr, root / PARAMS_SUBDIR, abstract_params)
+            if mesh is not None:   # an old layout: restored whole, then placed
+                params = shard_state(params, mesh, rules)
         else:
+            if mesh is not None:
+                abstract_params = jax.tree.map(
+                    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                    abstract_params, state_shardings(abstract_params, mesh, rules))
             params = ckptr.restore(root / PARAMS_SUBDIR, abstract_params)
     return nnx.merge(graphdef, params, rest)
 

@@ -19,6 +19,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxkv.models.checkpoint.tensors import CheckpointTensors, Index
+
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 
@@ -55,6 +57,47 @@ def _shard_files(root: Path) -> list[Path]:
     return files
 
 
+class SafetensorsTensors(CheckpointTensors):
+    """The tensors of an HF checkpoint directory, memory-mapped: ``read(name, index)`` reads
+    only the requested slice (``safe_open(...).get_slice``), so a device's shard of a
+    parameter costs its own bytes, not the whole tensor's.
+
+    Raises ValueError as ``read_safetensors_dir`` does (missing files, duplicate names).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        root = Path(path)
+        if not root.is_dir():
+            raise ValueError(f"checkpoint directory {str(root)!r} does not exist or is not a directory")
+        self._files = []
+        self._where: dict[str, object] = {}
+        try:
+            for shard in _shard_files(root):
+                handle = safe_open(str(shard), framework="numpy")
+                self._files.append(handle)
+                for name in handle.keys():
+                    if name in self._where:
+                        raise ValueError(f"tensor {name!r} appears in more than one file under {str(root)!r}")
+                    self._where[name] = handle
+        except BaseException:
+            self.close()
+            raise
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(h.get_slice(name).get_shape()) for name, h in self._where.items()}
+
+    def read(self, name: str, index: Index | None = None) -> np.ndarray:
+        handle = self._where[name]
+        if index is None:
+            return handle.get_tensor(name)
+        return handle.get_slice(name)[tuple(index)]
+
+    def close(self) -> None:
+        for handle in self._files:
+            handle.__exit__(None, None, None)
+        self._files = []
+
+
 def read_safetensors_dir(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     """Reads an HF checkpoint directory.
 
@@ -66,15 +109,9 @@ def read_safetensors_dir(path: str | os.PathLike) -> tuple[dict, dict[str, np.nd
       ValueError: the directory, its config.json, its safetensors files or a listed shard is
         missing, or a tensor name appears in two files.
     """
-    root = Path(path)
-    config = read_config(root)
-    tensors: dict[str, np.ndarray] = {}
-    for shard in _shard_files(root):
-        with safe_open(str(shard), framework="numpy") as f:
-            for name in f.keys():
-                if name in tensors:
-                    raise ValueError(f"tensor {name!r} appears in more than one file under {str(root)!r}")
-                tensors[name] = f.get_tensor(name)
+    config = read_config(path)
+    with SafetensorsTensors(path) as source:
+        tensors = {name: source.read(name) for name in source.shapes()}
     return config, tensors
 
 

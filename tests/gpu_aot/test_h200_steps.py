@@ -25,6 +25,7 @@ PENALISED = SamplingParams(temperature=0.0, repetition_penalty=1.2, min_tokens=2
 
 
 @pytest.mark.slow
+@pytest.mark.gpu_aot_full
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-hybrid"])
 def test_every_warmup_shape_compiles(h200, family):
     runner = pallas_runner(family)
@@ -35,8 +36,9 @@ def test_every_warmup_shape_compiles(h200, family):
 
 
 @pytest.mark.slow
+@pytest.mark.gpu_aot_full
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-hybrid"])
-def test_sampling_pooling_and_draft_variantscompile_step(h200, family):
+def test_sampling_pooling_and_draft_variants_compile(h200, family):
     runner = pallas_runner(family)
     for params, outputs in ((SAMPLED, 0), (PENALISED, 0), (PENALISED, 2)):
         compile_step(runner, h200, 4, 4, 1, sampling=params, num_output_tokens=outputs)

@@ -38,9 +38,11 @@ SCENARIOS = {
 }
 
 
-def run_case(backend, interpret, *, scenario, block_size, head_size, group, num_kv_heads=2,
-             cache_dtype="float32", q_dtype=jnp.float32, sliding_window=None, soft_cap=None,
-             fp8_scale=None, extra_table=0, seed=0, max_q_len="auto", pad=True, as_bytes=False):
+def build_case(*, scenario, block_size, head_size, group, num_kv_heads=2, cache_dtype="float32",
+               q_dtype=jnp.float32, sliding_window=None, soft_cap=None, fp8_scale=None,
+               extra_table=0, seed=0, max_q_len="auto", pad=True):
+    """One case's batch, its ``paged_attention`` keyword arguments and max_q_len (also
+    compiled for an H200 by tests/gpu_aot/test_h200_kernel_tests.py)."""
     rng = np.random.default_rng(seed)
     q_lens, kv_lens = SCENARIOS[scenario](block_size)
     width = max(-(-kl // block_size) for kl in kv_lens) + extra_table
@@ -52,13 +54,17 @@ def run_case(backend, interpret, *, scenario, block_size, head_size, group, num_
                    sliding_window=sliding_window, kv_scale=fp8_scale)
     kw = dict(sm_scale=head_size ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap,
               k_scale=fp8_scale, v_scale=fp8_scale)
+    return b, kw, b.max_q_len if max_q_len == "auto" else max_q_len
+
+
+def run_case(backend, interpret, *, as_bytes=False, **case):
+    b, kw, mq = build_case(**case)
     args = b.attention_args()
     want = jax.jit(functools.partial(pk.paged_attention, backend="reference", **kw))(*args)
-    mq = b.max_q_len if max_q_len == "auto" else max_q_len
     if as_bytes:  # the engine's form: the byte view plus kv_dtype
         from jaxkv.pallas_kernels.layout import typed_to_bytes
         args = (args[0], typed_to_bytes(args[1]), *args[2:])
-        kw.update(kv_dtype=cache_dtype)
+        kw.update(kv_dtype=case.get("cache_dtype", "float32"))
     got = jax.jit(functools.partial(pk.paged_attention, backend=backend, interpret=interpret,
                                     max_q_len=mq, **kw))(*args)
     assert got.shape == b.q.shape and got.dtype == b.q.dtype
@@ -67,7 +73,7 @@ def run_case(backend, interpret, *, scenario, block_size, head_size, group, num_
     assert not np.isnan(want).any() and not np.isnan(got).any()
     n_real = int(b.query_start_loc[int(b.num_seqs)])
     assert (got[n_real:] == 0).all(), "padding rows must be zero"
-    tol = 2e-2 if (q_dtype != jnp.float32 or backend == "pallas") else 2e-5
+    tol = 2e-2 if (b.q.dtype != jnp.float32 or backend == "pallas") else 2e-5
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 

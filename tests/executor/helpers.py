@@ -1,0 +1,55 @@
+"""Helpers for the multi-process executor tests: a small model saved where worker processes
+can load it, the engine config for it, and process checks."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import types
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "models"))   # ckpt_fixtures (the HF config writer)
+
+
+def save_small_model(family: str, path: pathlib.Path):
+    """``tests.engine.helpers.small_model(family)`` written as an HF safetensors directory at
+    ``path`` (what a worker process loads); returns the model built in this process."""
+    from ckpt_fixtures import hf_config_dict  # noqa: PLC0415
+
+    from jaxkv.models import hf_state_dict  # noqa: PLC0415
+    from jaxkv.models.checkpoint import write_safetensors_dir  # noqa: PLC0415
+    from tests.engine.helpers import small_model  # noqa: PLC0415
+
+    model = small_model(family)
+    if not (path / "config.json").exists():
+        write_safetensors_dir(path, hf_config_dict(model.config), hf_state_dict(model))
+    return model
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def executor_config(model_path, **overrides):
+    """The picklable engine config a ``MultiprocExecutor`` is started with."""
+    fields = dict(model=str(model_path), dtype="float32", seed=0, tensor_parallel_size=2, block_size=16,
+                  cache_dtype="float32", kv_cache_memory_bytes=8 << 20, gpu_memory_utilization=0.9,
+                  verbose=False, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
+                  attention_backend="auto", eos_token_ids=(), speculative_config=None,
+                  logprobs_mode="raw_logprobs", warmup=False, runner="auto", headless=False,
+                  node_rank=0, nnodes=1, master_addr="127.0.0.1", master_port=0,
+                  distributed_executor_backend="mp")
+    fields.update(overrides)
+    return types.SimpleNamespace(**fields)
+
+
+def worker_env() -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    return env
