@@ -134,8 +134,8 @@ class _State:
                     self.completion_tokens += len(c.token_ids)
                     choice = self._choice(i, out, c, first=index not in seen)
                     seen.add(index)
-                    if not (choice["text"] or choice["logprobs"] or choice["finish_reason"]):
-                        continue   # nothing new yet (an incomplete UTF-8 sequence)
+                    if not (c.token_ids or choice["text"] or choice["finish_reason"]):
+                        continue   # no new token (a chunk per token: text-less models stream too)
                     yield sse({"id": self.rid, "object": "text_completion", "created": self.created,
                                "model": self.model, "choices": [choice]})
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
