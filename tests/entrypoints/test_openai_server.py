@@ -10,7 +10,11 @@ import asyncio
 import json
 import os
 import random
+import re
+import shlex
+import shutil
 import signal
+import subprocess
 import threading
 import time
 
@@ -20,7 +24,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.entrypoints.server_helpers import ENGINE, Server, make_model_dir, serve_flags  # noqa: E402
+from tests.entrypoints.server_helpers import ENGINE, ROOT, Server, make_model_dir, serve_flags  # noqa: E402
 
 NAME = "tiny-chat"
 KEY = "test-key"
@@ -295,6 +299,36 @@ def test_16_streaming_clients_with_disconnects_leave_nothing(server):
         assert time.monotonic() < deadline, m
         time.sleep(0.5)
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+# ---- the README's serve example, against this server ------------------------------------------
+
+def _readme_blocks() -> tuple[str, str]:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Serving over HTTP"):]
+    bash = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    python = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return bash, python
+
+
+def test_readme_serve_example(server, capsys):
+    from jaxkv.entrypoints.cli import build_parser
+
+    bash, python = _readme_blocks()
+    serve_line, curl = bash.split("\n", 1)
+    args = build_parser().parse_args(shlex.split(serve_line.split("#")[0])[1:])   # the flags parse
+    assert args.model == "smollm2-135m-instruct" and (args.host, args.port) == ("127.0.0.1", 8000)
+    readme_url = "http://127.0.0.1:8000"
+    if shutil.which("curl"):   # the model is served here under the same name (and a key)
+        cmd = curl.strip().replace(readme_url, server.url).replace("\\\n", " ") + f' -H "Authorization: Bearer {KEY}"'
+        done = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
+        body = json.loads(done.stdout)
+        assert body["object"] == "text_completion" and 1 <= body["usage"]["completion_tokens"] <= 8, body
+    scope: dict = {}
+    exec(compile(python.replace(readme_url, server.url).replace('"EMPTY"', repr(KEY)), "README.md", "exec"), scope)
+    assert 1 <= scope["completion"].usage.completion_tokens <= 8
+    assert scope["chunk"].choices[0].finish_reason in ("stop", "length")
+    assert "CompletionUsage" in capsys.readouterr().out
 
 
 # ---- faults: the last test, it kills the module's engine core ------------------------------------
