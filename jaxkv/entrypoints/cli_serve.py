@@ -68,7 +68,7 @@ def add_parser(sub) -> None:
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
                    help="most tokens per step (default: 2048, or --max-num-seqs when larger)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of shared prompt prefixes")
+                   help="reuse the KV of shared prompt prefixes (default: on)")
     g.add_argument("--max-logprobs", type=int, default=20, metavar="N",
                    help="most logprobs a request may ask for, -1 the vocabulary (default: 20)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
