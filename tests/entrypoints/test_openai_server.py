@@ -265,6 +265,27 @@ def test_bad_json_and_server_keeps_serving(server, client):
     assert m["jaxkv:num_requests_running"] == 0 and m["jaxkv:kv_cache_usage_perc"] == 0
 
 
+def test_disconnected_whole_request_is_aborted(server):
+    """A non-streamed request whose client goes away mid-generation stops in the core."""
+    import socket
+
+    before = _metrics(server)["jaxkv:generation_tokens_total"]
+    body = json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 120, "ignore_eos": True}).encode()
+    head = (f"POST {C} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 60
+        while _metrics(server)["jaxkv:num_requests_running"] == 0:   # generating now
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    deadline = time.monotonic() + 30
+    while (m := _metrics(server))["jaxkv:num_requests_running"] or m["jaxkv:kv_cache_usage_perc"]:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+    assert m["jaxkv:generation_tokens_total"] - before < 120   # stopped early, blocks freed
+
+
 # ---- load: concurrent streams, random disconnects ------------------------------------------------
 
 def test_16_streaming_clients_with_disconnects_leave_nothing(server):
