@@ -11,8 +11,10 @@ ignored), sent to ``/v1/completions`` streamed (``stream_options.include_usage``
 process of that many requests a second (exponential gaps, seeded). Per rate it reports request
 throughput, output tok/s, TTFT, TPOT ((latency - TTFT) / (output tokens - 1)) and ITL (gaps
 between streamed chunks, one token each), mean / p50 / p99 in ms. The server is started here
-(``--warmup decode``, prefix caching off) and sent the requests once untimed before each
-timed pass, with the same arrivals, so the timed passes compile (almost) nothing; then it is stopped and an in-process ``LLM`` with the same engine flags runs
+(``--warmup decode``, prefix caching off) and sent the requests ``--warm-passes`` times
+untimed before each timed pass, with the same arrivals: the prefill / decode mix of a step
+depends on arrival timing, and each new mix compiles on first use (5-8 s a shape on a loaded
+2-core VM), so one untimed pass was not enough; then it is stopped and an in-process ``LLM`` with the same engine flags runs
 the same requests (one untimed, one timed pass). Everything is bounded by ``--timeout``; the
 server listens on 127.0.0.1 only. CPU numbers on shared cores are noisy: compare within a run.
 """
@@ -209,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", choices=("decode", "all", "off"), default="decode")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="off by default: the untimed pass would turn the timed prompts into cache hits")
+    p.add_argument("--warm-passes", type=int, default=2,
+                   help="untimed passes before each timed one (each new step shape compiles once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="bound on the whole run in seconds")
     p.add_argument("--no-offline", action="store_true", help="skip the offline LLM.generate comparison")
@@ -238,8 +242,9 @@ def main(argv=None) -> dict:
         server = Server(args, pathlib.Path(tmp) / "server.log", deadline)
         try:
             left = lambda: max(1.0, deadline - time.monotonic())   # noqa: E731
-            for rate in rates:   # an untimed pass first (same arrivals): steps compile on first use
-                asyncio.run(run_pass(server.url, args.model, prompts, outs, rate, args.seed, left()))
+            for rate in rates:   # untimed passes first (same arrivals): steps compile on first use
+                for _ in range(args.warm_passes):
+                    asyncio.run(run_pass(server.url, args.model, prompts, outs, rate, args.seed, left()))
                 row = asyncio.run(run_pass(server.url, args.model, prompts, outs, rate, args.seed, left()))
                 rows.append({"system": "jaxkv serve", **row})
         finally:
