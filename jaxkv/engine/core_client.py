@@ -175,9 +175,9 @@ class EngineCoreProc:
 
     def run(self) -> None:
         while True:
+            if os.getppid() != self.parent_pid:   # the front end died: nobody to serve (checked
+                return                             # busy too: a PUSH with no reader blocks at its HWM)
             if not self.core.has_unfinished_requests() and not self.inp.poll(IDLE_POLL_MS):
-                if os.getppid() != self.parent_pid:   # the front end died: nobody to serve
-                    return
                 continue
             failed, error, stopping = self._drain_input()
             if failed:

@@ -48,6 +48,36 @@ async def _idle(engine, deadline_s=20.0):
     raise AssertionError(f"the core is not idle: {engine.scheduler_stats}")
 
 
+def test_core_loop_stops_when_its_front_end_is_gone():
+    """EngineCoreProc.run returns at once when its parent is not the front end any more, busy
+    or not (in-process, a stand-in core; nothing is stepped)."""
+    import zmq
+
+    from jaxkv.engine.core_client import EngineCoreProc
+
+    class BusyCore:
+        config = type("C", (), {"scheduler_config": type("S", (), {"async_scheduling": False})()})()
+        steps = 0
+
+        def has_unfinished_requests(self):
+            return True
+
+        def step(self):
+            BusyCore.steps += 1
+            raise AssertionError("stepped for a dead front end")
+
+    ctx = zmq.Context()
+    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        t0 = time.monotonic()
+        EngineCoreProc(BusyCore(), inp, out, parent_pid=os.getppid() + 1).run()
+        assert BusyCore.steps == 0 and time.monotonic() - t0 < 1.0
+    finally:
+        inp.close(linger=0)
+        out.close(linger=0)
+        ctx.term()
+
+
 def test_streams_equal_llm_generate(engine):
     from jaxkv import LLM
 
