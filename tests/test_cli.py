@@ -283,7 +283,7 @@ def _parsers():
     return parser, sub.choices
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["plan", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["plan", "--help"], ["serve", "--help"]])
 def test_help_is_plain_text_with_examples(capsys, argv):
     code, out, _ = run(argv, capsys)
     assert code == 0 and "examples:\n  jaxkv " in out
@@ -484,3 +484,21 @@ def test_jaxkv_bench_without_a_checkout(capsys, monkeypatch, tmp_path):
     assert code == 2
     assert error_line(err, "bench") == (f"jaxkv bench: error: no benchmarks/throughput.py at {tmp_path}: "
                                         f"jaxkv bench runs from a source checkout (or set JAXKV_BENCHMARKS_DIR)")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--port", "70000"], "--port must be in [0, 65536), got 70000"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1], got 0.0"),
+    (["--max-num-seqs", "8", "--max-num-batched-tokens", "4"],
+     "--max-num-batched-tokens=4 must be >= --max-num-seqs=8"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be a positive int, got 0 (see jaxkv serve --help)"),
+])
+def test_serve_bad_flags_exit_before_the_engine_starts(capsys, monkeypatch, flags, message):
+    import jaxkv.engine.async_llm
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the engine core started")
+
+    monkeypatch.setattr(jaxkv.engine.async_llm, "AsyncLLM", refuse)
+    code, _, err = run(["serve", "tiny-llama", *flags], capsys)
+    assert (code, error_line(err, "serve")) == (2, f"jaxkv serve: error: {message}")

@@ -36,12 +36,17 @@ class PrefixCachingMetrics:
         self.aggregated_query_total = 0
         self.aggregated_query_hit = 0
         self.query_queue: deque[tuple[int, int, int]] = deque()
+        # Since start, never reset (the Prometheus counters jaxkv serve exports).
+        self.total_queries = 0
+        self.total_hits = 0
 
     def observe(self, stats: PrefixCacheStats) -> None:
         if stats.reset:
             self.reset()
         if stats.requests == 0:
             return
+        self.total_queries += stats.queries
+        self.total_hits += stats.hits
         self.query_queue.append((stats.requests, stats.queries, stats.hits))
         self.aggregated_requests += stats.requests
         self.aggregated_query_total += stats.queries

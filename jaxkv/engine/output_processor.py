@@ -109,6 +109,11 @@ class OutputProcessor:
         for c in children:
             self._child_of[c.request_id] = (parent, c)
 
+    def parent_id_of(self, core_id: str) -> str | None:
+        """The request a core request (one completion) belongs to; None when unknown."""
+        pc = self._child_of.get(core_id)
+        return pc[0].request_id if pc is not None else None
+
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forgets ``request_ids`` (unknown ones are ignored); the core ids of their
         completions still running, for the engine to abort in the core."""

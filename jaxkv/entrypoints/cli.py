@@ -1,4 +1,4 @@
-"""The ``jaxkv`` command line: ``plan``, ``generate``, ``bench``.
+"""The ``jaxkv`` command line: ``plan``, ``generate``, ``bench``, ``serve``.
 
 Shared here: the argument types (byte sizes, token ids, n-gram drafts), the help formatter, a
 parser whose usage errors are one line, and ``name_flags``, which rewrites the library's
@@ -21,6 +21,7 @@ examples:
   jaxkv generate --model tiny-llama --prompt-token-ids 1,2,3 --max-tokens 8
   jaxkv plan --model smollm2-135m-instruct --kv-cache-memory 1GiB
   jaxkv bench --quick
+  jaxkv serve smollm2-135m-instruct --port 8000
 
 Run "jaxkv COMMAND --help" for the flags of one command.
 """
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_plan(sub)
     _add_bench(sub)
+    _add_serve(sub)
     p.commands = sub.choices   # main() reports a command's unknown flags with its own name
     return p
 
@@ -247,6 +249,14 @@ def _add_generate(sub) -> None:
 def _add_bench(sub) -> None:
     try:
         from jaxkv.entrypoints.cli_bench import add_parser
+    except ImportError:
+        return
+    add_parser(sub)
+
+
+def _add_serve(sub) -> None:
+    try:
+        from jaxkv.entrypoints.cli_serve import add_parser
     except ImportError:
         return
     add_parser(sub)

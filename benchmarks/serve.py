@@ -1,0 +1,266 @@
+"""Online serving benchmark (vLLM's ``vllm bench serve``): ``jaxkv serve`` on 127.0.0.1 vs
+offline ``LLM.generate`` on the same requests, in one run.
+
+    python benchmarks/serve.py [--model tiny-llama] [--workload fixed|mixed] [--quick]
+        [--num-prompts N] [--request-rate inf,8] [--max-num-seqs 64] [--kv-cache-memory 512MiB]
+        [--max-model-len 1024] [--timeout 900] [--json PATH]
+
+Requests are ``benchmarks/throughput.py``'s seeded workloads (token-id prompts, greedy, EOS
+ignored), sent to ``/v1/completions`` streamed (``stream_options.include_usage``) through
+``httpx``, at each ``--request-rate``: "inf" sends all at t=0, a number sends a Poisson
+process of that many requests a second (exponential gaps, seeded). Per rate it reports request
+throughput, output tok/s, TTFT, TPOT ((latency - TTFT) / (output tokens - 1)) and ITL (gaps
+between streamed chunks, one token each), mean / p50 / p99 in ms. The server is started here
+(``--warmup decode``, prefix caching off) and sent the requests ``--warm-passes`` times
+untimed before each timed pass, with the same arrivals: the prefill / decode mix of a step
+depends on arrival timing, and each new mix compiles on first use (5-8 s a shape on a loaded
+2-core VM), so one untimed pass was not enough; then it is stopped and an in-process ``LLM`` with the same engine flags runs
+the same requests (one untimed, one timed pass). Everything is bounded by ``--timeout``; the
+server listens on 127.0.0.1 only. CPU numbers on shared cores are noisy: compare within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import bench_common as bc
+import throughput as tp
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"   # the benchmark never talks to anything else
+
+
+# ---- the server ----------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def serve_flags(args) -> list[str]:
+    flags = ["--max-model-len", str(args.max_model_len), "--kv-cache-memory", str(args.kv_cache_memory),
+             "--max-num-seqs", str(args.max_num_seqs), "--warmup", args.warmup,
+             "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
+    if args.max_num_batched_tokens:
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return flags
+
+
+def engine_kwargs(args) -> dict:
+    """The in-process LLM's arguments equal to :func:`serve_flags`."""
+    return dict(max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.enable_prefix_caching,
+                warmup=False if args.warmup == "off" else args.warmup)
+
+
+class Server:
+    """``jaxkv serve`` in a subprocess on a free 127.0.0.1 port, stopped by its pid."""
+
+    def __init__(self, args, log_path: pathlib.Path, deadline: float):
+        import httpx
+
+        self.url = f"http://{HOST}:{_free_port()}"
+        port = self.url.rsplit(":", 1)[1]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, "-m", "jaxkv.entrypoints.cli", "serve", args.model, "--host", HOST,
+               "--port", port, "--uvicorn-log-level", "warning", *serve_flags(args)]
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"jaxkv serve exited ({self.proc.returncode}): {self.log()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"jaxkv serve not healthy before the deadline: {self.log()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                        return
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+# ---- the client ----------------------------------------------------------------------------------
+
+async def one_request(http, url: str, model: str, prompt: list[int], max_tokens: int, sent: float) -> dict:
+    """Streams one completion; the arrival times of its token chunks and its usage."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    import httpx
+
+    chunks, usage, error = [], None, None
+    try:
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"{r.status_code}: {(await r.aread())[:300]!r}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    error = data["error"].get("message")
+                elif data.get("choices"):
+                    chunks.append(time.perf_counter())
+                elif data.get("usage"):
+                    usage = data["usage"]
+    except httpx.HTTPError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    end = time.perf_counter()
+    out = usage["completion_tokens"] if usage else len(chunks)
+    return {"sent": sent, "end": end, "chunks": chunks, "output_tokens": out, "error": error,
+            "prompt_tokens": usage["prompt_tokens"] if usage else len(prompt)}
+
+
+async def run_pass(url: str, model: str, prompts, outs, rate: float, seed: int, timeout_s: float) -> dict:
+    """Sends every request (Poisson at ``rate`` a second, or all at once for inf)."""
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    gaps = [0.0] * len(prompts) if rate == float("inf") else rng.exponential(1.0 / rate, len(prompts)).tolist()
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
+        t0 = time.perf_counter()
+        tasks = []
+        for p, n, gap in zip(prompts, outs, gaps):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one_request(http, url, model, p, n, time.perf_counter())))
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+    return summarize_pass(results, t0, rate)
+
+
+def summarize_pass(results: list[dict], t0: float, rate: float) -> dict:
+    ok = [r for r in results if not r.get("error") and r["chunks"]]
+    end = max((r["end"] for r in ok), default=t0)
+    duration = end - t0
+    ttft = [(r["chunks"][0] - r["sent"]) * 1e3 for r in ok]
+    tpot = [(r["end"] - r["chunks"][0]) * 1e3 / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1]
+    itl = [(b - a) * 1e3 for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    row = {"request_rate": rate, "requests": len(results), "completed": len(ok),
+           "errors": [r["error"] for r in results if r.get("error")][:3],
+           "duration_s": duration, "req_per_s": len(ok) / duration if duration else None,
+           "output_tokens": out_tokens, "output_tok_per_s": out_tokens / duration if duration else None}
+    for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        s = bc.summarize(vals)
+        row.update({f"{name}_ms_mean": s["mean"], f"{name}_ms_p50": s["median"], f"{name}_ms_p99": s["p99"]})
+    return row
+
+
+# ---- offline -------------------------------------------------------------------------------------
+
+def run_offline(args, prompts, outs) -> dict:
+    from jaxkv import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
+    llm.generate(prompts, params, use_tqdm=False)   # untimed: compiles the shapes
+    t0 = time.perf_counter()
+    res = llm.generate(prompts, params, use_tqdm=False)
+    duration = time.perf_counter() - t0
+    llm.shutdown()
+    out_tokens = sum(len(r.outputs[0].token_ids) for r in res)
+    return {"request_rate": "offline", "requests": len(prompts), "completed": len(res), "duration_s": duration,
+            "req_per_s": len(res) / duration, "output_tokens": out_tokens, "output_tok_per_s": out_tokens / duration}
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    from jaxkv.entrypoints.cli import parse_bytes
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-llama", help="a model name or path jaxkv serve loads (default: tiny-llama)")
+    p.add_argument("--workload", default="fixed", choices=("fixed", "mixed"))
+    p.add_argument("--quick", action="store_true", help="throughput.py's scaled-down workload sizes")
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N requests of the workload")
+    p.add_argument("--request-rate", default="inf", help="comma-separated requests/s, 'inf' = all at once")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=512 << 20)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--warmup", choices=("decode", "all", "off"), default="decode")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="off by default: the untimed pass would turn the timed prompts into cache hits")
+    p.add_argument("--warm-passes", type=int, default=2,
+                   help="untimed passes before each timed one (each new step shape compiles once)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0, help="bound on the whole run in seconds")
+    p.add_argument("--no-offline", action="store_true", help="skip the offline LLM.generate comparison")
+    p.add_argument("--json", default=None, help="write the results here")
+    return p
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    deadline = time.monotonic() + args.timeout
+    rates = [float(r) for r in args.request_rate.split(",")]
+    if any(r <= 0 for r in rates):
+        raise SystemExit(f"--request-rate must be > 0 or inf, got {args.request_rate}")
+    from jaxkv.models import load_model_config
+
+    cfg, _ = load_model_config(args.model)
+    sizes = tp.QUICK if args.quick else tp.FULL
+    prompts, outs, desc = tp.make_requests(args.workload, sizes, cfg.vocab_size, args.seed)
+    if args.num_prompts is not None:
+        prompts, outs = prompts[:args.num_prompts], outs[:args.num_prompts]
+        desc["requests"] = len(prompts)
+    env = bc.environment()
+    rows = []
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="jaxkv-bench-serve-") as tmp:
+        server = Server(args, pathlib.Path(tmp) / "server.log", deadline)
+        try:
+            left = lambda: max(1.0, deadline - time.monotonic())   # noqa: E731
+            for rate in rates:   # untimed passes first (same arrivals): steps compile on first use
+                for _ in range(args.warm_passes):
+                    asyncio.run(run_pass(server.url, args.model, prompts, outs, rate, args.seed, left()))
+                row = asyncio.run(run_pass(server.url, args.model, prompts, outs, rate, args.seed, left()))
+                rows.append({"system": "jaxkv serve", **row})
+        finally:
+            server.stop()
+    if not args.no_offline:
+        rows.append({"system": "LLM.generate", **run_offline(args, prompts, outs)})
+    payload = {"benchmark": "serve", "environment": env, "workload": desc, "model": args.model,
+               "engine": engine_kwargs(args), "rows": rows}
+    print("\n".join(bc.header_lines("jaxkv serve vs offline LLM.generate", env, desc)))
+    print(bc.table(rows, ["system", "request_rate", "completed", "duration_s", "req_per_s", "output_tok_per_s"]))
+    print(bc.table(rows, ["system", "request_rate", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_mean",
+                          "tpot_ms_p50", "tpot_ms_p99", "itl_ms_mean", "itl_ms_p50", "itl_ms_p99"]))
+    if args.json:
+        bc.write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
