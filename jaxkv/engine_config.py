@@ -135,8 +135,9 @@ def check_executor_args(backend, model, *, nnodes, node_rank, master_addr, maste
     node's launcher (``jaxkv generate --headless``, ``run_headless``), which builds none."""
     if backend not in EXECUTOR_BACKEND_NAMES:
         raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKEND_NAMES}, got {backend!r}")
+    _positive("tensor_parallel_size", tensor_parallel_size)   # the engine's own message for it
     for name, value in (("nnodes", nnodes), ("node_rank", node_rank), ("master_port", master_port),
-                        ("tensor_parallel_size", tensor_parallel_size), ("devices_per_worker", devices_per_worker)):
+                        ("devices_per_worker", devices_per_worker)):
         if type(value) is not int:
             raise TypeError(f"{name} must be an int, got {value!r}")
     _check_bool("headless", headless)
