@@ -24,11 +24,14 @@ from tests.kernels.test_pallas_kernel import LOWERING_CASES
 pytestmark = [pytest.mark.gpu_aot, pytest.mark.gpu_aot_full]
 
 
-def check_launches(launches):
+def check_launches(launches, *, uses_shared_memory=True):
+    """Triton kernels launched; shared memory within the H200's limit (and some, for the
+    attention kernels' dots; the KV write is a copy and jax 0.12 reports 0 B); no spill."""
     assert launches, "no Triton kernel"
     limit = gpu_aot.shared_memory_limit("h200")
     for k in launches:
-        assert 0 < k.shared_mem_bytes <= limit, k
+        assert 0 <= k.shared_mem_bytes <= limit, k
+        assert k.shared_mem_bytes > 0 or not uses_shared_memory, k
         assert k.spill_bytes == 0, k   # ptxas -v: no spill stores or loads
 
 
@@ -71,5 +74,5 @@ def test_kv_write_kernel_compiles_in_place(h200, dtype, bs, hkv, d, t):
                                    v_scale=scale, backend="pallas", interpret=False),
                  donate_argnums=0)
     compiled, launches = gpu_aot.compile_with_report(fn, h200, *args)
-    check_launches(launches)
+    check_launches(launches, uses_shared_memory=False)
     assert compiled.memory_analysis().alias_size_in_bytes >= args[0].shape[0]

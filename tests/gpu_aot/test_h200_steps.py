@@ -24,30 +24,41 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, logprobs=2, max_t
 PENALISED = SamplingParams(temperature=0.0, repetition_penalty=1.2, min_tokens=2, max_tokens=8)
 
 
+#: Two request buckets (1, 2) and token buckets 16, 24, 32, 48: ten step shapes with every
+#: prefill tile size of the kernel (16, 32 and 64 rows) and a non-power-of-two T, where
+#: max_num_seqs 4 / 64 tokens compiled 18 shapes of the same kinds.
+SHAPES_ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=48)
+
+
 @pytest.mark.slow
 @pytest.mark.gpu_aot_full
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-hybrid"])
 def test_every_warmup_shape_compiles(h200, family):
-    runner = pallas_runner(family)
+    """Every shape of ``warmup="all"`` compiles, and in each the KV buffers are aliased."""
+    runner = pallas_runner(family, **SHAPES_ENGINE)
+    cache = sum(b.nbytes for b in runner.buffers)
     shapes = runner.step_shapes(prefill=True)
-    assert len(shapes) >= 8
+    assert len(shapes) == 10 and {q for _, _, q in shapes} == {1, 16, 24, 32, 48}, shapes
     for T, S, q in shapes:
-        compile_step(runner, h200, T, S, q)
+        assert compile_step(runner, h200, T, S, q).memory_analysis().alias_size_in_bytes >= cache
 
 
 @pytest.mark.slow
 @pytest.mark.gpu_aot_full
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-hybrid"])
 def test_sampling_pooling_and_draft_variants_compile(h200, family):
-    runner = pallas_runner(family)
-    for params, outputs in ((SAMPLED, 0), (PENALISED, 0), (PENALISED, 2)):
-        compile_step(runner, h200, 4, 4, 1, sampling=params, num_output_tokens=outputs)
-        compile_step(runner, h200, 64, 4, 64, sampling=params, num_output_tokens=outputs)
+    """Each sampling variant once (the sampler sees only the S rows' logits, so decode or
+    mixed makes no difference to it), both pooling kinds, every step with drafts."""
+    runner = pallas_runner(family, **SHAPES_ENGINE)
+    for (params, outputs), (T, q) in zip(((SAMPLED, 0), (PENALISED, 0), (PENALISED, 2)),
+                                         ((2, 1), (32, 32), (2, 1))):
+        compile_step(runner, h200, T, 2, q, sampling=params, num_output_tokens=outputs)
     for pooling in (POOL_ROWS, POOL_ALL):
-        compile_step(runner, h200, 64, 4, 64, pooling=pooling)
-    spec = pallas_runner(family, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        compile_step(runner, h200, 32, 2, 32, pooling=pooling)
+    spec = pallas_runner(family, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                         **SHAPES_ENGINE)
     shapes = spec.spec_step_shapes()
-    assert shapes
+    assert len(shapes) >= 3, shapes
     for T, S, P in shapes:
         compile_step(spec, h200, T, S, T, spec_positions=P)
 
