@@ -248,12 +248,20 @@ class MultiprocExecutor(Executor):
         self._ctl.close(grace_s=0.2)   # the job is broken: no graceful wait
         raise kind(message)
 
+    def _fail_if_exited(self, rank: int, proc, wait_s: float = 0.0) -> None:
+        """``_fail`` naming how local worker ``rank`` died, if its process has exited (waiting
+        up to ``wait_s`` for it to be reaped)."""
+        try:
+            rc = proc.wait(timeout=wait_s) if wait_s else proc.poll()
+        except subprocess.TimeoutExpired:
+            rc = None
+        if rc is not None:
+            how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+            self._fail(f"{self._describe(rank)} died ({how})")
+
     def _check_alive(self, since: float) -> None:
         for rank, proc in self._ctl.procs.items():
-            rc = proc.poll()
-            if rc is not None:
-                how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
-                self._fail(f"{self._describe(rank)} died ({how})")
+            self._fail_if_exited(rank, proc)
         now = time.monotonic()
         for rank in self._ctl.ranks:   # local ones too: a stopped process has not exited
             silent = now - max(self._last_beat.get(rank, since), since)
@@ -360,7 +368,9 @@ class MultiprocExecutor(Executor):
         for rank in self._ctl.ranks:
             try:
                 self._ctl.send(rank, payload)
-            except zmq.ZMQError as exc:
+            except zmq.ZMQError as exc:   # a local worker that died says how (it may not be reaped yet)
+                if rank in self._ctl.procs:
+                    self._fail_if_exited(rank, self._ctl.procs[rank], wait_s=1.0)
                 self._fail(f"{self._describe(rank)} is unreachable ({exc})")
         self._unflushed = None   # any message makes the workers answer the step in flight
         if timeout is not None:
