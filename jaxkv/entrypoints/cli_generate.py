@@ -47,16 +47,8 @@ _SAMPLING_ONLY = {"n": 1, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "stop": None}
 
 def add_parser(sub) -> None:
     from jaxkv.engine_config import EXECUTOR_BACKEND_NAMES
-    from jaxkv.entrypoints.cli import (
-        ATTENTION_BACKENDS,
-        KV_CACHE_DTYPES,
-        MODEL_DTYPES,
-        parse_bytes,
-        parse_ngram,
-        parse_token_ids,
-        positive_int,
-        power_of_two,
-    )
+    from jaxkv.entrypoints.engine_args import add_engine_args
+    from jaxkv.entrypoints.cli import MODEL_DTYPES, parse_token_ids, positive_int
 
     p = sub.add_parser(
         "generate", help="generate completions (default: SmolLM2-135M-Instruct on the CPU)",
@@ -99,32 +91,7 @@ def add_parser(sub) -> None:
                    help="beam search with N beams (vLLM's LLM.beam_search) instead of sampling "
                         "(default: off)")
     g = p.add_argument_group("engine")
-    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes, default=None,
-                   metavar="BYTES", help="KV cache budget, e.g. 256MiB or 2GiB (default: 512MiB on CPU, "
-                                         "--gpu-memory-utilization of the device's memory on GPU)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
-                   help="share of GPU memory the engine may use when --kv-cache-memory is not given "
-                        "(default: 0.9)")
-    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="KV cache dtype; auto follows --dtype (default: auto)")
-    g.add_argument("--block-size", type=power_of_two, default=16, metavar="N",
-                   help="tokens per KV-cache block, a power of two (default: 16)")
-    g.add_argument("--max-model-len", type=positive_int, default=2048, metavar="N",
-                   help="longest request, prompt + output tokens (default: 2048)")
-    g.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
-                   help="most requests per step (default: 64)")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
-                   help="most tokens per step (default: 2048, or --max-num-seqs when larger)")
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
-                   default="auto", help="attention implementation (default: auto)")
-    g.add_argument("--warmup", choices=("decode", "all", "off"), default="decode",
-                   help="compile at load: decode steps, all step shapes, or none (default: decode)")
-    g.add_argument("--async-scheduling", action="store_true",
-                   help="schedule step N+1 while step N runs: same tokens, pays on GPU / TPU "
-                        "(default: off)")
-    g.add_argument("--speculative-ngram", type=parse_ngram, default=None, metavar="K[,MAX[,MIN]]",
-                   help="draft K tokens a step by n-gram lookup over each request's tokens, n-grams "
-                        "MAX..MIN long (default: off; MAX..MIN 4..1)")
+    add_engine_args(g)
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
                    help="split the model over N devices; on CPU, N host devices set up here "
                         "(default: 1)")
@@ -285,6 +252,7 @@ def _default_kv_budget(args) -> None:
 
 def cmd_generate(args) -> int:
     from jaxkv.entrypoints.cli import error, name_flags
+    from jaxkv.entrypoints.engine_args import engine_kwargs
 
     try:   # every check that needs no model, before it loads
         params = sampling_params(args)
@@ -315,14 +283,7 @@ def cmd_generate(args) -> int:
     _default_kv_budget(args)
     t0 = time.perf_counter()
     try:
-        llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory,
-                  gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
-                  block_size=args.block_size, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  attention_backend=args.attention_backend, seed=args.seed,
-                  warmup=False if args.warmup == "off" else args.warmup,
-                  async_scheduling=args.async_scheduling, verbose=True,
-                  speculative_config=args.speculative_ngram,
+        llm = LLM(args.model, dtype=args.dtype, seed=args.seed, verbose=True, **engine_kwargs(args),
                   tensor_parallel_size=args.tensor_parallel_size,
                   distributed_executor_backend=executor_backend(args), nnodes=args.nnodes,
                   node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,

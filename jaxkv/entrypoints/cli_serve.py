@@ -21,15 +21,8 @@ examples:
 
 
 def add_parser(sub) -> None:
-    from jaxkv.entrypoints.cli import (
-        ATTENTION_BACKENDS,
-        KV_CACHE_DTYPES,
-        MODEL_DTYPES,
-        parse_bytes,
-        parse_ngram,
-        positive_int,
-        power_of_two,
-    )
+    from jaxkv.entrypoints.cli import MODEL_DTYPES, positive_int
+    from jaxkv.entrypoints.engine_args import add_engine_args
 
     p = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -53,47 +46,22 @@ def add_parser(sub) -> None:
                    help="longest wait for the engine core to load and warm up (default: 1800)")
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", choices=MODEL_DTYPES, default="float32", help="model weights dtype (default: float32)")
-    g.add_argument("--max-model-len", type=positive_int, default=2048, metavar="N",
-                   help="longest request, prompt + output tokens (default: 2048)")
-    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes, default=None, metavar="BYTES",
-                   help="KV cache budget, e.g. 256MiB (default: 512MiB on CPU, --gpu-memory-utilization on GPU)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
-                   help="share of GPU memory the engine may use (default: 0.9)")
-    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="KV cache dtype; auto follows --dtype (default: auto)")
-    g.add_argument("--block-size", type=power_of_two, default=16, metavar="N",
-                   help="tokens per KV-cache block (default: 16)")
-    g.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
-                   help="most requests per step (default: 64)")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
-                   help="most tokens per step (default: 2048, or --max-num-seqs when larger)")
+    add_engine_args(g)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (default: on)")
     g.add_argument("--max-logprobs", type=int, default=20, metavar="N",
                    help="most logprobs a request may ask for, -1 the vocabulary (default: 20)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (default: 0)")
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="attention implementation (default: auto)")
-    g.add_argument("--warmup", choices=("decode", "all", "off"), default="decode",
-                   help="compile at load: decode steps, all step shapes, or none (default: decode)")
-    g.add_argument("--async-scheduling", action="store_true", help="pipeline steps one deep (default: off)")
-    g.add_argument("--speculative-ngram", type=parse_ngram, default=None, metavar="K[,MAX[,MIN]]",
-                   help="n-gram drafts (default: off)")
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
                    help="split the model over N devices (default: 1)")
     p.set_defaults(func=cmd_serve)
 
 
 def engine_kwargs(args) -> dict:
-    return dict(dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory,
-                gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
-                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching, max_logprobs=args.max_logprobs,
-                seed=args.seed, attention_backend=args.attention_backend,
-                warmup=False if args.warmup == "off" else args.warmup,
-                async_scheduling=args.async_scheduling, speculative_config=args.speculative_ngram,
-                tensor_parallel_size=args.tensor_parallel_size)
+    from jaxkv.entrypoints.engine_args import engine_kwargs as shared
+
+    return dict(shared(args), dtype=args.dtype, enable_prefix_caching=args.enable_prefix_caching,
+                max_logprobs=args.max_logprobs, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def cmd_serve(args) -> int:

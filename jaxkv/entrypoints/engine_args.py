@@ -1,0 +1,53 @@
+"""The engine flags ``jaxkv generate`` and ``jaxkv serve`` share (vLLM's ``EngineArgs``
+CLI arguments), defined once: same names, defaults and help on both commands."""
+
+from __future__ import annotations
+
+
+def add_engine_args(g) -> None:
+    """Adds the engine's flags to the argparse group ``g``. What they become: ``engine_kwargs``."""
+    from jaxkv.entrypoints.cli import (
+        ATTENTION_BACKENDS,
+        KV_CACHE_DTYPES,
+        parse_bytes,
+        parse_ngram,
+        positive_int,
+        power_of_two,
+    )
+
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes, default=None,
+                   metavar="BYTES", help="KV cache budget, e.g. 256MiB or 2GiB (default: 512MiB on CPU, "
+                                         "--gpu-memory-utilization of the device's memory on GPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="share of GPU memory the engine may use when --kv-cache-memory is not given "
+                        "(default: 0.9)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache dtype; auto follows --dtype (default: auto)")
+    g.add_argument("--block-size", type=power_of_two, default=16, metavar="N",
+                   help="tokens per KV-cache block, a power of two (default: 16)")
+    g.add_argument("--max-model-len", type=positive_int, default=2048, metavar="N",
+                   help="longest request, prompt + output tokens (default: 2048)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
+                   help="most requests per step (default: 64)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
+                   help="most tokens per step (default: 2048, or --max-num-seqs when larger)")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                   default="auto", help="attention implementation (default: auto)")
+    g.add_argument("--warmup", choices=("decode", "all", "off"), default="decode",
+                   help="compile at load: decode steps, all step shapes, or none (default: decode)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule step N+1 while step N runs: same tokens, pays on GPU / TPU "
+                        "(default: off)")
+    g.add_argument("--speculative-ngram", type=parse_ngram, default=None, metavar="K[,MAX[,MIN]]",
+                   help="draft K tokens a step by n-gram lookup over each request's tokens, n-grams "
+                        "MAX..MIN long (default: off; MAX..MIN 4..1)")
+
+
+def engine_kwargs(args) -> dict:
+    """The ``LLM(...)`` / ``AsyncLLM`` arguments of the flags ``add_engine_args`` adds."""
+    return dict(kv_cache_memory_bytes=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+                warmup=False if args.warmup == "off" else args.warmup,
+                async_scheduling=args.async_scheduling, speculative_config=args.speculative_ngram)
