@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+import time
 import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -34,6 +35,16 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def all_gone(pids, within: float = 5.0) -> bool:
+    """True once none of ``pids`` is alive, polling for at most ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(pid_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def executor_config(model_path, **overrides):

@@ -20,7 +20,7 @@ from jaxkv.executor.multiproc import WorkerDiedError
 from jaxkv.sampling_params import SamplingParams
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy
 from tests.executor import rpc_funcs
-from tests.executor.helpers import pid_alive, save_small_model
+from tests.executor.helpers import all_gone, save_small_model
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process checks read /proc")
 
@@ -53,15 +53,6 @@ def _workload(seed=0):
 def _run(llm, first, later, params):
     outs = llm.generate(first, params, use_tqdm=False)
     return outs + llm.generate(later, params, use_tqdm=False)
-
-
-def _gone(pids, within=5.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if not any(pid_alive(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.mark.slow
@@ -108,7 +99,7 @@ def test_llama_matches_one_process_and_dense(models):
         assert again.outputs[0].token_ids == ref[0].outputs[0].token_ids
     finally:
         llm.shutdown()
-    assert _gone(pids, 1.0)
+    assert all_gone(pids, 1.0)
 
 
 @pytest.mark.slow
@@ -141,7 +132,7 @@ def test_hybrid_sliding_window_async_then_stopped_worker(models):
             llm.generate(prompts[:1], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
                          use_tqdm=False)
         assert stopped and time.monotonic() - stopped[0] < ex.heartbeat_timeout_s + 5
-        assert _gone(pids.values(), 2.0)
+        assert all_gone(pids.values(), 2.0)
     finally:
         timer.cancel()
         llm.shutdown()   # SIGKILL ends a stopped worker too
@@ -170,7 +161,7 @@ def test_worker_killed_mid_generation(models):
     finally:
         timer.cancel()
     assert killed and time.monotonic() - killed[0] < 5, info.value
-    assert _gone(pids.values(), 2.0)
+    assert all_gone(pids.values(), 2.0)
     llm.shutdown()
 
     again = _mp(path, max_num_seqs=4)
@@ -180,7 +171,7 @@ def test_worker_killed_mid_generation(models):
     assert out.outputs[0].token_ids == dense_greedy(model, prompt, 6)
     del again, out
     gc.collect()
-    assert _gone(new_pids, 5.0)
+    assert all_gone(new_pids, 5.0)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from jaxkv.kv_cache import get_kv_cache_configs
 from jaxkv.sampling_params import SamplingParams
 from tests.engine.helpers import make_llm
 from tests.executor import rpc_funcs
-from tests.executor.helpers import ROOT, executor_config, pid_alive, save_small_model, worker_env
+from tests.executor.helpers import ROOT, all_gone, executor_config, pid_alive, save_small_model, worker_env
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process checks read /proc")
 
@@ -51,15 +51,6 @@ def _record(model, max_tokens=12):
                  use_tqdm=False)
     assert eng.get_stats()["num_preemptions"] > 0
     return steps, eng.config.max_model_len
-
-
-def _gone(pids, within=5.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if not any(pid_alive(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.mark.slow
@@ -107,12 +98,12 @@ def test_replay_per_rank_configs_and_errors(tiny):
         with pytest.raises(WorkerTimeoutError, match=rf"worker rank 0 \(pid {pids[0]}\)"):
             ex.collective_rpc(rpc_funcs.sleep_on_rank, timeout=2.0, args=(0, 600))
         assert time.monotonic() - t0 < 10
-        assert _gone(pids)
+        assert all_gone(pids)
         with pytest.raises(WorkerDiedError, match="executor is down"):
             ex.collective_rpc(rpc_funcs.whoami)
     finally:
         ex.shutdown()
-    assert _gone(pids, 0.1)
+    assert all_gone(pids, 0.1)
 
 
 @pytest.mark.slow
@@ -129,7 +120,7 @@ def test_killed_worker_is_an_error_naming_it(tiny):
         with pytest.raises(WorkerDiedError, match=rf"worker rank 1 \(pid {pids[1]}\) died \(killed by signal 9\)"):
             ex.collective_rpc(rpc_funcs.sleep_on_rank, args=(0, 30.0))   # rank 0 busy meanwhile
         assert time.monotonic() - t0 < 5
-        assert _gone(pids.values())
+        assert all_gone(pids.values())
     finally:
         ex.shutdown()
 
@@ -175,13 +166,13 @@ def test_no_orphans(tiny, how):
         pids = [int(p) for p in line.split()[1:]]
         assert len(pids) == 2
         if how == "gc":
-            assert _gone(pids, 1.0)   # gone before the parent exits
+            assert all_gone(pids, 1.0)   # gone before the parent exits
             assert proc.wait(timeout=60) == 0
         else:
             assert all(pid_alive(p) for p in pids)
             proc.kill()
             proc.wait(timeout=10)
-            assert _gone(pids, 10.0 if launcher else 5.0)
+            assert all_gone(pids, 10.0 if launcher else 5.0)
         if launcher is not None:
             assert launcher.wait(timeout=10) != 0
     finally:
@@ -237,7 +228,7 @@ def test_two_nodes_on_loopback_remote_worker_killed(tiny):
             ex.collective_rpc(rpc_funcs.sleep_on_rank, args=(0, 30.0))
         assert time.monotonic() - t0 < 10
         assert launcher.wait(timeout=10) != 0
-        assert _gone(pids.values())
+        assert all_gone(pids.values())
     finally:
         if ex is not None:
             ex.shutdown()
