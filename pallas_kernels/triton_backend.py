@@ -106,9 +106,15 @@ def attend_tiles(logit_scale,  # [1] float32, sm_scale * k_scale (scaled in f32,
                  q_tiles,    # [NT, Hkv, M, D] compute dtype, M a power of two >= 16
                  kv_cache,   # [N, 2, Hkv, bs, D] cache dtype
                  *, group: int, pages_per_tile: int, num_splits: int, sliding_window, soft_cap,
-                 compute_dtype, interpret: bool, num_warps: int = 4, num_stages: int = 2):
-    """Runs the kernel; returns (o [P, NT, Hkv, M, D] f32, m [P, NT, Hkv, M], l [P, NT, Hkv, M])."""
+                 compute_dtype, interpret: bool, num_warps: int | None = None, num_stages: int = 2):
+    """Runs the kernel; returns (o [P, NT, Hkv, M, D] f32, m [P, NT, Hkv, M], l [P, NT, Hkv, M]).
+
+    ``num_warps`` None: 4, or 8 for tiles of M x D >= 64 x 128 (their f32 accumulator, scores
+    and q tile need more than 255 registers a thread at 4 warps: ptxas spilled 12 bytes for
+    M 64, D 128, 64 keys on jax 0.11.2, sm_90a)."""
     nt, num_kv_heads, rows, head_size = q_tiles.shape
+    if num_warps is None:
+        num_warps = 8 if rows * head_size >= 64 * 128 else 4
     block_size = kv_cache.shape[3]
     kernel = functools.partial(
         _kernel, group=group, block_size=block_size, pages_per_tile=pages_per_tile,
