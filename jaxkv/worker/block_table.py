@@ -290,15 +290,12 @@ class BlockTableStager:
         self._start_num_blocks[:] = 0
         self._diff.clear()
 
-    def device_tables(self, sharding=None) -> tuple[jax.Array, ...]:
+    def device_tables(self, put=jnp.asarray) -> tuple[jax.Array, ...]:
         """Fresh device copies of the mirror (initialisation and tests; steps use diffs).
 
-        ``sharding``: a replicated ``NamedSharding`` over a mesh that spans processes; each
-        process passes its own (identical) mirror, ``jax.make_array_from_process_local_data``
-        makes the global table of it."""
-        if sharding is None:
-            return tuple(jnp.asarray(t) for t in self.tables)
-        return tuple(jax.make_array_from_process_local_data(sharding, t) for t in self.tables)
+        ``put``: how a host table reaches the device (``HostPlacement.to_device`` over a mesh
+        that spans processes, where each process passes its own identical mirror)."""
+        return tuple(put(t) for t in self.tables)
 
 
 #: Jitted apply with the tables donated (updated in place); for tests and standalone use.

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.core import ModelRunnerOutput, SchedulerOutput
 from jaxkv.core.errors import blame
@@ -44,6 +43,7 @@ from jaxkv.worker.sampling_adapter import (
     spec_sample_fn,
 )
 from jaxkv.worker.spec_decode import SpeculativeConfig, batch_may_speculate, propose_ngram
+from jaxkv.worker.placement import HostPlacement
 from jaxkv.worker.step import StepShape, build_step_fn
 from jaxkv.models.config import KVCacheBinding
 from jaxkv.models.sharding import shard_state
@@ -189,18 +189,14 @@ class ModelRunner:
         if mesh is not None:   # tensor parallel: weights split by models.sharding's rules
             self.state = shard_state(self.state, mesh, getattr(model, "tp_partition_rules", None))
         self.mesh = mesh
-        # A mesh over devices of several processes (a jax.distributed job, every process
-        # running this same step: SPMD): host inputs become global replicated arrays built
-        # from each process's identical copy, results are read from the local shard.
-        self._replicated = (NamedSharding(mesh, PartitionSpec())
-                            if mesh is not None and mesh.is_multi_process else None)
+        self.placement = HostPlacement(mesh)   # host inputs / results, one process or SPMD
         self.buffers = kv_memory.allocate_kv_buffers(kv_cache_config, mesh=mesh)
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.input_batch = InputBatch(max_num_seqs, max_model_len,
                                       [self.max_blocks_per_req] * self.num_groups, engine_seed=seed)
         self.stager = self.input_batch.block_table
-        self.tables = self.stager.device_tables(self._replicated)
-        self.last_sampled = self._zeros_rows()   # [R] int32 the last step's tokens by row
+        self.tables = self.stager.device_tables(self.placement.to_device)
+        self.last_sampled = self.placement.zeros(max_num_seqs, jnp.int32)   # [R] the last step's tokens by row
         self._in_flight: StepHandle | None = None   # dispatched, not yet collected
         self.eos_token_id = eos_token_id
         self.speculative_config = speculative_config
@@ -233,31 +229,6 @@ class ModelRunner:
         self.compiled_shapes: set[StepShape] = set()
         self.num_compiles = 0
         self.compile_seconds = 0.0
-
-    # ---- host <-> device ----------------------------------------------------------------------
-
-    def to_device(self, host: np.ndarray) -> jax.Array:
-        """A per-step host input on the device: ``jnp.asarray`` in one process; over a
-        multi-process mesh a replicated global array made from this process's copy (every
-        process holds the same inputs: they come from the same ``SchedulerOutput``)."""
-        if self._replicated is None:
-            return jnp.asarray(host)
-        return jax.make_array_from_process_local_data(self._replicated, host)
-
-    def to_host(self, x: jax.Array) -> np.ndarray:
-        """A replicated device result on the host: over a multi-process mesh only this
-        process's shards are addressable, and each holds the whole (replicated) value."""
-        if self._replicated is None:
-            return np.asarray(jax.device_get(x))
-        if not x.sharding.is_fully_replicated:
-            raise ValueError(f"expected a replicated result, got sharding {x.sharding}")
-        return np.asarray(x.addressable_shards[0].data)
-
-    def _zeros_rows(self) -> jax.Array:
-        """[max_num_seqs] int32 zeros (``last_sampled``), on the global mesh when it spans processes."""
-        if self._replicated is None:
-            return jnp.zeros(self.max_num_seqs, jnp.int32)
-        return jnp.zeros(self.max_num_seqs, jnp.int32, device=self._replicated)
 
     def jit_step(self, binding: KVCacheBinding):
         """The jitted step for ``binding`` (the runner's own, or another: ``jaxkv.gpu_aot``
@@ -609,7 +580,7 @@ class ModelRunner:
         if len(zero_ids) > cap:
             ids = np.full(pick_bucket(len(zero_ids), self.zero_buckets), -1, np.int32)
             ids[: len(zero_ids)] = zero_ids
-            self.buffers = self._zero_pages(self.buffers, self.to_device(ids))
+            self.buffers = self._zero_pages(self.buffers, self.placement.to_device(ids))
             zero_ids = ()
         zeros = np.full(cap, -1, np.int32)
         zeros[: len(zero_ids)] = zero_ids
@@ -702,14 +673,14 @@ class ModelRunner:
         """Applies the staged block-table ops outside the step (nothing scheduled, or more ops
         than the step's fixed layout holds): a small jitted update, one compile per layout."""
         ops, layout = self.stager.encode()
-        self.tables = apply_block_table_ops_jit(self.tables, self.to_device(ops), layout=layout)
+        self.tables = apply_block_table_ops_jit(self.tables, self.placement.to_device(ops), layout=layout)
 
     def _dispatch(self, shape: StepShape, packed: np.ndarray) -> jax.Array:
         """Starts the jitted step (a new shape compiles first, timed as a compile)."""
         new = shape not in self.compiled_shapes
         t0 = time.perf_counter()
         self.buffers, self.tables, self.last_sampled, out = self._step(
-            self.state, self.buffers, self.tables, self.last_sampled, self.to_device(packed), shape=shape)
+            self.state, self.buffers, self.tables, self.last_sampled, self.placement.to_device(packed), shape=shape)
         if new:
             out.block_until_ready()
             self.compiled_shapes.add(shape)
@@ -719,7 +690,7 @@ class ModelRunner:
 
     def _fetch(self, shape: StepShape, out: jax.Array) -> dict[str, np.ndarray]:
         """The step's results on the host (waits for the device)."""
-        return unpack_host(self.to_host(out), self._out_specs[shape])
+        return unpack_host(self.placement.to_host(out), self._out_specs[shape])
 
     def _run(self, shape: StepShape, packed: np.ndarray) -> dict[str, np.ndarray]:
         return self._fetch(shape, self._dispatch(shape, packed))
@@ -742,9 +713,9 @@ class ModelRunner:
         for req_id in req_ids:
             self.requests.pop(req_id, None)
         self.input_batch.clear()
-        self.tables = self.stager.device_tables(self._replicated)
+        self.tables = self.stager.device_tables(self.placement.to_device)
         if _lost(self.last_sampled):
-            self.last_sampled = self._zeros_rows()
+            self.last_sampled = self.placement.zeros(self.max_num_seqs, jnp.int32)
         if any(_lost(b) for b in self.buffers):
             self.buffers = kv_memory.allocate_kv_buffers(self.config, mesh=self.mesh)
             return True
@@ -754,7 +725,7 @@ class ModelRunner:
 
     def device_block_tables(self) -> list[np.ndarray]:
         """The device tables fetched to the host (tests compare them with the scheduler)."""
-        return [self.to_host(t) for t in self.tables]
+        return [self.placement.to_host(t) for t in self.tables]
 
     def row_of(self, req_id: str) -> int:
         return self.input_batch.req_id_to_index[req_id]
