@@ -67,6 +67,7 @@ class EngineConfig:
     master_port: int = 0       # 0: a free port (one node only)
     headless: bool = False     # this node only runs workers (node_rank > 0)
     devices_per_worker: int = 1   # "mp": devices of each worker process (CPU host devices; GPUs per process)
+    kv_transfer_config: object = None   # a KVTransferConfig: the KV connector (P/D disaggregation)
 
 
 def _positive(name, value):
@@ -211,6 +212,7 @@ def resolve_engine_config(
     master_port: int = 0,
     headless: bool = False,
     devices_per_worker: int = 1,
+    kv_transfer_config=None,
 ):
     """Resolves and checks every engine argument. Returns (model, model_config, tokenizer,
     EngineConfig); ``model`` is the NNX model given (the in-process worker serves it), or
@@ -283,6 +285,11 @@ def resolve_engine_config(
     host devices, or the GPUs of one host), so there are ``tensor_parallel_size /
     devices_per_worker`` worker processes.
 
+    ``kv_transfer_config`` (vLLM's ``KVTransferConfig``, a dict of its fields or its JSON):
+    the KV connector and this instance's role (``jaxkv.distributed.kv_transfer``), e.g.
+    ``{"kv_connector": "JaxTransferConnector", "kv_role": "kv_producer"}`` on a prefill
+    instance. Requests then pass ``SamplingParams(extra_args={"kv_transfer_params": {...}})``.
+
     ``model`` is a name or path (``str`` or ``os.PathLike``) for ``jaxkv.models.load_model``, or an
     already built NNX model (then ``tokenizer`` may be given). Flags (``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``async_scheduling``, ``verbose``) must be real bools.
@@ -312,6 +319,9 @@ def resolve_engine_config(
         check_device_count(tensor_parallel_size)   # ValueError saying how to get more devices
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    from jaxkv.distributed.kv_transfer.config import KVTransferConfig  # noqa: PLC0415
+
+    kv_transfer_config = KVTransferConfig.from_any(kv_transfer_config)
     if pooler_config is None:
         pooler_config = PoolerConfig()
     elif isinstance(pooler_config, dict):
@@ -372,5 +382,6 @@ def resolve_engine_config(
                           num_gpu_blocks_override=num_gpu_blocks_override, verbose=verbose,
                           distributed_executor_backend=distributed_executor_backend, nnodes=nnodes,
                           node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-                          headless=headless, devices_per_worker=devices_per_worker)
+                          headless=headless, devices_per_worker=devices_per_worker,
+                          kv_transfer_config=kv_transfer_config)
     return loaded, model_config, tokenizer, config

@@ -69,6 +69,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    #: The KV connector's parameters for the next hop (a prefill instance's finished
+    #: output: where a decode instance pulls the KV from), as vLLM's.
+    kv_transfer_params: dict | None = None
 
 
 @dataclasses.dataclass

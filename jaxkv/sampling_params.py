@@ -125,6 +125,8 @@ class SamplingParams:
         bad_words_token_ids: The same rule on token-id sequences, for models without a
             tokenizer (a jaxkv extension; vLLM derives these from ``bad_words`` only). The
             engine appends the encoded ``bad_words`` to these.
+        extra_args: Free-form arguments for extensions (vLLM's); the engine reads
+            ``extra_args["kv_transfer_params"]`` (a dict) for the KV connector.
     """
 
     #: False only for the engine's own requests (beam search's rounds), which the engine
@@ -157,6 +159,7 @@ class SamplingParams:
     bad_words: list[str] | str | None = None
     truncate_prompt_tokens: int | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    extra_args: dict | None = None
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -221,6 +224,12 @@ class SamplingParams:
         if isinstance(self.output_kind, bool) or self.output_kind not in tuple(RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self.output_kind = RequestOutputKind(self.output_kind)
+        if self.extra_args is not None:
+            if not isinstance(self.extra_args, dict):
+                raise TypeError(f"extra_args must be a dict or None, got {self.extra_args!r}")
+            params = self.extra_args.get("kv_transfer_params")
+            if params is not None and not isinstance(params, dict):
+                raise TypeError(f"extra_args['kv_transfer_params'] must be a dict, got {params!r}")
 
         if self.stop is None:
             self.stop = []

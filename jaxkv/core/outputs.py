@@ -11,6 +11,28 @@ TokenLogprobs = tuple[list[int], list[float], list[int]]
 
 
 @dataclasses.dataclass
+class KVConnectorOutput:
+    """What the workers' KV connector reports with a step (vLLM V1's ``KVConnectorOutput``).
+
+    Attributes:
+        finished_sending: Requests whose blocks were sent (or given up): the scheduler may
+            free the blocks it kept for them (``request_finished`` returned True).
+        finished_recving: Requests whose asynchronous load has ended (loaded or failed).
+        invalid_block_ids: Blocks whose load failed: their requests recompute those tokens
+            (vLLM's ``kv_load_failure_policy="recompute"``).
+        stats: Connector counters (bytes moved, seconds), free-form.
+    """
+
+    finished_sending: set[str] = dataclasses.field(default_factory=set)
+    finished_recving: set[str] = dataclasses.field(default_factory=set)
+    invalid_block_ids: set[int] = dataclasses.field(default_factory=set)
+    stats: dict = dataclasses.field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+@dataclasses.dataclass
 class ModelRunnerOutput:
     """One step's results from the worker.
 
@@ -27,6 +49,7 @@ class ModelRunnerOutput:
         pooler_output: ``req_id -> pooled hidden states`` (a float32 array: ``[dims]``, or
             ``[num_prompt_tokens, dims]`` for ``token_embed``) of pooling requests whose
             prompt finished this step.
+        kv_connector_output: The KV connector's report (None without a connector).
     """
 
     req_ids: list[str]
@@ -36,6 +59,7 @@ class ModelRunnerOutput:
     prompt_logprobs_dict: dict[str, list[TokenLogprobs] | None] = dataclasses.field(default_factory=dict)
     spec_token_ids: list[list[int]] | None = None
     pooler_output: dict[str, object] = dataclasses.field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None
 
     @classmethod
     def from_sampled(cls, sampled: dict[str, list[int]]) -> "ModelRunnerOutput":
@@ -57,6 +81,8 @@ class EngineCoreOutput:
         new_prompt_logprobs: Prompt logprobs computed this step, when requested.
         num_cached_tokens: Prefix-cache hit (tokens) at the request's first scheduling.
         pooling_output: A pooling request's pooled hidden states (it finishes with them).
+        kv_transfer_params: What the KV connector returns with a finished request (a
+            prefill instance's: where the decode instance pulls its KV from), else None.
     """
 
     request_id: str
@@ -67,6 +93,7 @@ class EngineCoreOutput:
     new_prompt_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     pooling_output: object = None
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:

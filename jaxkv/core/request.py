@@ -113,6 +113,10 @@ class Request:
         if pooling_params is not None:
             self.max_tokens = 1
 
+        #: A KV connector's parameters (``sampling_params.extra_args["kv_transfer_params"]``,
+        #: as vLLM): e.g. ``{"do_remote_decode": True}`` on a prefill instance.
+        extra = self.sampling_params.extra_args
+        self.kv_transfer_params: dict | None = extra.get("kv_transfer_params") if extra else None
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = None
         if block_hasher is not None:

@@ -90,7 +90,10 @@ class SchedulerOutput:
         preempted_req_ids: Requests preempted in this step (their blocks are freed; they will
             come back with ``resumed_from_preemption``).
         new_block_ids_to_zero: Blocks handed out this step (each once) that the worker must
-            zero before use. Prefix-hit blocks are not listed (their contents are valid).
+            zero before use. Prefix-hit blocks are not listed (their contents are valid),
+            nor are blocks a KV connector loads (loaded pages are never re-zeroed).
+        kv_connector_metadata: The scheduler-side KV connector's ``build_connector_meta``
+            for this step (None without a connector); the workers bind it around the step.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -102,6 +105,7 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     new_block_ids_to_zero: list[int]
+    kv_connector_metadata: object = None
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":

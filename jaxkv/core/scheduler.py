@@ -14,6 +14,13 @@ arrives, so the next schedule gives it that token's slot; a request whose token 
 its ``max_tokens``-th is not scheduled again. A token that arrives for a request preempted or
 finished in between is dropped (it was never output; recompute samples it again).
 
+With a KV connector (``kv_connector``: the scheduler side of a
+``jaxkv.distributed.kv_transfer`` connector) a waiting request may get tokens from outside the
+engine beyond its local prefix hit: loaded before the step (synchronous) or while it waits in
+``WAITING_FOR_REMOTE_KVS`` holding its blocks (asynchronous; a failed load frees them and the
+request recomputes, never asking the connector again). Loaded blocks are never listed for
+zeroing. A finished request's blocks may be kept until the workers report them sent.
+
 Construction: ``Scheduler(kv_cache_config, SchedulerConfig(...))`` or
 ``Scheduler(kv_cache_config, max_num_seqs=..., max_num_batched_tokens=..., max_model_len=...,
 ...)`` (keyword arguments are the fields of ``SchedulerConfig``).
@@ -39,6 +46,7 @@ from jaxkv.core.stop_check import append_and_check_stop
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
+_REMOTE = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
 class Scheduler:
@@ -47,9 +55,11 @@ class Scheduler:
     Args:
         kv_cache_config: The pool and its groups (block 0 is the null block).
         scheduler_config: Settings; or pass ``SchedulerConfig`` fields as keywords.
+        kv_connector: The scheduler side of a KV connector, or None.
     """
 
-    def __init__(self, kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig | None = None, **kwargs):
+    def __init__(self, kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig | None = None,
+                 *, kv_connector=None, **kwargs):
         if scheduler_config is None:
             scheduler_config = SchedulerConfig(**kwargs)
         elif kwargs:
@@ -83,6 +93,15 @@ class Scheduler:
         self._uncommitted: list[tuple[SchedulerOutput, list[int]]] = []
         self._scheduling = False   # True while schedule() runs (still True if it raised)
         self.num_hard_resets = 0   # recoveries that had to rebuild the KV-cache manager
+        self.connector = kv_connector
+        #: Asynchronous loads: req id -> (local hit, tokens valid once loaded) in tokens.
+        self._remote_loads: dict[str, tuple[int, int]] = {}
+        self._recved: set[str] = set()          # loads ended (reported by the workers)
+        self._failed_loads: set[str] = set()    # of those, failed: recompute
+        self._no_connector: set[str] = set()    # failed once: never asked again
+        self._sending: dict[str, Request] = {}  # finished, blocks kept until sent
+        self.num_external_computed_tokens = 0   # tokens loaded by the connector (stats)
+        self.num_failed_kv_loads = 0
 
     def _make_kv_cache_manager(self) -> KVCacheManager:
         config = self.scheduler_config
@@ -181,10 +200,31 @@ class Scheduler:
             for req_id in self.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         ]
 
-    def _free_request(self, request: Request) -> None:
-        self.finished_req_ids.add(request.request_id)
-        self.kv_cache_manager.free(request)
-        del self.requests[request.request_id]
+    def _free_request(self, request: Request) -> dict | None:
+        """Frees a finished request's blocks (unless the connector keeps them to send);
+        returns the connector's ``kv_transfer_params`` for its output."""
+        req_id = request.request_id
+        self.finished_req_ids.add(req_id)
+        delay, params = False, None
+        if self.connector is not None:
+            self._remote_loads.pop(req_id, None)
+            self._recved.discard(req_id)
+            self._failed_loads.discard(req_id)
+            self._no_connector.discard(req_id)
+            delay, params = self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(req_id))
+        if delay:
+            self._sending[req_id] = request
+        else:
+            self.kv_cache_manager.free(request)
+            del self.requests[req_id]
+        return params
+
+    def has_pending_kv_sends(self) -> bool:
+        """Finished requests whose blocks are kept until the connector reports them sent."""
+        return bool(self._sending)
+
+    def num_waiting_for_remote_kvs(self) -> int:
+        return len(self._remote_loads)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.waiting)
@@ -265,33 +305,63 @@ class Scheduler:
                     scheduled_spec_decode_tokens[req_id] = request.spec_token_ids[:num_spec]
 
         # 2) Waiting requests, unless something was preempted in this step.
+        no_zero: set[int] = set()   # blocks a connector loads
         if not preempted_reqs:
             skipped: list[Request] = []
             chunked = self.scheduler_config.enable_chunked_prefill
+            connector = self.connector
             while self.waiting and token_budget > 0 and len(running) < self.max_num_running_reqs:
                 request = self.waiting.peek_request()
-                if request.num_computed_tokens == 0:
+                fresh = request.num_computed_tokens == 0
+                if request.status == _REMOTE:
+                    loaded = self._finish_remote_load(request)
+                    if loaded is None:
+                        skipped.append(self.waiting.pop_request())   # its load is still in flight
+                        continue
+                    fresh = not loaded   # failed: its blocks were freed, it starts afresh
+                num_external, load_async = 0, False
+                if fresh:
                     computed_blocks, num_local_computed = kv.get_computed_blocks(request)
+                    if connector is not None and request.request_id not in self._no_connector:
+                        num_external, load_async = connector.get_num_new_matched_tokens(request, num_local_computed)
+                        if num_external is None:   # the connector asks to wait
+                            skipped.append(self.waiting.pop_request())
+                            continue
                 else:
                     computed_blocks, num_local_computed = None, 0
-                num_computed = request.num_computed_tokens + num_local_computed
-                num_new_tokens = request.num_tokens - num_computed
-                if 0 < threshold < num_new_tokens:
-                    num_new_tokens = threshold
-                if not chunked and num_new_tokens > token_budget:
-                    skipped.append(self.waiting.pop_request())
-                    continue
-                num_new_tokens = min(num_new_tokens, token_budget)
+                num_computed = request.num_computed_tokens + num_local_computed + num_external
+                if load_async:
+                    num_new_tokens = 0   # nothing computed until the load ends
+                else:
+                    num_new_tokens = request.num_tokens - num_computed
+                    if 0 < threshold < num_new_tokens:
+                        num_new_tokens = threshold
+                    if not chunked and num_new_tokens > token_budget:
+                        skipped.append(self.waiting.pop_request())
+                        continue
+                    num_new_tokens = min(num_new_tokens, token_budget)
                 new_blocks = allocate_slots(
                     request,
-                    num_new_tokens,
+                    num_new_tokens + num_external,
                     num_local_computed,
                     computed_blocks,
                     num_lookahead_tokens=0 if request.num_computed_tokens == 0 else lookahead,
+                    delay_cache_blocks=load_async,
                 )
                 if new_blocks is None:
                     break  # head of line cannot fit: stop admitting
+                if connector is not None:
+                    connector.update_state_after_alloc(request, kv.get_blocks(request.request_id), num_external)
+                    if num_external:   # loaded pages are never zeroed
+                        self._loaded_block_ids(request, num_local_computed, num_external, no_zero)
+                        if not load_async:
+                            self.num_external_computed_tokens += num_external
                 self.waiting.pop_request()
+                if load_async:
+                    request.status = _REMOTE
+                    self._remote_loads[request.request_id] = (num_local_computed, num_computed)
+                    skipped.append(request)
+                    continue
                 running.append(request)
                 if request.status == _WAITING:
                     scheduled_new_reqs.append(request)
@@ -336,8 +406,11 @@ class Scheduler:
             num_common_prefix_blocks=num_common_prefix_blocks,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted_reqs},
-            new_block_ids_to_zero=kv.take_new_block_ids(),
+            new_block_ids_to_zero=[b for b in kv.take_new_block_ids() if b not in no_zero] if no_zero
+            else kv.take_new_block_ids(),
         )
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self._collect_stats_and_events()
         # Advance progress optimistically (before the forward pass), as vLLM.
         requests = self.requests
@@ -356,6 +429,54 @@ class Scheduler:
             self._uncommitted.append((output, newly_cached))
         self._scheduling = False
         return output
+
+    # ---- KV connector ------------------------------------------------------------------------
+    def _loaded_block_ids(self, request: Request, num_local: int, num_external: int, out: set[int]) -> None:
+        """Adds to ``out`` the request's blocks that hold any of its external tokens."""
+        span = range(num_local // self.block_size, -(-(num_local + num_external) // self.block_size))
+        for ids in self.kv_cache_manager.get_block_ids(request.request_id):
+            out.update(ids[i] for i in span if i < len(ids) and ids[i])
+
+    def _finish_remote_load(self, request: Request) -> bool | None:
+        """A request in WAITING_FOR_REMOTE_KVS whose load ended becomes WAITING: loaded (True),
+        with its loaded blocks computed (the last prompt token is always recomputed, to sample)
+        and cached; failed (False), with its blocks freed, to recompute from scratch. None:
+        still in flight."""
+        req_id = request.request_id
+        if req_id not in self._recved:
+            return None
+        self._recved.discard(req_id)
+        num_local, num_loaded = self._remote_loads.pop(req_id)
+        request.status = _WAITING
+        if req_id in self._failed_loads:
+            self._failed_loads.discard(req_id)
+            self._no_connector.add(req_id)
+            self.num_failed_kv_loads += 1
+            self.kv_cache_manager.free(request)   # not cached: nothing stale is shared
+            request.num_computed_tokens = 0
+            return False
+        num_computed = min(num_loaded, request.num_tokens)
+        if num_computed == request.num_tokens:
+            num_computed -= 1
+        self.kv_cache_manager.cache_blocks(request, num_computed)
+        self.num_external_computed_tokens += num_computed - num_local
+        request.num_computed_tokens = num_computed
+        return True
+
+    def _update_from_kv_xfer(self, out) -> None:
+        """A step's ``KVConnectorOutput``: loads ended (failed ones by their blocks), sends done."""
+        self.connector.update_connector_output(out)
+        self._recved |= out.finished_recving & self._remote_loads.keys()
+        if out.invalid_block_ids:
+            bad = out.invalid_block_ids
+            for req_id in self._remote_loads:
+                if any(b in bad for ids in self.kv_cache_manager.get_block_ids(req_id) for b in ids):
+                    self._failed_loads.add(req_id)
+        for req_id in out.finished_sending:
+            request = self._sending.pop(req_id, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
+                del self.requests[req_id]
 
     def _pick_victim(self) -> Request:
         if self.policy is SchedulingPolicy.PRIORITY:
@@ -391,6 +512,8 @@ class Scheduler:
         """
         # The step ran: the KV of the blocks its schedule cached is written.
         self._uncommitted = [u for u in self._uncommitted if u[0] is not scheduler_output]
+        if model_runner_output.kv_connector_output is not None and self.connector is not None:
+            self._update_from_kv_xfer(model_runner_output.kv_connector_output)
         sampled_token_ids = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         prompt_logprobs_dict = model_runner_output.prompt_logprobs_dict
@@ -433,9 +556,10 @@ class Scheduler:
             if pooled is not None and request.pooling_params is not None:
                 request.status = RequestStatus.FINISHED_STOPPED   # pooling ends with its output
                 stopped = True
+            kv_params = None
             if stopped:
                 stopped_ids.add(req_id)
-                self._free_request(request)
+                kv_params = self._free_request(request)
             elif spec_token_ids is not None:
                 request.spec_token_ids = list(spec_token_ids[req_index])
             if new_token_ids or stopped or prompt_logprobs is not None:
@@ -449,6 +573,7 @@ class Scheduler:
                         prompt_logprobs,
                         request.num_cached_tokens,
                         pooled,
+                        kv_params,
                     )
                 )
         if stopped_ids:

@@ -10,6 +10,9 @@ At start-up it builds the per-rank KV-cache plans from what the workers report (
 
 Each ``step`` schedules, runs the step on the workers and updates the scheduler from the
 driver's output. With async scheduling the loop is one step deep (vLLM's batch queue).
+
+With a ``kv_transfer_config`` the core builds the scheduler side of the KV connector and hands
+it every worker's handshake metadata (e.g. transfer addresses) collected at start-up.
 """
 
 from __future__ import annotations
@@ -39,13 +42,26 @@ class EngineCore:
         try:
             self.kv_cache_configs = self._initialize_kv_caches()
             self.kv_cache_config: KVCacheConfig = self.kv_cache_configs[0]
-            self.scheduler = Scheduler(self.kv_cache_config, config.scheduler_config)
+            self.scheduler = Scheduler(self.kv_cache_config, config.scheduler_config,
+                                       kv_connector=self._make_kv_connector())
             self.model_executor.compile_or_warm_up_model(warmup_sampling)
         except BaseException:
             self.model_executor.shutdown()
             raise
         self._in_flight: tuple[SchedulerOutput, object] | None = None   # async: dispatched, not collected
         self.last_schedule_time = 0.0   # perf_counter() when the last step was scheduled
+
+    def _make_kv_connector(self):
+        kt = getattr(self.config, "kv_transfer_config", None)
+        if kt is None:
+            return None
+        from jaxkv.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole  # noqa: PLC0415
+
+        connector = KVConnectorFactory.create_connector(kt, KVConnectorRole.SCHEDULER, self.kv_cache_config,
+                                                        world_size=len(self.kv_cache_configs))
+        connector.set_xfer_handshake_metadata(
+            dict(enumerate(self.model_executor.collective_rpc("get_kv_connector_handshake"))))
+        return connector
 
     def _initialize_kv_caches(self) -> list[KVCacheConfig]:
         c = self.config
@@ -82,6 +98,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Finished requests whose KV is still being sent (their blocks are kept): the loop
+        must keep stepping (empty steps) for the workers to report the sends done."""
+        return self.scheduler.has_pending_kv_sends()
+
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
@@ -93,7 +114,9 @@ class EngineCore:
         With async scheduling this dispatches step N+1 and returns step N's outputs."""
         if not self.config.scheduler_config.async_scheduling:
             so = self._schedule()
-            return self.scheduler.update_from_output(so, self.model_executor.execute_model(so)), so
+            outputs = self.scheduler.update_from_output(so, self.model_executor.execute_model(so))
+            self._idle_wait(so)
+            return outputs, so
         outputs = []
         so = self._schedule()
         pending = self.model_executor.execute_model(so, non_block=True)
@@ -105,7 +128,14 @@ class EngineCore:
                                f"flight; running requests (id: placeholders) {stuck}")
         if pending is not None:   # None: nothing was scheduled, so there is nothing to update
             self._in_flight = (so, pending)
+        self._idle_wait(so)
         return outputs, so
+
+    def _idle_wait(self, so: SchedulerOutput) -> None:
+        """A step that computed nothing while KV transfers are in flight waits a moment, so
+        polling them does not spin two cores."""
+        if so.total_num_scheduled_tokens == 0 and self.scheduler.connector is not None:
+            time.sleep(0.002)
 
     def _schedule(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
@@ -150,4 +180,7 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def shutdown(self) -> None:
+        connector = getattr(getattr(self, "scheduler", None), "connector", None)
+        if connector is not None:
+            connector.shutdown()
         self.model_executor.shutdown()

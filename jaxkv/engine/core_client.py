@@ -178,6 +178,8 @@ class EngineCoreProc:
             if os.getppid() != self.parent_pid:   # the front end died: nobody to serve (checked
                 return                             # busy too: a PUSH with no reader blocks at its HWM)
             if not self.core.has_unfinished_requests() and not self.inp.poll(IDLE_POLL_MS):
+                if self.core.has_pending_kv_transfers():   # finished requests' KV still being
+                    self._step()                            # sent: poll their sends
                 continue
             failed, error, stopping = self._drain_input()
             if failed:

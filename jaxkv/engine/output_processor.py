@@ -57,6 +57,7 @@ class _Parent:
     sent_prompt_logprobs: int = 0   # DELTA outputs: prompt logprobs already returned
     pooling: PoolingParams | None = None   # a pooling request (resolved), and its result
     pooled: object = None
+    kv_transfer_params: dict | None = None   # the KV connector's, with the finished output
 
     @property
     def finished(self) -> bool:
@@ -184,6 +185,8 @@ class OutputProcessor:
             parent.metrics.num_prefix_hit_tokens = co.num_cached_tokens
         if co.pooling_output is not None:
             parent.pooled = co.pooling_output
+        if co.kv_transfer_params is not None:
+            parent.kv_transfer_params = co.kv_transfer_params
         if co.new_prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
             parent.prompt_logprobs.extend(self._to_logprobs(lp) for lp in co.new_prompt_logprobs)
         if co.new_token_ids:
@@ -264,7 +267,7 @@ class OutputProcessor:
             prompt_token_ids=list(parent.prompt_token_ids),
             prompt_logprobs=self._delta_prompt_logprobs(parent) if delta else parent.prompt_logprobs,
             outputs=completions, finished=parent.finished, metrics=parent.metrics,
-            num_cached_tokens=parent.num_cached_tokens)
+            num_cached_tokens=parent.num_cached_tokens, kv_transfer_params=parent.kv_transfer_params)
 
     @staticmethod
     def _delta_prompt_logprobs(parent: _Parent) -> list | None:

@@ -173,6 +173,7 @@ class MultiprocExecutor(Executor):
     poll_ms: int = 50                    # liveness is checked at least this often while waiting
 
     def _init_executor(self, model) -> None:
+        self._kv_seen: dict[str, dict[str, int]] = {}   # KV transfers reported by some ranks
         c = self.config
         if model is not None and not isinstance(getattr(c, "model", None), str):
             raise ValueError("MultiprocExecutor loads the model in each worker process "
@@ -389,11 +390,11 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output, non_block: bool = False):
         if not non_block:
             self.last_send_time = time.perf_counter()
-            return self._call_all(("execute_model", scheduler_output, True),
-                                  self.execute_timeout_s, what="execute_model")[0]
+            return self._kv_aggregate(self._call_all(("execute_model", scheduler_output, True),
+                                                     self.execute_timeout_s, what="execute_model"))
         call_id = self._call_all(("execute_model", scheduler_output, False))
         self._unflushed = call_id
-        if scheduler_output.total_num_scheduled_tokens == 0:
+        if scheduler_output.total_num_scheduled_tokens == 0 and self.config.kv_transfer_config is None:
             self._ignored.add(call_id)   # nothing scheduled: no result (as UniProcExecutor)
             return None
         return _PendingStep(self, call_id)
@@ -401,7 +402,30 @@ class MultiprocExecutor(Executor):
     def _step_result(self, call_id: int):
         if self._unflushed == call_id:   # nothing sent since: ask for the step in flight
             self._call_all(("collect",))
-        return self._wait(call_id, self.execute_timeout_s, "execute_model")[0]
+        return self._kv_aggregate(self._wait(call_id, self.execute_timeout_s, "execute_model"))
+
+    def _kv_aggregate(self, results: list):
+        """The driver's output; with a KV connector, its report merged with every rank's
+        (vLLM's KVOutputAggregator): a request's send or load has ended once every rank
+        reported it; failed blocks are the union."""
+        out = results[0]
+        if out is None or out.kv_connector_output is None or self.world_size == 1:
+            return out
+        merged = out.kv_connector_output
+        reports = [merged] + [r for r in results[1:] if r is not None]
+        for kind in ("finished_sending", "finished_recving"):
+            seen = self._kv_seen.setdefault(kind, {})
+            done = set()
+            for report in reports:
+                for req_id in getattr(report, kind):
+                    seen[req_id] = seen.get(req_id, 0) + 1
+                    if seen[req_id] == self.world_size:
+                        done.add(req_id)
+                        del seen[req_id]
+            setattr(merged, kind, done)
+        for report in reports[1:]:
+            merged.invalid_block_ids |= report.invalid_block_ids
+        return out
 
     def check_health(self) -> None:
         """Raises WorkerDiedError when a worker is gone."""

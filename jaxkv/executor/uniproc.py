@@ -44,7 +44,11 @@ class UniProcExecutor(Executor):
         if not non_block:
             return runner.execute_model(scheduler_output)
         handle = runner.dispatch(scheduler_output)
-        return None if handle is None else _PendingStep(runner, handle)
+        if handle is None and runner.kv_connector_hooks is None:
+            return None   # nothing scheduled: nothing to update (a connector still reports)
+        return _PendingStep(runner, handle)
 
     def shutdown(self) -> None:
-        pass
+        worker = self.driver_worker.worker
+        if worker is not None:
+            worker.shutdown()

@@ -170,12 +170,13 @@ class _Loop:
         executor can tell the hop from the step."""
         call_id, handle = entry
         try:
-            out = self.wrapper.worker.collect(handle) if handle is not None else _empty_output()
+            out = self.wrapper.worker.collect(handle)
         except BaseException as exc:  # noqa: BLE001
             self.reply(call_id, False, _exception_payload(exc))
             return
         timing = (self.received, started, time.perf_counter()) if started is not None else None
-        self.reply(call_id, True, out if self.rank == 0 else None, timing)
+        # Other ranks send only their KV connector's report (the executor aggregates them).
+        self.reply(call_id, True, out if self.rank == 0 else getattr(out, "kv_connector_output", None), timing)
 
     def flush(self) -> None:
         if self.in_flight is not None:
@@ -213,12 +214,6 @@ class _Loop:
             _, call_id, method, args, kwargs = msg
             self.run_call(call_id, lambda: self.wrapper.execute_method(method, *args, **kwargs))
         return True
-
-
-def _empty_output():
-    from jaxkv.core import ModelRunnerOutput  # noqa: PLC0415
-
-    return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
 
 
 def main() -> None:

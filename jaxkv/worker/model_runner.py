@@ -222,6 +222,8 @@ class ModelRunner:
                               cpu_kernel=self.binding.cpu_kernels, mesh=mesh), donate_argnums=0)
 
         self.requests: dict[str, CachedRequestState] = {}
+        #: ``jaxkv.worker.kv_connector.ConnectorHooks`` when a KV connector is set (Worker).
+        self.kv_connector_hooks = None
         self._handling: str | None = None   # the request being set up (named if it raises)
         self._out_specs: dict = {}
         self.logprobs_mode = logprobs_mode
@@ -325,12 +327,17 @@ class ModelRunner:
         nothing is scheduled. Tokens sampled by the step in flight (dispatched, not collected)
         are read on the device (the penalties count them there too)."""
         zero_ids = self._update_states(so)
+        hooks = self.kv_connector_hooks
+        if hooks is not None:   # loads land before the step (their pages are not in zero_ids)
+            hooks.before_step(so)
         batch = self.input_batch
         req_ids = batch.req_ids
         n = len(req_ids)
         if n == 0 or so.total_num_scheduled_tokens == 0:
             if self.stager.has_pending_ops():
                 self._flush_block_table_ops()
+            if zero_ids:   # a step with nothing scheduled still hands out blocks (remote loads)
+                self._zero_now(zero_ids)
             return None
         prev = self._in_flight
         states = [self.requests[r] for r in req_ids]
@@ -394,6 +401,8 @@ class ModelRunner:
             spec_positions=len(extra["spec_index"]) if spec_start is not None else 0,
             pooling=pooling)
         out = self._dispatch(shape, packed)
+        if hooks is not None:   # saves read the buffers the step returned
+            hooks.after_dispatch()
         prompt_rows = [i for i, st in enumerate(states) if prompt_logprobs.wants(st)] if k_prompt >= 0 else []
         batch.num_computed_tokens_cpu[:n] = ends   # progress advances at dispatch, as in the core
         for st, end in zip(states, ends.tolist()):
@@ -408,18 +417,25 @@ class ModelRunner:
     def collect(self, handle: StepHandle | None) -> ModelRunnerOutput:
         """Waits for a dispatched step and appends its sampled tokens (to rows still in the
         batch, and to each request's state)."""
+        hooks = self.kv_connector_hooks
         if handle is None:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+            out = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+            if hooks is not None:
+                out.kv_connector_output = hooks.output()
+            return out
         if self._in_flight is handle:
             self._in_flight = None
         results = self._fetch(handle.shape, handle.out)
         try:
-            return self._collect_rows(handle, results)
+            out = self._collect_rows(handle, results)
         except BaseException as exc:
             blame(exc, self._handling)
             raise
         finally:
             self._handling = None
+        if hooks is not None:
+            out.kv_connector_output = hooks.output()
+        return out
 
     def _collect_rows(self, handle: StepHandle, results: dict[str, np.ndarray]) -> ModelRunnerOutput:
         """``collect`` after the fetch: per row, its tokens, logprobs and pooled vectors."""
@@ -578,13 +594,17 @@ class ModelRunner:
         ops, layout = self.stager.encode(base)
         cap = self.zero_capacity(T, S)
         if len(zero_ids) > cap:
-            ids = np.full(pick_bucket(len(zero_ids), self.zero_buckets), -1, np.int32)
-            ids[: len(zero_ids)] = zero_ids
-            self.buffers = self._zero_pages(self.buffers, self.placement.to_device(ids))
+            self._zero_now(zero_ids)
             zero_ids = ()
         zeros = np.full(cap, -1, np.int32)
         zeros[: len(zero_ids)] = zero_ids
         return ops, layout, zeros
+
+    def _zero_now(self, zero_ids: Sequence[int]) -> None:
+        """Zeroes pages outside a step (a small jitted update, one compile per bucket)."""
+        ids = np.full(pick_bucket(len(zero_ids), self.zero_buckets), -1, np.int32)
+        ids[: len(zero_ids)] = zero_ids
+        self.buffers = self._zero_pages(self.buffers, self.placement.to_device(ids))
 
     def _empty_step(self, T: int, S: int, *, max_q_len: int, sampling=None,
                     num_output_tokens: int = 0, spec_positions: int = 0,

@@ -43,6 +43,7 @@ class Worker:
         self.devices: list = []   # this process's devices of the worker (init_device)
         self.kv_cache_config: KVCacheConfig | None = None
         self.model_runner: ModelRunner | None = None
+        self.kv_connector = None   # the worker side of the KV connector (kv_transfer_config)
 
     # ---- start-up -----------------------------------------------------------------------------
 
@@ -128,6 +129,29 @@ class Worker:
             self.model, kv_cache_config, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
             mesh=self.mesh, **self._runner_kwargs())
+        if c.kv_transfer_config is not None:
+            self._init_kv_connector()
+
+    def _init_kv_connector(self) -> None:
+        """The worker-side connector, registered with the runner's paged buffers."""
+        from jaxkv.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole  # noqa: PLC0415
+        from jaxkv.worker.kv_connector import ConnectorHooks, PagedKVCaches  # noqa: PLC0415
+
+        connector = KVConnectorFactory.create_connector(
+            self.config.kv_transfer_config, KVConnectorRole.WORKER, self.kv_cache_config,
+            rank=self.rank, world_size=jax.process_count())
+        connector.register_kv_caches(PagedKVCaches(self.model_runner))
+        self.kv_connector = connector
+        self.model_runner.kv_connector_hooks = ConnectorHooks(connector)
+
+    def get_kv_connector_handshake(self) -> dict | None:
+        """This worker's ``get_handshake_metadata()`` for the scheduler-side connector."""
+        return self.kv_connector.get_handshake_metadata() if self.kv_connector is not None else None
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None
 
     def compile_or_warm_up_model(self, sampling=()) -> None:
         """Compiles the step shapes serving will use (``warmup``: decode, or "all"), with the

@@ -1,0 +1,1 @@
+"""Distributed pieces beyond one engine: KV transfer between instances (``kv_transfer``)."""
