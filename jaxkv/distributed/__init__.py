@@ -1,0 +1,1 @@
+"""Beyond one engine: transfer of KV pages between engines (prefill/decode disaggregation)."""
