@@ -227,7 +227,7 @@ def test_cancel_in_flight_reported_once(agents):
         time.sleep(0.01)
     assert not d.cancel(7) and d.num_pulling() == 0
     assert p.num_offered() == 1           # pulled, but no done note for a cancelled pull
-    assert wait_sent(p, 1, timeout_s=2) == (set(), {7})
+    assert wait_sent(p, 1, timeout_s=3) == (set(), {7})
 
 
 def test_close_returns_promptly_with_pulls_stuck(agents):
@@ -241,6 +241,19 @@ def test_close_returns_promptly_with_pulls_stuck(agents):
         d.poll_pulled()
 
 
+def test_short_hold_is_not_cut_by_the_servers_whole_seconds(agents):
+    """The server truncates timeouts to whole seconds: a 0.3 s hold offered at x.1 s used to
+    expire at once (the pull then parked for good). Rounded up, it is served."""
+    p, d = agents(), agents()
+    while not 0.05 < time.time() % 1 < 0.15:
+        time.sleep(0.005)
+    p.offer(9, [jnp.asarray(pattern(9, 4, 256))], hold_timeout_s=0.3)
+    d.start_pull(p.address, 9, [spec(4, 256)], deadline_s=2)
+    (result,) = wait_pulled(d, 1, timeout_s=3).values()
+    assert isinstance(result, list), result
+    assert wait_sent(p, 1, timeout_s=2) == ({9}, set())
+
+
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
@@ -252,7 +265,7 @@ def test_hold_timeout_expires_and_releases_registration(agents):
     p, d = agents(), agents()
     p.offer(1, [jnp.asarray(pattern(1, 4, 256))], hold_timeout_s=0.2)
     assert p.poll_sent() == (set(), set())
-    assert wait_sent(p, 1, timeout_s=2) == (set(), {1})
+    assert wait_sent(p, 1, timeout_s=3) == (set(), {1})
     d.start_pull(p.address, 1, [spec(4, 256)], deadline_s=1.0)
     (result,) = wait_pulled(d, 1, timeout_s=3).values()
     assert isinstance(result, TimeoutError), result
@@ -264,13 +277,13 @@ def test_expired_offer_memory_is_freed_without_another_offer(agents):
     p = agents()
     n = 128 << 20
     p.offer(1, [jnp.zeros((4,), jnp.uint8)], hold_timeout_s=0.01)      # warm-up allocations
-    wait_sent(p, 1, timeout_s=2)
+    wait_sent(p, 1, timeout_s=3)
     rss0 = _rss_mib()
     x = jnp.full((n,), 5, jnp.uint8)
     p.offer(2, [x], hold_timeout_s=0.2)
     del x
     held = _rss_mib() - rss0
-    assert wait_sent(p, 1, timeout_s=2) == (set(), {2})
+    assert wait_sent(p, 1, timeout_s=3) == (set(), {2})
     left = _rss_mib() - rss0
     assert held > 96 and left < 32, f"RSS +{held:.0f} MiB while offered, +{left:.0f} MiB after"
 

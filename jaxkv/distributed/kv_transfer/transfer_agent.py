@@ -22,8 +22,10 @@ Facts this design rests on, measured with jax 0.10.2 on CPU (see tests/distribut
   ``await_pull``, which frees D's destination buffers.
 - ``await_pull(..., timeout=t)`` releases an un-pulled registration (and the arrays it holds)
   past ``t``, but only when the server next handles an ``await_pull``. ``poll_sent`` therefore
-  registers a 1-byte array under a reserved uuid ("a sweep") whenever an offer has expired,
-  and at most every ``sweep_interval_s`` otherwise. ``_reset_rendevous_table`` drops every
+  registers a 1-byte array under a reserved uuid ("a sweep") when it reports an offer
+  expired, and at most every ``sweep_interval_s`` otherwise. The server truncates both
+  sides' timeouts to whole seconds, so they are rounded up (``_wall_deadline``): an offer
+  expires up to 1 s after its ``hold_timeout_s``. ``_reset_rendevous_table`` drops every
   registration at once (too coarse); pulling one's own registration back works too but copies.
 - Sharded arrays (a ``NamedSharding`` over local devices) go as they are: D must pull with
   the same shape, dtype and sharding layout as P offered; a different layout is not detected
@@ -57,7 +59,7 @@ SWEEP_UUID = 2**64 - 1
 
 @dataclasses.dataclass
 class _Offer:
-    expires_at: float                # time.monotonic()
+    expires_at: float                # time.monotonic() just past the server's own timeout
     notify_token: Any
 
 
@@ -75,9 +77,20 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _wall_deadline(seconds: float) -> datetime.datetime:
-    # The transfer server takes naive local datetimes (absl::Time from the system clock).
-    return datetime.datetime.now() + datetime.timedelta(seconds=seconds)
+def _wall_deadline(seconds: float) -> tuple[datetime.datetime, float]:
+    """The transfer server's ``timeout`` for ``seconds`` from now, and when it passes in
+    ``time.monotonic()`` terms (plus a margin).
+
+    The server truncates the (naive, local) datetime to whole seconds (measured: a 0.5 s
+    timeout taken at x.1 s expired at once, one taken at x.6 s lasted 0.4 s), so it is
+    rounded up instead: the server's timeout is ``seconds`` to ``seconds + 1`` from now.
+    """
+    now = datetime.datetime.now()
+    mono = time.monotonic()
+    t = now + datetime.timedelta(seconds=seconds)
+    if t.microsecond:
+        t = t.replace(microsecond=0) + datetime.timedelta(seconds=1)
+    return t, mono + (t - now).total_seconds() + 0.01
 
 
 class TransferAgent:
@@ -137,8 +150,9 @@ class TransferAgent:
             arrays: e.g. one ``[K, page_bytes]`` uint8 array per KV tensor, possibly sharded;
                 the registration holds them until pulled or ``hold_timeout_s`` has passed.
                 Do not delete or donate them meanwhile (the pull would fail).
-            hold_timeout_s: how long to wait for the pull; ``poll_sent`` reports the uuid
-                expired after that, and the registration is released.
+            hold_timeout_s: how long to wait for the pull. The server keeps whole seconds,
+                so this is rounded up to the next whole second of the wall clock (up to 1 s
+                more); past that ``poll_sent`` reports the uuid expired and releases it.
             notify_token: a JSON-able value the puller must echo (``start_pull``'s
                 ``notify_token``) for ``poll_sent`` to count it done; None accepts any note.
         """
@@ -150,14 +164,15 @@ class TransferAgent:
             self._check_open()
             if uuid in self._offers:
                 raise ValueError(f"uuid {uuid} is already offered")
-            self._server.await_pull(uuid, list(arrays), timeout=_wall_deadline(hold_timeout_s))
-            self._offers[uuid] = _Offer(time.monotonic() + hold_timeout_s, notify_token)
+            timeout, expires_at = _wall_deadline(hold_timeout_s)
+            self._server.await_pull(uuid, list(arrays), timeout=timeout)
+            self._offers[uuid] = _Offer(expires_at, notify_token)
 
     def poll_sent(self) -> tuple[set[int], set[int]]:
         """Offers resolved since the last call: ``(done, expired)``, each uuid once.
 
         ``done``: the puller has the data (its note arrived). ``expired``: the hold timeout
-        passed first; the registration is released. A pull that completes just before the
+        passed first; the registration is released (no later pull gets it). A pull that completes just before the
         timeout while its note is still on the way is reported expired: the puller has valid
         data all the same (the offered arrays were P's own copy).
         """
@@ -201,7 +216,7 @@ class TransferAgent:
 
         if self._sweep_array is None:
             self._sweep_array = jax.device_put(jnp.zeros((1,), jnp.uint8), self._devices[0])
-        self._server.await_pull(SWEEP_UUID, [self._sweep_array], timeout=_wall_deadline(0.0))
+        self._server.await_pull(SWEEP_UUID, [self._sweep_array], timeout=_wall_deadline(0.0)[0])
         self._last_sweep = now
 
     # ---------------------------------------------------------------- D side
@@ -232,7 +247,7 @@ class TransferAgent:
                          time.monotonic() + deadline_s, notify_token)
             try:
                 conn = self._connection(peer_address["transfer"])
-                pull.arrays = conn.pull(uuid, list(specs), timeout=_wall_deadline(deadline_s))
+                pull.arrays = conn.pull(uuid, list(specs), timeout=_wall_deadline(deadline_s)[0])
             except Exception as e:          # e.g. a bad spec: reported like any failure
                 pull.error = e
             self._pulls[uuid] = pull
