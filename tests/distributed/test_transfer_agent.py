@@ -35,7 +35,14 @@ def pattern(uuid: int, rows: int, cols: int) -> np.ndarray:
 
 def spec(rows: int, cols: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((rows, cols), jnp.uint8,
-                                sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+                                sharding=jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]))
+
+
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    """The peers run on CPU; so do this process's agents and arrays, also where a GPU is."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 class Peer:
@@ -110,7 +117,7 @@ def agents():
     made = []
 
     def make() -> TransferAgent:
-        made.append(TransferAgent())
+        made.append(TransferAgent(devices=jax.devices("cpu")[:1]))
         return made[-1]
 
     yield make
