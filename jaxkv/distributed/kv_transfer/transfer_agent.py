@@ -27,9 +27,11 @@ Facts this design rests on, measured with jax 0.10.2 on CPU (see tests/distribut
   sides' timeouts to whole seconds, so they are rounded up (``_wall_deadline``): an offer
   expires up to 1 s after its ``hold_timeout_s``. ``_reset_rendevous_table`` drops every
   registration at once (too coarse); pulling one's own registration back works too but copies.
-- Sharded arrays (a ``NamedSharding`` over local devices) go as they are: D must pull with
-  the same shape, dtype and sharding layout as P offered; a different layout is not detected
-  by the transport and delivers shards to the wrong places.
+- Sharded arrays (a ``NamedSharding`` over local devices) go as they are, shard i to shard
+  i: D must pull with the same shape, dtype and sharding layout as P offered. Another number
+  of shards fails the pull ("Async transfer object was deleted before transfers
+  completed"); the same number split another way (rows instead of columns) is not detected
+  and delivers shards to the wrong places.
 - Dropping a pending pull's arrays, the connection or the server returns at once, and a
   process with pulls pending exits promptly.
 
