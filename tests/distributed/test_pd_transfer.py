@@ -1,0 +1,162 @@
+"""Prefill/decode disaggregation device to device (JaxTransferConnector over
+jax.experimental.transfer), P and D in separate processes on loopback.
+
+D's greedy tokens equal a single engine's, D computes only the last prompt token of each
+request, P frees every block once D has pulled, and nothing leaks on either side. Faults
+(P killed before the pull, a pull that never completes, D aborting while loading, P's hold
+timeout) make D recompute: same tokens, bounded waits, no leaks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from jaxkv import LLM, SamplingParams
+
+from tests.distributed.helpers import ENGINE, finish, prompts, start_producer
+from tests.engine.helpers import assert_no_block_leaks
+
+
+#: P keeps each finished request's blocks until D has pulled them, and D only starts once P's
+#: offline batch is done: P's pool must hold the whole batch.
+PRODUCER = dict(ENGINE, kv_cache_memory_bytes=64 << 20)
+
+
+def transfer(role, **extra):
+    return {"kv_connector": "JaxTransferConnector", "kv_role": role, "kv_connector_extra_config": extra}
+
+
+def generate(llm, ps, params=None, max_tokens=8):
+    params = params or [None] * len(ps)
+    sps = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                          extra_args={"kv_transfer_params": p} if p else None) for p in params]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], sps, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+
+@pytest.fixture(scope="module")
+def workload():
+    """64 prompts of 2..150 tokens, and a single (plain) engine's greedy tokens for them."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    ps = prompts(64, lengths=[int(n) for n in rng.integers(2, 150, size=64)])
+    plain = LLM("tiny-llama", **ENGINE)
+    want, _ = generate(plain, ps)
+    plain.shutdown()
+    return ps, want
+
+
+@pytest.fixture(scope="module")
+def decode():
+    llm = LLM("tiny-llama", kv_transfer_config=transfer("kv_consumer", load_timeout_s=15.0), **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _cold_decode_cache(decode):
+    """Each test starts with nothing in D's prefix cache (the tests share prompts)."""
+    assert decode.llm_engine.reset_prefix_cache()
+
+
+def worker_connector(llm):
+    return llm.llm_engine.engine_core.model_executor.driver_worker.worker.kv_connector
+
+
+def stats(llm):
+    s = llm.llm_engine.engine_core.scheduler
+    return s.num_external_computed_tokens, s.num_failed_kv_loads
+
+
+def test_pd_tokens_equal_and_d_computes_only_last_token(workload, decode, tmp_path):
+    ps, want = workload
+    p_proc, params, p_out = start_producer(tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer")))
+    assert all(p and p["do_remote_prefill"] for p in params)
+    ext0, failed0 = stats(decode)
+    got, cached = generate(decode, ps, params)
+    assert got == want
+    assert cached == [len(p) - 1 for p in ps]                     # D computed the last token only
+    ext, failed = stats(decode)
+    assert ext - ext0 == sum(len(p) - 1 for p in ps) and failed == failed0
+    assert_no_block_leaks(decode)
+    p_res = finish(p_proc, p_out, tmp_path / "p.log")
+    assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]   # P freed every block
+
+
+def test_p_killed_before_pull_recomputes(workload, decode, tmp_path):
+    ps, want = workload[0][:8], workload[1][:8]
+    p_proc, params, _ = start_producer(tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer")))
+    os.kill(p_proc.pid, signal.SIGKILL)
+    p_proc.wait(timeout=30)
+    ext0, failed0 = stats(decode)
+    t0 = time.monotonic()
+    got, cached = generate(decode, ps, params)
+    assert got == want and time.monotonic() - t0 < 60
+    ext, failed = stats(decode)
+    assert failed - failed0 == len(ps) and ext == ext0 and cached == [0] * len(ps)
+    assert_no_block_leaks(decode)
+
+
+def test_never_completing_pull_and_hold_timeout(workload, decode, tmp_path):
+    """Half the requests name a uuid P never registered (D's deadline fails them); P's offers
+    for those expire after its hold timeout, freeing its blocks; the other half load."""
+    ps, want = workload[0][:8], workload[1][:8]
+    p_proc, params, p_out = start_producer(
+        tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=4.0)), drain_s=60)
+    bad = [dict(p, remote_uuid=p["remote_uuid"] ^ 1) if i % 2 else p for i, p in enumerate(params)]
+    ext0, failed0 = stats(decode)
+    worker_connector(decode).load_timeout_s = 2.0   # D's deadline for the pulls that never complete
+    try:
+        t0 = time.monotonic()
+        got, cached = generate(decode, ps, bad)
+        assert time.monotonic() - t0 < 30
+    finally:
+        worker_connector(decode).load_timeout_s = 15.0
+    assert got == want
+    ext, failed = stats(decode)
+    assert failed - failed0 == len(ps) // 2
+    assert cached == [len(p) - 1 if i % 2 == 0 else 0 for i, p in enumerate(ps)]
+    assert_no_block_leaks(decode)
+    p_res = finish(p_proc, p_out, tmp_path / "p.log")
+    assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]
+
+
+def test_pull_after_hold_timeout_recomputes(workload, decode, tmp_path):
+    ps, want = workload[0][:4], workload[1][:4]
+    p_proc, params, p_out = start_producer(
+        tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=1.0)), drain_s=30)
+    p_res = finish(p_proc, p_out, tmp_path / "p.log")   # P's offers expired: it freed everything
+    assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]
+    ext0, failed0 = stats(decode)
+    got, _ = generate(decode, ps, params)   # P is gone by now, too
+    assert got == want and stats(decode)[1] - failed0 == len(ps)
+    assert_no_block_leaks(decode)
+
+
+def test_abort_while_loading(workload, decode, tmp_path):
+    """D aborts requests whose pulls are in flight (the uuid is never registered): blocks
+    return at once, nothing is written later, other requests carry on."""
+    ps, want = workload[0][:4], workload[1][:4]
+    p_proc, params, p_out = start_producer(
+        tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=3.0)), drain_s=30)
+    engine = decode.llm_engine
+    stuck = [dict(p, remote_uuid=p["remote_uuid"] ^ 1) for p in params]
+    for i, (p, kv) in enumerate(zip(ps, stuck)):
+        engine.add_request(f"stuck-{i}", {"prompt_token_ids": p},
+                           SamplingParams(temperature=0, max_tokens=8, extra_args={"kv_transfer_params": kv}))
+    for _ in range(5):
+        engine.step()
+    sched = engine.engine_core.scheduler
+    assert sched.num_waiting_for_remote_kvs() == len(ps)
+    engine.abort_request([f"stuck-{i}" for i in range(len(ps))])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_block_leaks(decode)
+    got, cached = generate(decode, ps, params)   # the real ones still load and decode
+    assert got == want and cached == [len(p) - 1 for p in ps]
+    assert_no_block_leaks(decode)
+    finish(p_proc, p_out, tmp_path / "p.log")
