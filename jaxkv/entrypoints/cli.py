@@ -234,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_bench(sub)
     _add_serve(sub)
+    _add_proxy(sub)
     p.commands = sub.choices   # main() reports a command's unknown flags with its own name
     return p
 
@@ -257,6 +258,14 @@ def _add_bench(sub) -> None:
 def _add_serve(sub) -> None:
     try:
         from jaxkv.entrypoints.cli_serve import add_parser
+    except ImportError:
+        return
+    add_parser(sub)
+
+
+def _add_proxy(sub) -> None:
+    try:
+        from jaxkv.distributed.kv_transfer.proxy import add_parser
     except ImportError:
         return
     add_parser(sub)
@@ -288,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as e:   # --help (0) or a usage error (2, already printed)
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
-    if args.command != "plan":
+    if args.command not in ("plan", "proxy"):
         _enable_compile_cache()
     try:
         return args.func(args)

@@ -41,6 +41,21 @@ def add_engine_args(g) -> None:
     g.add_argument("--speculative-ngram", type=parse_ngram, default=None, metavar="K[,MAX[,MIN]]",
                    help="draft K tokens a step by n-gram lookup over each request's tokens, n-grams "
                         "MAX..MIN long (default: off; MAX..MIN 4..1)")
+    g.add_argument("--kv-transfer-config", type=parse_kv_transfer_config, default=None, metavar="JSON",
+                   help="the KV connector, as vLLM's flag: e.g. '{\"kv_connector\": \"JaxTransferConnector\", "
+                        "\"kv_role\": \"kv_producer\"}' for a prefill instance (default: none)")
+
+
+def parse_kv_transfer_config(text: str):
+    """``--kv-transfer-config`` JSON -> ``KVTransferConfig`` (argparse reports a bad one)."""
+    import argparse  # noqa: PLC0415
+
+    from jaxkv.distributed.kv_transfer.config import KVTransferConfig  # noqa: PLC0415
+
+    try:
+        return KVTransferConfig.from_any(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_kwargs(args) -> dict:
@@ -50,4 +65,5 @@ def engine_kwargs(args) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                 warmup=False if args.warmup == "off" else args.warmup,
-                async_scheduling=args.async_scheduling, speculative_config=args.speculative_ngram)
+                async_scheduling=args.async_scheduling, speculative_config=args.speculative_ngram,
+                kv_transfer_config=args.kv_transfer_config)

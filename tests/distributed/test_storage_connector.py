@@ -126,3 +126,13 @@ def test_config_errors():
         KVTransferConfig.from_any({"kv_connector": "SharedStorageConnector", "kv_rank": 0})
     with pytest.raises(ValueError, match="unknown kv_connector"):
         LLM("tiny-llama", kv_transfer_config={"kv_connector": "NixlConnector"}, **ENGINE)
+
+
+def test_cli_flag_errors(capsys):
+    from jaxkv.entrypoints.cli import main
+
+    assert main(["serve", "tiny-llama", "--kv-transfer-config", "{not json"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert main(["generate", "--kv-transfer-config", '{"kv_connector": "SharedStorageConnector", "kv_role": "x"}']) == 2
+    assert "kv_role" in capsys.readouterr().err
+    assert main(["proxy", "--prefill", "http://127.0.0.1:1"]) == 2   # --decode is required

@@ -50,6 +50,9 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # vLLM's P/D field: the KV connector's parameters (e.g. {"do_remote_decode": true} to a
+    # prefill instance; a prefill response's kv_transfer_params to a decode instance)
+    kv_transfer_params: dict | None = None
 
     def sampling_params(self, max_tokens: int | None, *, logprobs: int | None, prompt_logprobs: int | None,
                         stream: bool) -> SamplingParams:
@@ -69,7 +72,9 @@ class _SamplingFields(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY, **kw)
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params is not None else None,
+            **kw)
 
 
 class CompletionRequest(_SamplingFields):

@@ -104,9 +104,11 @@ class _State:
 
     async def full(self, stream) -> dict:
         choices = []
+        kv_params = None
         async for _, out in merge([stream]):
             if not out.finished:
                 continue
+            kv_params = out.kv_transfer_params
             self.prompt_tokens = len(out.prompt_token_ids)
             for c in out.outputs:
                 self.completion_tokens += len(c.token_ids)
@@ -115,7 +117,7 @@ class _State:
                                 "stop_reason": c.stop_reason})
         choices.sort(key=lambda ch: ch["index"])
         return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage()}
+                "choices": choices, "usage": self._usage(), "kv_transfer_params": kv_params}
 
     def _chunk(self, choices: list, **extra) -> str:
         return sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,

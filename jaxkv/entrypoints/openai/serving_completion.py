@@ -113,16 +113,18 @@ class _State:
 
     async def full(self, streams) -> dict:
         choices = []
+        kv_params = None
         async for i, out in merge(streams):
             if not out.finished:
                 continue
+            kv_params = out.kv_transfer_params or kv_params
             self.prompt_tokens[i] = len(out.prompt_token_ids)
             for c in out.outputs:
                 self.completion_tokens += len(c.token_ids)
                 choices.append(self._choice(i, out, c, first=True))
         choices.sort(key=lambda ch: ch["index"])
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage()}
+                "choices": choices, "usage": self._usage(), "kv_transfer_params": kv_params}
 
     async def stream(self, streams):
         seen: set[int] = set()
