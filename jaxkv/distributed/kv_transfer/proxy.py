@@ -118,8 +118,8 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
 def add_parser(sub) -> None:
     p = sub.add_parser("proxy", help="route requests to prefill then decode instances (P/D disaggregation)",
                        description=__doc__.split("\n\n")[1])
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances' base URLs")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances' base URLs")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances' base URLs, taken round robin (default: none, required)")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances' base URLs, taken round robin (default: none, required)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.set_defaults(func=cmd_proxy)
