@@ -24,13 +24,16 @@ def prompts(n: int, *, block_size: int = 16, seed: int = 0, lengths=None) -> lis
     return [[int(t) for t in rng.integers(1, 500, size=m)] for m in lengths]
 
 
-def start_engine(tmp_path, name: str, spec: dict) -> tuple[subprocess.Popen, str]:
-    """Starts ``tests.distributed.kv_engine`` on ``spec``; returns (process, result path)."""
+def start_engine(tmp_path, name: str, spec: dict, devices: int = 1) -> tuple[subprocess.Popen, str]:
+    """Starts ``tests.distributed.kv_engine`` on ``spec`` (with ``devices`` CPU devices);
+    returns (process, result path)."""
     out = str(tmp_path / f"{name}.json")
     spec = dict(spec, out=out)
     path = tmp_path / f"{name}.spec.json"
     path.write_text(json.dumps(spec))
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if devices > 1:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
     proc = subprocess.Popen([sys.executable, "-m", "tests.distributed.kv_engine", str(path)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=open(str(tmp_path / f"{name}.log"), "w"))
     return proc, out
@@ -51,12 +54,14 @@ def wait_for_file(path: str, proc: subprocess.Popen, log, timeout: float = 240) 
     return json.loads(open(path).read())
 
 
-def start_producer(tmp_path, name: str, ps: list[list[int]], engine: dict, drain_s: float = 120):
+def start_producer(tmp_path, name: str, ps: list[list[int]], engine: dict, drain_s: float = 120, devices: int = 1,
+                   model: str = "tiny-llama"):
     """A prefill instance in its own process: computes ``ps`` with ``max_tokens=1`` and
     ``do_remote_decode``, then keeps stepping until every send is reported (or ``drain_s``).
     Returns (process, its outputs' kv_transfer_params, the final result's path)."""
-    proc, out = start_engine(tmp_path, name, {"engine": engine, "prompts": ps, "max_tokens": 1,
-                                              "params": [{"do_remote_decode": True}] * len(ps), "drain_s": drain_s})
+    proc, out = start_engine(tmp_path, name, {"engine": engine, "prompts": ps, "max_tokens": 1, "model": model,
+                                              "params": [{"do_remote_decode": True}] * len(ps), "drain_s": drain_s},
+                             devices=devices)
     first = wait_for_file(out + ".partial", proc, tmp_path / f"{name}.log")
     return proc, first["kv_transfer_params"], out
 
@@ -72,8 +77,8 @@ def finish(proc: subprocess.Popen, out: str, log, timeout: float = 120) -> dict:
     return json.loads(open(out).read())
 
 
-def run_engine(tmp_path, name: str, spec: dict, timeout: float = 240) -> dict:
-    proc, out = start_engine(tmp_path, name, spec)
+def run_engine(tmp_path, name: str, spec: dict, timeout: float = 240, devices: int = 1) -> dict:
+    proc, out = start_engine(tmp_path, name, spec, devices=devices)
     try:
         rc = proc.wait(timeout=timeout)
     finally:
