@@ -55,12 +55,13 @@ def wait_for_file(path: str, proc: subprocess.Popen, log, timeout: float = 240) 
 
 
 def start_producer(tmp_path, name: str, ps: list[list[int]], engine: dict, drain_s: float = 120, devices: int = 1,
-                   model: str = "tiny-llama"):
+                   model: str = "tiny-llama", warm=None):
     """A prefill instance in its own process: computes ``ps`` with ``max_tokens=1`` and
     ``do_remote_decode``, then keeps stepping until every send is reported (or ``drain_s``).
     Returns (process, its outputs' kv_transfer_params, the final result's path)."""
     proc, out = start_engine(tmp_path, name, {"engine": engine, "prompts": ps, "max_tokens": 1, "model": model,
-                                              "params": [{"do_remote_decode": True}] * len(ps), "drain_s": drain_s},
+                                              "params": [{"do_remote_decode": True}] * len(ps), "drain_s": drain_s,
+                                              "warm": warm},
                              devices=devices)
     first = wait_for_file(out + ".partial", proc, tmp_path / f"{name}.log")
     return proc, first["kv_transfer_params"], out

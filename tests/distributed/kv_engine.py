@@ -2,7 +2,7 @@
 
 ``python -m tests.distributed.kv_engine SPEC.json`` reads ``{"engine": LLM kwargs, "prompts":
 [[ids]], "params": [kv_transfer_params or null] (optional), "max_tokens": n, "drain_s": s,
-"abort": [indices] (optional), "out": path}``, generates greedily and writes to ``out``:
+"warm": [[ids]] (optional: generated first, without parameters), "out": path}``, generates greedily and writes to ``out``:
 per request its tokens, ``num_cached_tokens`` and ``kv_transfer_params``, then the
 scheduler's counters. A producer keeps stepping after its outputs until every send is
 reported (or ``drain_s`` passes), then writes its free-block count again.
@@ -26,6 +26,10 @@ def main(path: str) -> int:
     params = spec.get("params") or [None] * len(prompts)
     sps = [SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True,
                           extra_args={"kv_transfer_params": p} if p is not None else None) for p in params]
+    warm = spec.get("warm")
+    if warm:   # a first batch without transfer parameters (fills the prefix cache)
+        llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=1),
+                     use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
     elapsed = time.perf_counter() - t0

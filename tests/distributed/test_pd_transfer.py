@@ -87,6 +87,32 @@ def test_pd_tokens_equal_and_d_computes_only_last_token(workload, decode, tmp_pa
     assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]   # P freed every block
 
 
+def test_pd_with_prefix_hits_on_both_sides(workload, decode, tmp_path):
+    """Prompts extending earlier ones: P computes them from its prefix cache, D pulls only
+    the blocks beyond its own prefix hit (its loaded blocks were cached like computed ones)."""
+    ps, want = workload[0][:8], workload[1][:8]
+    p_proc, params, p_out = start_producer(tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer")))
+    assert generate(decode, ps, params)[0] == want
+    finish(p_proc, p_out, tmp_path / "p.log")
+    longer = [p + [int(t) for t in range(7, 7 + 40)] for p in ps]
+    plain = LLM("tiny-llama", **ENGINE)
+    want2, _ = generate(plain, longer)
+    plain.shutdown()
+    p_proc, params, p_out = start_producer(tmp_path, "p2", longer, dict(PRODUCER, kv_transfer_config=transfer("kv_producer")),
+                                           warm=ps)
+    p_first = __import__("json").load(open(p_out + ".partial"))
+    assert all(c >= len(p) // 16 * 16 - 16 for c, p in zip(p_first["cached"], ps))   # P's own prefix hits
+    ext0, _ = stats(decode)
+    got, cached = generate(decode, longer, params)
+    assert got == want2 and cached == [len(p) - 1 for p in longer]
+    ext, failed = stats(decode)
+    local = sum(len(p) // 16 * 16 for p in ps)   # D's own hits: the first batch's full blocks
+    assert ext - ext0 == sum(len(p) - 1 for p in longer) - local and failed == 0
+    assert_no_block_leaks(decode)
+    p_res = finish(p_proc, p_out, tmp_path / "p2.log")
+    assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]
+
+
 def test_p_killed_before_pull_recomputes(workload, decode, tmp_path):
     ps, want = workload[0][:8], workload[1][:8]
     p_proc, params, _ = start_producer(tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer")))
