@@ -70,14 +70,14 @@ def engine_kwargs(args) -> dict:
 class Server:
     """``jaxkv serve`` in a subprocess on a free 127.0.0.1 port, stopped by its pid."""
 
-    def __init__(self, args, log_path: pathlib.Path, deadline: float):
+    def __init__(self, args, log_path: pathlib.Path, deadline: float, extra_flags: tuple = ()):
         import httpx
 
         self.url = f"http://{HOST}:{_free_port()}"
         port = self.url.rsplit(":", 1)[1]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, "-m", "jaxkv.entrypoints.cli", "serve", args.model, "--host", HOST,
-               "--port", port, "--uvicorn-log-level", "warning", *serve_flags(args)]
+               "--port", port, "--uvicorn-log-level", "warning", *serve_flags(args), *extra_flags]
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

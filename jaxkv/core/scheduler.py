@@ -101,6 +101,7 @@ class Scheduler:
         self._no_connector: set[str] = set()    # failed once: never asked again
         self._sending: dict[str, Request] = {}  # finished, blocks kept until sent
         self.num_external_computed_tokens = 0   # tokens loaded by the connector (stats)
+        self.kv_connector_stats: dict = {}      # the workers' latest counters (driver rank's)
         self.num_failed_kv_loads = 0
 
     def _make_kv_cache_manager(self) -> KVCacheManager:
@@ -466,6 +467,8 @@ class Scheduler:
     def _update_from_kv_xfer(self, out) -> None:
         """A step's ``KVConnectorOutput``: loads ended (failed ones by their blocks), sends done."""
         self.connector.update_connector_output(out)
+        if out.stats:
+            self.kv_connector_stats = out.stats
         self._recved |= out.finished_recving & self._remote_loads.keys()
         if out.invalid_block_ids:
             bad = out.invalid_block_ids

@@ -68,6 +68,10 @@ class CoreStats(msgspec.Struct, array_like=True):
     prefix_cache_hits: int        # tokens found since start
     prefix_cache_hit_rate: float  # over the recent requests (the scheduler's window)
     num_preemptions: int          # since start
+    kv_transfer_bytes: int = 0            # KV connector: bytes loaded from another instance
+    kv_transfer_seconds: float = 0.0      # ... and the seconds those loads took (start to data)
+    kv_external_tokens: int = 0           # tokens computed elsewhere and loaded
+    kv_failed_loads: int = 0              # loads that failed (their requests recomputed)
 
 
 class CoreOutputs(msgspec.Struct, array_like=True):
@@ -106,9 +110,13 @@ _DECODER = msgspec.msgpack.Decoder(CoreOutputs, ext_hook=_ext_hook)
 def _stats_of(core) -> CoreStats:
     st = core.make_stats()
     totals = core.scheduler.prefix_cache_metrics
+    sched = core.scheduler
+    kv = sched.kv_connector_stats
     return CoreStats(st.num_running_reqs, st.num_waiting_reqs, float(st.kv_cache_usage),
                      totals.total_queries, totals.total_hits, float(st.prefix_cache_hit_rate),
-                     st.num_preemptions)
+                     st.num_preemptions, int(kv.get("bytes_pulled", kv.get("bytes_loaded", 0))),
+                     float(kv.get("pull_seconds", kv.get("load_seconds", 0.0))), sched.num_external_computed_tokens,
+                     sched.num_failed_kv_loads)
 
 
 # ---- the engine-core process --------------------------------------------------------------------

@@ -111,6 +111,11 @@ def test_prefill_answers_with_transfer_params_and_frees(pd):
     assert params["do_remote_prefill"] and params["remote_agents"] and params["remote_uuid"]
     text, _ = stream_text(d.url, "/v1/completions", {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 4,
                                                       "kv_transfer_params": params})
+    d_metrics = {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
+                 for line in httpx.get(d.url + "/metrics").text.splitlines() if line.startswith("jaxkv:kv_transfer")}
+    assert d_metrics["jaxkv:kv_transfer_bytes_total"] > 0 and d_metrics["jaxkv:kv_transfer_seconds_total"] > 0
+    assert d_metrics["jaxkv:kv_transfer_external_tokens_total"] >= len(params["remote_positions"])
+    assert d_metrics["jaxkv:kv_transfer_failed_loads_total"] == 0
     deadline = time.monotonic() + 30   # P polls its sends about once a second when idle
     while True:
         usage = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(p.url + "/metrics").text.splitlines()

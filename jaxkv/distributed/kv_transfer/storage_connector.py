@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 
 import numpy as np
 
@@ -81,7 +82,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._kv = None
         self._loaded: set[str] = set()
         self._failed_blocks: set[int] = set()
-        self.num_saved = self.num_loaded = self.num_failed_loads = 0
+        self.num_saved = self.num_loaded = self.num_failed_loads = self.bytes_loaded = 0
+        self.load_seconds = 0.0
 
     # ---- keys ---------------------------------------------------------------------------------
 
@@ -152,15 +154,18 @@ class SharedStorageConnector(KVConnectorBase_V1):
         if not isinstance(meta, StorageMetadata):
             return
         for load in meta.loads:
+            t0 = time.perf_counter()
             try:
-                self._load(load)
+                self.bytes_loaded += self._load(load)
                 self.num_loaded += 1
+                self.load_seconds += time.perf_counter() - t0
             except Exception:  # noqa: BLE001 - any unreadable file: the request recomputes
                 self._failed_blocks.update(load.external_ids)
                 self.num_failed_loads += 1
             self._loaded.add(load.req_id)
 
-    def _load(self, load: _Load) -> None:
+    def _load(self, load: _Load) -> int:
+        """Loads one request's pages; returns the bytes read."""
         folder = os.path.join(self.path, load.key)
         with open(os.path.join(folder, f"rank{self.rank}.json")) as f:
             info = json.load(f)
@@ -170,6 +175,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         with np.load(os.path.join(folder, f"rank{self.rank}.npz")) as data:
             pages = self._kv.pages_from_host(dict(data), len(where))
         self._kv.write_pages(blocks.receiver_ids(where, load.block_ids, load.first_index), pages)
+        return sum(p.nbytes for p in pages)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
@@ -204,5 +210,6 @@ class SharedStorageConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> dict | None:
         if self.role is KVConnectorRole.WORKER:
             return {"num_saved": self.num_saved, "num_loaded": self.num_loaded,
-                    "num_failed_loads": self.num_failed_loads}
+                    "num_failed_loads": self.num_failed_loads, "bytes_loaded": self.bytes_loaded,
+                    "load_seconds": self.load_seconds}
         return None

@@ -36,6 +36,10 @@ class PrometheusStatLogger:
         self.prefix_queries = c("jaxkv:prefix_cache_queries", "Prefix-cache lookups (tokens).")
         self.prefix_hits = c("jaxkv:prefix_cache_hits", "Prefix-cache hits (tokens).")
         self.preemptions = c("jaxkv:num_preemptions", "Preemptions.")
+        self.kv_bytes = c("jaxkv:kv_transfer_bytes", "KV bytes loaded from another instance (KV connector).")
+        self.kv_seconds = c("jaxkv:kv_transfer_seconds", "Seconds of those loads, from start to data.")
+        self.kv_external = c("jaxkv:kv_transfer_external_tokens", "Prompt tokens loaded instead of computed.")
+        self.kv_failed = c("jaxkv:kv_transfer_failed_loads", "Loads that failed (their requests recomputed).")
         self.prompt_tokens = c("jaxkv:prompt_tokens", "Prompt tokens of the requests started.")
         self.generation_tokens = c("jaxkv:generation_tokens", "Generated tokens.")
         self.request_success = c("jaxkv:request_success", "Finished requests.", ["finished_reason"])
@@ -44,9 +48,11 @@ class PrometheusStatLogger:
         self.itl = h("jaxkv:inter_token_latency_seconds", "Time between two outputs of a request.", ITL_BUCKETS)
         self.e2e = h("jaxkv:e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
         self.model_name = model_name
-        self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
         self._counters = {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
-                          "num_preemptions": self.preemptions}
+                          "num_preemptions": self.preemptions, "kv_transfer_bytes": self.kv_bytes,
+                          "kv_transfer_seconds": self.kv_seconds, "kv_external_tokens": self.kv_external,
+                          "kv_failed_loads": self.kv_failed}
+        self._seen = dict.fromkeys(self._counters, 0)
         for g in self._gauges.values():
             g.labels(model_name).set(0)
         for metric in (*self._counters.values(), self.prompt_tokens, self.generation_tokens,
