@@ -133,3 +133,25 @@ def test_chat_through_proxy(pd, llm):
     direct = httpx.post(d.url + "/v1/chat/completions", json=body, timeout=120).json()   # D computes it all
     text, finish = stream_text(url, "/v1/chat/completions", body)
     assert text == direct["choices"][0]["message"]["content"] and finish == ["length"]
+
+
+def test_readme_commands_parse():
+    """The README's P/D commands are valid (flags, JSON); the servers above run the same ones."""
+    import re
+    import shlex
+
+    from jaxkv.distributed.kv_transfer import KVTransferConfig
+    from jaxkv.entrypoints.cli import build_parser
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Prefill/decode disaggregation"):]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    env = dict(re.findall(r"^(\w+)='(.*)'$", block, re.M))
+    assert {KVTransferConfig.from_any(v).kv_role for v in env.values()} == {"kv_producer", "kv_consumer"}
+    commands = [line.split("#")[0].rstrip(" &") for line in block.splitlines() if line.startswith("jaxkv ")]
+    assert [c.split()[1] for c in commands] == ["serve", "serve", "proxy"]
+    for c in commands:
+        for name, value in env.items():
+            c = c.replace(f'"${name}"', shlex.quote(value))
+        args = build_parser().parse_args(shlex.split(c)[1:])
+        assert args.command in ("serve", "proxy")
