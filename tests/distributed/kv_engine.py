@@ -38,7 +38,8 @@ def main(path: str) -> int:
               "cached": [o.num_cached_tokens for o in outs],
               "kv_transfer_params": [o.kv_transfer_params for o in outs],
               "elapsed_s": elapsed}
-    json.dump(result, open(spec["out"] + ".partial", "w"))   # a producer's answer, before draining
+    json.dump(result, open(spec["out"] + ".partial.tmp", "w"))   # a producer's answer, before draining
+    os.replace(spec["out"] + ".partial.tmp", spec["out"] + ".partial")
     deadline = time.monotonic() + spec.get("drain_s", 0)
     while core.has_pending_kv_transfers() and time.monotonic() < deadline:
         engine.step()

@@ -113,6 +113,21 @@ def test_pd_with_prefix_hits_on_both_sides(workload, decode, tmp_path):
     assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]
 
 
+def test_layout_mismatch_computes_locally(workload, decode, tmp_path):
+    """Parameters from a P whose KV layout differs (another head split, here a faked one):
+    D never pulls, it computes the prompt itself."""
+    ps, want = workload[0][:4], workload[1][:4]
+    p_proc, params, p_out = start_producer(
+        tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=2.0)), drain_s=30)
+    foreign = [dict(p, remote_layout=dict(p["remote_layout"], tp=2)) for p in params]
+    ext0, failed0 = stats(decode)
+    got, cached = generate(decode, ps, foreign)
+    assert got == want and stats(decode) == (ext0, failed0) and cached == [0] * len(ps)
+    assert_no_block_leaks(decode)
+    p_res = finish(p_proc, p_out, tmp_path / "p.log")   # P's offers expire: it frees everything
+    assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]
+
+
 def test_p_killed_before_pull_recomputes(workload, decode, tmp_path):
     ps, want = workload[0][:8], workload[1][:8]
     p_proc, params, _ = start_producer(tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer")))
@@ -168,7 +183,7 @@ def test_abort_while_loading(workload, decode, tmp_path):
     return at once, nothing is written later, other requests carry on."""
     ps, want = workload[0][:4], workload[1][:4]
     p_proc, params, p_out = start_producer(
-        tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=3.0)), drain_s=30)
+        tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=60.0)), drain_s=90)
     engine = decode.llm_engine
     stuck = [dict(p, remote_uuid=p["remote_uuid"] ^ 1) for p in params]
     for i, (p, kv) in enumerate(zip(ps, stuck)):

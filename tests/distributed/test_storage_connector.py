@@ -136,3 +136,14 @@ def test_cli_flag_errors(capsys):
     assert main(["generate", "--kv-transfer-config", '{"kv_connector": "SharedStorageConnector", "kv_role": "x"}']) == 2
     assert "kv_role" in capsys.readouterr().err
     assert main(["proxy", "--prefill", "http://127.0.0.1:1"]) == 2   # --decode is required
+
+
+def test_async_scheduling_loads_too(saved):
+    store, ps, want = saved
+    b = LLM("tiny-llama", kv_transfer_config=storage(store, "kv_consumer"), async_scheduling=True, **ENGINE)
+    outs = b.generate([{"prompt_token_ids": p} for p in ps],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [len(p) - 1 for p in ps]
+    assert_no_block_leaks(b)
+    b.shutdown()
