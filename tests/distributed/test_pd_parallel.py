@@ -12,6 +12,8 @@ from jaxkv import LLM, SamplingParams
 from tests.distributed.helpers import ENGINE, finish, prompts, run_engine, start_producer
 from tests.engine.helpers import assert_no_block_leaks
 
+pytestmark = pytest.mark.slow   # engines and servers in several processes
+
 PRODUCER = dict(ENGINE, kv_cache_memory_bytes=64 << 20)
 
 

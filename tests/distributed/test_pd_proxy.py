@@ -15,6 +15,8 @@ import pytest
 
 from tests.entrypoints.server_helpers import ENGINE, ROOT, Server, free_port, make_model_dir, serve_flags
 
+pytestmark = pytest.mark.slow   # engines and servers in several processes
+
 NAME = "pd-model"
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived", "1 2 3 4 5 6 7 8 9"]
 

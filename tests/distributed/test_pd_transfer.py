@@ -87,6 +87,7 @@ def test_pd_tokens_equal_and_d_computes_only_last_token(workload, decode, tmp_pa
     assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]   # P freed every block
 
 
+@pytest.mark.slow
 def test_pd_with_prefix_hits_on_both_sides(workload, decode, tmp_path):
     """Prompts extending earlier ones: P computes them from its prefix cache, D pulls only
     the blocks beyond its own prefix hit (its loaded blocks were cached like computed ones)."""
@@ -113,6 +114,7 @@ def test_pd_with_prefix_hits_on_both_sides(workload, decode, tmp_path):
     assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]
 
 
+@pytest.mark.slow
 def test_layout_mismatch_computes_locally(workload, decode, tmp_path):
     """Parameters from a P whose KV layout differs (another head split, here a faked one):
     D never pulls, it computes the prompt itself."""
@@ -142,6 +144,7 @@ def test_p_killed_before_pull_recomputes(workload, decode, tmp_path):
     assert_no_block_leaks(decode)
 
 
+@pytest.mark.slow
 def test_never_completing_pull_and_hold_timeout(workload, decode, tmp_path):
     """Half the requests name a uuid P never registered (D's deadline fails them); P's offers
     for those expire after its hold timeout, freeing its blocks; the other half load."""
@@ -166,6 +169,7 @@ def test_never_completing_pull_and_hold_timeout(workload, decode, tmp_path):
     assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]
 
 
+@pytest.mark.slow
 def test_pull_after_hold_timeout_recomputes(workload, decode, tmp_path):
     ps, want = workload[0][:4], workload[1][:4]
     p_proc, params, p_out = start_producer(

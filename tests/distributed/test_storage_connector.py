@@ -97,6 +97,7 @@ def test_loaded_pages_are_what_is_attended(saved, tmp_path):
     b.shutdown()
 
 
+@pytest.mark.slow
 def test_other_layout_never_matches(saved):
     store, ps, want = saved
     b = LLM("tiny-llama", kv_transfer_config=storage(store, "kv_consumer"), **dict(ENGINE, block_size=32))
@@ -105,6 +106,7 @@ def test_other_layout_never_matches(saved):
     b.shutdown()
 
 
+@pytest.mark.slow
 def test_hybrid_model_moves_every_group(tmp_path):
     ps = prompts(6, seed=3)
     kt = storage(tmp_path / "store")
@@ -138,6 +140,7 @@ def test_cli_flag_errors(capsys):
     assert main(["proxy", "--prefill", "http://127.0.0.1:1"]) == 2   # --decode is required
 
 
+@pytest.mark.slow
 def test_async_scheduling_loads_too(saved):
     store, ps, want = saved
     b = LLM("tiny-llama", kv_transfer_config=storage(store, "kv_consumer"), async_scheduling=True, **ENGINE)
