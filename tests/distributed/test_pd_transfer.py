@@ -114,6 +114,20 @@ def test_pd_with_prefix_hits_on_both_sides(workload, decode, tmp_path):
     assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]
 
 
+def test_malformed_params_compute_locally(workload, decode):
+    """Parameters a client made up or mangled: logged, the prompt is computed here."""
+    ps, want = workload[0][:3], workload[1][:3]
+    bad = [{"do_remote_prefill": True},
+           {"do_remote_prefill": True, "remote_uuid": "7", "remote_agents": [], "remote_positions": [],
+            "remote_layout": {}},
+           {"do_remote_prefill": True, "remote_uuid": 7, "remote_agents": [{"transfer": "x", "notify": "y"}],
+            "remote_positions": [[0]], "remote_layout": {}}]
+    ext0, failed0 = stats(decode)
+    got, cached = generate(decode, ps, bad)
+    assert got == want and stats(decode) == (ext0, failed0) and cached == [0, 0, 0]
+    assert_no_block_leaks(decode)
+
+
 @pytest.mark.slow
 def test_layout_mismatch_computes_locally(workload, decode, tmp_path):
     """Parameters from a P whose KV layout differs (another head split, here a faked one):

@@ -73,6 +73,22 @@ class TransferMetadata(KVConnectorMetadata):
     recvs: list[_Recv] = dataclasses.field(default_factory=list)
 
 
+def _check_remote_params(params: dict) -> str | None:
+    """What is wrong with a prefill instance's parameters, or None."""
+    agents, where = params.get("remote_agents"), params.get("remote_positions")
+    if not isinstance(params.get("remote_uuid"), int) or isinstance(params.get("remote_uuid"), bool):
+        return f"remote_uuid must be an int, got {params.get('remote_uuid')!r}"
+    if not (isinstance(agents, list) and agents and all(isinstance(a, dict) and "transfer" in a and "notify" in a
+                                                        for a in agents)):
+        return "remote_agents must be a non-empty list of agent addresses"
+    if not (isinstance(where, list) and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p)
+                                            for p in where)):
+        return "remote_positions must be a list of [group, index] pairs"
+    if not isinstance(params.get("remote_layout"), dict):
+        return "remote_layout is missing"
+    return None
+
+
 class JaxTransferConnector(KVConnectorBase_V1):
     def __init__(self, config, role, kv_cache_config=None, *, rank: int = 0, world_size: int = 1):
         super().__init__(config, role, kv_cache_config, rank=rank, world_size=world_size)
@@ -112,8 +128,15 @@ class JaxTransferConnector(KVConnectorBase_V1):
         self._layout = metadata[min(metadata)]["layout"]
 
     def _remote_prefill(self, request) -> dict | None:
+        """The request's parameters when it is to load from a prefill instance, else None
+        (malformed or foreign parameters are logged and the prompt is computed here)."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or not self.config.is_kv_consumer:
+            return None
+        problem = _check_remote_params(params)
+        if problem:
+            logger.warning("request %s: bad kv_transfer_params (%s): computing the prompt here",
+                           request.request_id, problem)
             return None
         if params.get("remote_layout") != self._layout or len(params.get("remote_agents", ())) != len(self._agents):
             logger.warning("request %s: remote KV layout %s over %d workers does not match this engine's %s "
