@@ -29,6 +29,18 @@ def test_core_never_imports_jax():
         assert not bad, f"{path.name} imports {bad}"
 
 
+def test_connector_api_loads_no_jax():
+    """The KV-connector API's scheduler side (base, config, factory, the storage and transfer
+    connectors' scheduler roles) imports no jax: the engine core builds it without a device."""
+    code = ("import sys; from jaxkv.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole, "
+            "KVTransferConfig; from jaxkv.kv_cache import KVCacheConfig, KVCacheGroupSpec, FullAttentionSpec; "
+            "cfg = KVCacheConfig(8, (), (KVCacheGroupSpec(('l',), FullAttentionSpec(16, 1, 64, 'float32')),)); "
+            "[KVConnectorFactory.create_connector(KVTransferConfig(n), KVConnectorRole.SCHEDULER, cfg) "
+            " for n in ('SharedStorageConnector', 'JaxTransferConnector')]; "
+            "assert 'jax' not in sys.modules, 'jax loaded'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT.parents[1])
+
+
 def test_importing_the_core_loads_no_jax():
     """``import jaxkv.core`` (and the host-side names of ``jaxkv``) work without loading jax:
     the engine, which needs it, loads on first use of ``jaxkv.LLM``."""
