@@ -42,7 +42,14 @@ from jaxkv.worker.sampling_adapter import (
     sample_fn,
     spec_sample_fn,
 )
-from jaxkv.worker.spec_decode import SpeculativeConfig, batch_may_speculate, propose_ngram
+from jaxkv.worker.spec_decode import (
+    SpeculativeConfig,
+    accepted_tokens,
+    batch_may_speculate,
+    propose_drafts,
+    spec_padding,
+    spec_step_inputs,
+)
 from jaxkv.worker.placement import HostPlacement
 from jaxkv.worker.step import StepShape, build_step_fn
 from jaxkv.models.config import KVCacheBinding
@@ -101,17 +108,6 @@ class CachedRequestState:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-
-def _spec_padding(P: int, S: int) -> dict[str, np.ndarray]:
-    """The inputs of a step scoring P positions against drafts, all padding: every position
-    row 0's first token at offset 0 checking no draft, every row's bonus position 0.
-    ``ModelRunner._spec_inputs`` fills in the real positions."""
-    return {"spec_index": np.zeros(P, np.int32),      # [P] the token of each position
-            "spec_row": np.zeros(P, np.int32),        # [P] its row
-            "spec_offset": np.zeros(P, np.int32),     # [P] its output offset j
-            "spec_drafts": np.full(P, -1, np.int32),  # [P] the draft it checks, -1: none
-            "spec_last": np.zeros(S, np.int32)}       # [S] each row's bonus position
 
 
 def _lost(x: jax.Array) -> bool:
@@ -497,64 +493,19 @@ class ModelRunner:
                                  pooler_output=pooled)
 
     def _accepted_tokens(self, tokens: list[int], accepted, start: int, drafts) -> list[int]:
-        """A row's new tokens: with m drafts, its tokens at positions start .. start + m up to
-        and including the first that did not accept its draft (the bonus position, start + m,
-        always ends it)."""
-        m = len(drafts)
-        new = []
-        for j in range(m + 1):
-            new.append(tokens[start + j])
-            if j == m or not accepted[start + j]:
-                break
-        if not m:
-            return new
-        self.num_draft_tokens += m
-        self.num_accepted_tokens += len(new) - 1
+        new = accepted_tokens(tokens, accepted, start, drafts)
+        if drafts:
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += len(new) - 1
         return new
 
     def _propose(self, s: CachedRequestState) -> list[int]:
-        """Drafts for the request's next step (n-gram lookup over its tokens), within its
-        max_tokens and max_model_len (the step's own sample comes on top of them)."""
-        cfg = self.speculative_config
-        params = s.sampling_params
-        max_tokens = getattr(params, "max_tokens", None)
-        room = self.max_model_len - 1 - len(s.token_ids)
-        if max_tokens is not None:
-            room = min(room, max_tokens - s.num_generated - 1)
-        k = min(cfg.num_speculative_tokens, room)
-        if k <= 0:
-            return []
-        return propose_ngram(np.asarray(s.token_ids, np.int32), cfg.prompt_lookup_min,
-                             cfg.prompt_lookup_max, k)
+        return propose_drafts(self.speculative_config, s.token_ids, getattr(s.sampling_params, "max_tokens", None),
+                              s.num_generated, self.max_model_len)
 
     def _spec_inputs(self, qsl: np.ndarray, drafts: list[list[int]], S: int
                      ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """The positions a step with drafts scores: P = rows + drafts, padded to a power of two.
-
-        Row i with m drafts scores its last m + 1 tokens (its last confirmed token, then the
-        drafts) at positions start_i .. start_i + m: position start_i + j checks draft j and
-        samples output ``num_output_tokens + j``; start_i + m samples the bonus token. A row
-        without drafts scores one position and samples as without speculation. Padding
-        positions repeat row 0's first one (their results are not read).
-
-        Returns the step inputs and ``start`` [n] int32.
-        """
-        n = len(drafts)
-        counts = np.array([len(d) + 1 for d in drafts], np.int32)     # [n]
-        start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
-        total = int(counts.sum())
-        x = _spec_padding(pick_bucket(total, self.spec_buckets), S)
-        x["spec_row"][:total] = np.repeat(np.arange(n), counts)
-        offset = x["spec_offset"]
-        offset[:total] = np.arange(total) - np.repeat(start, counts)
-        last = np.maximum(qsl[1: n + 1] - 1, 0)       # [n] each row's last scheduled token
-        index = x["spec_index"]
-        index[:total] = np.repeat(last - counts + 1, counts) + offset[:total]
-        index[total:] = index[0]
-        for i, d in enumerate(drafts):
-            x["spec_drafts"][start[i]: start[i] + len(d)] = d
-        x["spec_last"][:n] = start + counts - 1
-        return x, start
+        return spec_step_inputs(qsl, drafts, S, self.spec_buckets)
 
     def _pack_step(self, input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, *,
                    max_q_len, prompt_logprobs, spec_positions: int = 0,
@@ -622,7 +573,7 @@ class ModelRunner:
         ops, layout, zeros = self._table_ops_and_zeros((), T, S)
         extra = {"prev_rows": np.full(T, -1, np.int32)}
         if spec_positions:
-            extra.update(_spec_padding(spec_positions, S))
+            extra.update(spec_padding(spec_positions, S))
         return self._pack_step(np.zeros(T, np.int32), np.zeros(S + 1, np.int32),
                                np.zeros(S, np.int32), 0, ops, layout, zeros, md, extra,
                                max_q_len=max_q_len, prompt_logprobs=-1,

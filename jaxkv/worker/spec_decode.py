@@ -18,6 +18,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from jaxkv.worker.buckets import pick_bucket
+
 METHODS = ("ngram",)
 
 
@@ -115,3 +117,73 @@ def batch_may_speculate(config: SpeculativeConfig, num_requests: int) -> bool:
     """Whether requests of a step that ran ``num_requests`` requests get drafts for the next."""
     limit = config.disable_by_batch_size
     return limit is None or num_requests < limit
+
+
+# ---- a step with drafts: which positions it scores, and which tokens it keeps ------------------
+
+def spec_padding(P: int, S: int) -> dict[str, np.ndarray]:
+    """The inputs of a step scoring P positions against drafts, all padding: every position
+    row 0's first token at offset 0 checking no draft, every row's bonus position 0.
+    ``spec_step_inputs`` fills in the real positions."""
+    return {"spec_index": np.zeros(P, np.int32),      # [P] the token of each position
+            "spec_row": np.zeros(P, np.int32),        # [P] its row
+            "spec_offset": np.zeros(P, np.int32),     # [P] its output offset j
+            "spec_drafts": np.full(P, -1, np.int32),  # [P] the draft it checks, -1: none
+            "spec_last": np.zeros(S, np.int32)}       # [S] each row's bonus position
+
+
+def spec_step_inputs(qsl: np.ndarray,                 # [S + 1] int32 query start of each row
+                     drafts: list[list[int]], S: int, buckets: list[int],
+                     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The positions a step with drafts scores: P = rows + drafts, padded to a bucket.
+
+    Row i with m drafts scores its last m + 1 tokens (its last confirmed token, then the
+    drafts) at positions start_i .. start_i + m: position start_i + j checks draft j and
+    samples output ``num_output_tokens + j``; start_i + m samples the bonus token. A row
+    without drafts scores one position and samples as without speculation. Padding
+    positions repeat row 0's first one (their results are not read).
+
+    Returns the step inputs and ``start`` [n] int32.
+    """
+    n = len(drafts)
+    counts = np.array([len(d) + 1 for d in drafts], np.int32)     # [n]
+    start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
+    total = int(counts.sum())
+    x = spec_padding(pick_bucket(total, buckets), S)
+    x["spec_row"][:total] = np.repeat(np.arange(n), counts)
+    offset = x["spec_offset"]
+    offset[:total] = np.arange(total) - np.repeat(start, counts)
+    last = np.maximum(qsl[1: n + 1] - 1, 0)       # [n] each row's last scheduled token
+    index = x["spec_index"]
+    index[:total] = np.repeat(last - counts + 1, counts) + offset[:total]
+    index[total:] = index[0]
+    for i, d in enumerate(drafts):
+        x["spec_drafts"][start[i]: start[i] + len(d)] = d
+    x["spec_last"][:n] = start + counts - 1
+    return x, start
+
+
+def accepted_tokens(tokens: list[int], accepted, start: int, drafts) -> list[int]:
+    """A row's new tokens: with m drafts, its tokens at positions start .. start + m up to
+    and including the first that did not accept its draft (the bonus position, start + m,
+    always ends it)."""
+    m = len(drafts)
+    new = []
+    for j in range(m + 1):
+        new.append(tokens[start + j])
+        if j == m or not accepted[start + j]:
+            break
+    return new
+
+
+def propose_drafts(cfg: SpeculativeConfig, token_ids: list[int], max_tokens: int | None, num_generated: int,
+                   max_model_len: int) -> list[int]:
+    """Drafts for a request's next step (n-gram lookup over its tokens), within its
+    max_tokens and max_model_len (the step's own sample comes on top of them)."""
+    room = max_model_len - 1 - len(token_ids)
+    if max_tokens is not None:
+        room = min(room, max_tokens - num_generated - 1)
+    k = min(cfg.num_speculative_tokens, room)
+    if k <= 0:
+        return []
+    return propose_ngram(np.asarray(token_ids, np.int32), cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
