@@ -394,7 +394,7 @@ class MultiprocExecutor(Executor):
                                                      self.execute_timeout_s, what="execute_model"))
         call_id = self._call_all(("execute_model", scheduler_output, False))
         self._unflushed = call_id
-        if scheduler_output.total_num_scheduled_tokens == 0 and self.config.kv_transfer_config is None:
+        if scheduler_output.total_num_scheduled_tokens == 0 and getattr(self.config, "kv_transfer_config", None) is None:
             self._ignored.add(call_id)   # nothing scheduled: no result (as UniProcExecutor)
             return None
         return _PendingStep(self, call_id)
