@@ -129,7 +129,7 @@ class Worker:
             self.model, kv_cache_config, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
             mesh=self.mesh, **self._runner_kwargs())
-        if c.kv_transfer_config is not None:
+        if getattr(c, "kv_transfer_config", None) is not None:
             self._init_kv_connector()
 
     def _init_kv_connector(self) -> None:
