@@ -83,21 +83,8 @@ def remove_requests(scheduler, ids: set[str]) -> None:
         request.status = _ABORTED
         scheduler.finished_req_ids.add(req_id)
         scheduler.kv_cache_manager.free(request)
-        forget_kv_transfers(scheduler, req_id)
+        scheduler.forget_kv_transfers(req_id)
 
-
-def forget_kv_transfers(scheduler, req_id: str | None = None) -> None:
-    """Drops the scheduler's KV-connector state of one request (None: of every request)."""
-    for state in (scheduler._remote_loads, scheduler._sending):
-        if req_id is None:
-            state.clear()
-        else:
-            state.pop(req_id, None)
-    for state in (scheduler._recved, scheduler._failed_loads, scheduler._no_connector):
-        if req_id is None:
-            state.clear()
-        else:
-            state.discard(req_id)
 
 
 def reset_scheduler(scheduler) -> None:
@@ -111,7 +98,7 @@ def reset_scheduler(scheduler) -> None:
     scheduler.kv_cache_manager = scheduler._make_kv_cache_manager()
     scheduler._uncommitted = []
     scheduler._scheduling = False
-    forget_kv_transfers(scheduler)
+    scheduler.forget_kv_transfers()
     scheduler.num_hard_resets += 1
 
 

@@ -208,10 +208,7 @@ class Scheduler:
         self.finished_req_ids.add(req_id)
         delay, params = False, None
         if self.connector is not None:
-            self._remote_loads.pop(req_id, None)
-            self._recved.discard(req_id)
-            self._failed_loads.discard(req_id)
-            self._no_connector.discard(req_id)
+            self.forget_kv_transfers(req_id)
             delay, params = self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(req_id))
         if delay:
             self._sending[req_id] = request
@@ -219,6 +216,19 @@ class Scheduler:
             self.kv_cache_manager.free(request)
             del self.requests[req_id]
         return params
+
+    def forget_kv_transfers(self, req_id: str | None = None) -> None:
+        """Drops the KV-connector state of one request (None: of every request)."""
+        for state in (self._remote_loads, self._sending):
+            if req_id is None:
+                state.clear()
+            else:
+                state.pop(req_id, None)
+        for state in (self._recved, self._failed_loads, self._no_connector):
+            if req_id is None:
+                state.clear()
+            else:
+                state.discard(req_id)
 
     def has_pending_kv_sends(self) -> bool:
         """Finished requests whose blocks are kept until the connector reports them sent."""

@@ -146,11 +146,3 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
 
     def shutdown(self) -> None:
         pass
-
-
-def external_block_span(num_local_tokens: int, num_external_tokens: int, block_size: int) -> range:
-    """Indices of a request's blocks that hold any of its external tokens
-    ``[num_local_tokens, num_local_tokens + num_external_tokens)``."""
-    if num_external_tokens <= 0:
-        return range(0)
-    return range(num_local_tokens // block_size, -(-(num_local_tokens + num_external_tokens) // block_size))
