@@ -465,17 +465,22 @@ def test_generate_refuses_a_prompt_outside_the_vocabulary(capsys):
 def test_jaxkv_bench_forwards_arguments(monkeypatch):
     from jaxkv.entrypoints import cli_bench
 
-    seen = {}
+    seen = []
 
-    class Fake:
-        @staticmethod
-        def main(argv):
-            seen["argv"] = argv
+    def load(name):
+        class Fake:
+            @staticmethod
+            def main(argv):
+                seen.append((name, argv))
+        return Fake
 
-    monkeypatch.setattr(cli_bench, "load_throughput", lambda: Fake)
+    monkeypatch.setattr(cli_bench, "load_benchmark", load)
     assert cli.main(["bench", "--quick", "--workload", "fixed", "--no-baseline"]) == 0
-    assert seen["argv"] == ["--quick", "--workload", "fixed", "--no-baseline"]
+    assert cli.main(["bench", "peers", "--quick", "--engines", "jaxkv"]) == 0
+    assert seen == [("throughput", ["--quick", "--workload", "fixed", "--no-baseline"]),
+                    ("peers", ["--quick", "--engines", "jaxkv"])]
     assert (cli_bench.benchmarks_dir() / "throughput.py").is_file()
+    assert (cli_bench.benchmarks_dir() / "peers.py").is_file()
 
 
 def test_jaxkv_bench_without_a_checkout(capsys, monkeypatch, tmp_path):

