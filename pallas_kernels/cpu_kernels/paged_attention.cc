@@ -307,13 +307,19 @@ void chunk_rows(const float* q, const Chunk& c, int a, int b, float soft_cap, fl
 using RowsKernel = void (*)(const float*, const Chunk&, int, int, float, float*, float*, float*);
 using TransposedKernel = void (*)(const float*, const float*, const Chunk&, int, int, float,
                                   float*, float*, float*);
-constexpr int kGroupBlocks[] = {4, 2, 1};   // query vectors per chunk_rows / chunk_transposed call
+// Query vectors per chunk_rows / chunk_transposed call. 3 is its own block: a group of 3 (e.g.
+// SmolLM2's 9 query / 3 KV heads) as 2 + 1 ran the chunk's V loop twice.
+constexpr int kGroupBlocks[] = {4, 3, 2, 1};
+constexpr int kNumGroupBlocks = 4;
 
 // The instantiation of JAXKV_KERNEL for head size d_n and group block gb (nullptr: none).
 #define JAXKV_HEAD_SIZES(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(10) X(12) X(16)
 #define JAXKV_CASE(nc)                                                                   \
   if (d_n == nc * kLanes)                                                                \
-    return gb == 4 ? JAXKV_KERNEL<nc, 4> : gb == 2 ? JAXKV_KERNEL<nc, 2> : JAXKV_KERNEL<nc, 1>;
+    return gb == 4   ? JAXKV_KERNEL<nc, 4>                                                 \
+           : gb == 3 ? JAXKV_KERNEL<nc, 3>                                                 \
+           : gb == 2 ? JAXKV_KERNEL<nc, 2>                                                 \
+                     : JAXKV_KERNEL<nc, 1>;
 RowsKernel rows_kernel(int d_n, int gb) {
 #define JAXKV_KERNEL chunk_rows
   JAXKV_HEAD_SIZES(JAXKV_CASE)
@@ -381,16 +387,16 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
 #if JAXKV_VECTOR_KERNELS
   const bool vector = rows_kernel(d_n, 1) != nullptr;
   const bool transposed = vector && nvec >= kLanes;
-  RowsKernel rows_by_block[3] = {};
-  TransposedKernel by_block[3] = {};
-  for (int k = 0; vector && k < 3; ++k) {
+  RowsKernel rows_by_block[kNumGroupBlocks] = {};
+  TransposedKernel by_block[kNumGroupBlocks] = {};
+  for (int k = 0; vector && k < kNumGroupBlocks; ++k) {
     rows_by_block[k] = rows_kernel(d_n, kGroupBlocks[k]);
     by_block[k] = transposed_kernel(d_n, kGroupBlocks[k]);
   }
 #else
   constexpr bool vector = false, transposed = false;
-  constexpr RowsKernel rows_by_block[3] = {};
-  constexpr TransposedKernel by_block[3] = {};
+  constexpr RowsKernel rows_by_block[kNumGroupBlocks] = {};
+  constexpr TransposedKernel by_block[kNumGroupBlocks] = {};
 #endif
   const int64_t row_bytes = static_cast<int64_t>(d_n) * p.itemsize;
   const int64_t page_bytes = bs * row_bytes;

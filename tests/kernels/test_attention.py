@@ -184,10 +184,12 @@ class TestCpu(TestXla):
     @pytest.mark.parametrize("group,sliding_window,soft_cap,cache_dtype,q_dtype", [
         (1, None, None, "float32", jnp.float32), (4, 50, 20.0, "float32", jnp.float32),
         (8, 7, None, "bfloat16", jnp.bfloat16), (4, None, None, "float16", jnp.float32),
-        (7, 30, None, "float32", jnp.float32), (6, None, 20.0, "bfloat16", jnp.float32)])
+        (7, 30, None, "float32", jnp.float32), (6, None, 20.0, "bfloat16", jnp.float32),
+        (3, None, None, "float32", jnp.float32), (3, 9, 20.0, "float16", jnp.float32)])
     def test_prefill_tiles(self, group, sliding_window, soft_cap, cache_dtype, q_dtype):
         """Chunks of several 32-row tiles (mid-sequence, windowed), a tile of one row, decodes.
-        A group's heads go in blocks of 4, 2 and 1 (7 = 4 + 2 + 1, 6 = 4 + 2); head size 80 is
+        A group's heads go in blocks of 4, 3, 2 and 1 (7 = 4 + 3, 6 = 4 + 2, 3 = 3: SmolLM2's
+        9 query / 3 KV heads); head size 80 is
         5 vectors of 16, one p.v register block of 4 and one of 1 when 4 heads go together."""
         self.check(scenario="chunked", block_size=16, head_size=80 if group >= 6 else 64, group=group,
                    sliding_window=sliding_window, soft_cap=soft_cap, cache_dtype=cache_dtype,
