@@ -110,8 +110,9 @@ def fake_llama_cpp(n_parallel_seen: list) -> types.ModuleType:
         return 0
 
     def seq_cp(mem, src, dst, p0, p1):
+        p1 = float("inf") if p1 < 0 else p1   # llama.cpp: negative bounds mean "all"
         cells = state["cells"].setdefault(dst, {})
-        cells.update({p: t for p, t in state["cells"][src].items() if p0 <= p < p1})
+        cells.update({p: t for p, t in state["cells"][src].items() if max(p0, 0) <= p < p1})
 
     def seq_rm(mem, seq, p0, p1):
         assert (p0, p1) == (-1, -1)
@@ -150,8 +151,9 @@ def _reference(req) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("shared,n_parallel,n_batch", [(0, 64, 2048), (13, 64, 16), (13, 3, 7), (0, 2, 5)])
-def test_llamacpp_loop_matches_one_at_a_time(monkeypatch, shared, n_parallel, n_batch):
+@pytest.mark.parametrize("shared,n_parallel,n_batch,unified", [
+    (0, 64, 2048, False), (13, 64, 16, False), (13, 3, 7, True), (0, 2, 5, True)])
+def test_llamacpp_loop_matches_one_at_a_time(monkeypatch, shared, n_parallel, n_batch, unified):
     seen = []
     lc = fake_llama_cpp(seen)
     monkeypatch.setitem(sys.modules, "llama_cpp", lc)
@@ -161,7 +163,7 @@ def test_llamacpp_loop_matches_one_at_a_time(monkeypatch, shared, n_parallel, n_
     reqs = [{"prompt": prefix + rng.integers(0, VOCAB, int(rng.integers(1, 20))).tolist(),
              "max_tokens": int(rng.integers(1, 9))} for _ in range(9)]
     spec = {"gguf_path": "x.gguf", "threads": 2, "workloads": {"w": reqs},
-            "llamacpp_options": {"n_parallel": n_parallel, "n_batch": n_batch}}
+            "llamacpp_options": {"n_parallel": n_parallel, "n_batch": n_batch, "kv_unified": unified}}
     engine = peer_worker.LlamaCppEngine(spec)
     assert seen == [n_parallel]
     for _ in range(2):   # the second run starts from an emptied cache
