@@ -254,8 +254,8 @@ def main(argv=None) -> dict:
     lines: list[str] = []
 
     def log(msg: str, echo: bool = True) -> None:
-        lines.append(msg)
-        if echo:
+        if echo:   # the engines' own logging is not kept (a failed worker's tail is raised)
+            lines.append(msg)
             print(msg, flush=True)
 
     cpu = cpu_facts()
