@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from jaxkv.models.checkpoint.gguf_reader import GGUFTensors, dequantize_tensor
+from jaxkv.models.checkpoint.gguf_reader import GGUFTensors, dequantize_tensor, field_value
 from jaxkv.models.checkpoint.safetensors_dir import write_safetensors_dir
 from jaxkv.models.checkpoint.smollm2 import smollm2_gguf_path
 
@@ -59,20 +59,15 @@ def _write_hf_dir(source: Path, target: Path) -> None:
 
 
 def _copy_field(writer: gguf.GGUFWriter, key: str, field) -> None:
+    """One metadata field, decoded the way jaxkv reads GGUFs and written back with its types."""
     types = field.types
     if not types:
         return
-    if types[0] == GGUFValueType.ARRAY:
-        sub = types[-1]
-        if sub == GGUFValueType.STRING:
-            value = [bytes(field.parts[i]).decode("utf-8", errors="surrogateescape") for i in field.data]
-        else:
-            value = [field.parts[i][0].item() for i in field.data]
-        writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=sub)
-    elif types[0] == GGUFValueType.STRING:
-        writer.add_key_value(key, bytes(field.parts[field.data[0]]).decode("utf-8"), types[0])
-    else:
-        writer.add_key_value(key, field.parts[field.data[0]][0].item(), types[0])
+    value = field_value(field)
+    if value is None:
+        raise ValueError(f"GGUF field {key!r} (nested arrays) cannot be copied")
+    array = types[0] == GGUFValueType.ARRAY
+    writer.add_key_value(key, value, types[0], sub_type=types[-1] if array else None)
 
 
 def _write_f32_gguf(source: Path, target: Path) -> None:

@@ -65,6 +65,19 @@ class _Clock:
                 "first_s": self.first, "last_s": self.last}
 
 
+def _stream(engine, requests: list[dict], prompt_and_params) -> dict:
+    """Adds every request at t0 to an ``LLMEngine`` (jaxkv's or vLLM's: the same API) and steps
+    it until all finish, timing each request's DELTA outputs. ``prompt_and_params(request)``
+    gives the engine's own (prompt, SamplingParams)."""
+    clock = _Clock(len(requests))
+    for i, r in enumerate(requests):
+        engine.add_request(str(i), *prompt_and_params(r))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            clock.add(int(out.request_id), out.outputs[0].token_ids)
+    return clock.result()
+
+
 # ---- jaxkv ------------------------------------------------------------------------------------
 
 class JaxkvEngine:
@@ -94,18 +107,9 @@ class JaxkvEngine:
 
         if not self.engine.scheduler.reset_prefix_cache():
             raise RuntimeError("jaxkv could not reset its prefix cache")
-        clock = _Clock(len(requests))
-        index = {}
-        for i, r in enumerate(requests):
-            rid = f"r{i}"
-            index[rid] = i
-            self.engine.add_request(rid, r["prompt"], SamplingParams(
-                max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
-                output_kind=RequestOutputKind.DELTA))
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                clock.add(index[out.request_id], out.outputs[0].token_ids)
-        return clock.result()
+        return _stream(self.engine, requests, lambda r: (r["prompt"], SamplingParams(
+            max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
+            output_kind=RequestOutputKind.DELTA)))
 
 
 # ---- vLLM (CPU build) -------------------------------------------------------------------------
@@ -135,18 +139,9 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         self.engine.reset_prefix_cache()
-        clock = _Clock(len(requests))
-        index = {}
-        for i, r in enumerate(requests):
-            rid = f"r{i}"
-            index[rid] = i
-            self.engine.add_request(rid, {"prompt_token_ids": r["prompt"]}, SamplingParams(
-                max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False,
-                output_kind=RequestOutputKind.DELTA))
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                clock.add(index[out.request_id], out.outputs[0].token_ids)
-        return clock.result()
+        return _stream(self.engine, requests, lambda r: ({"prompt_token_ids": r["prompt"]}, SamplingParams(
+            max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False,
+            output_kind=RequestOutputKind.DELTA)))
 
 
 # ---- llama.cpp (llama-cpp-python's C API) -----------------------------------------------------
@@ -168,8 +163,9 @@ class LlamaCppEngine:
     a unified cache attends over every sequence's cells, measured 75 vs 213 out tok/s on
     ``fixed``); every step one ``llama_decode`` of all
     decoding sequences' next tokens plus prompt tokens up to ``n_batch``; a prompt prefix
-    shared by every request is decoded once into sequence 0 and copied to the others
-    (``llama_memory_seq_cp``, the examples' shared system prompt). Greedy: argmax of the logits."""
+    shared by every request is decoded once into a sequence of its own (the last id) and
+    copied to each request's (``llama_memory_seq_cp``, the examples' shared system prompt).
+    Greedy: argmax of the logits."""
 
     def __init__(self, spec: dict):
         import llama_cpp as lc
@@ -243,8 +239,8 @@ class LlamaCppEngine:
         n_batch, prefix_seq = self.opts["n_batch"], self.n_parallel
         clock = _Clock(len(requests))
         prompts = [r["prompt"] for r in requests]
-        shared = _common_prefix(prompts) if len(requests) > 1 else 0
-        shared = min(shared, min(len(p) for p in prompts) - 1) if shared else 0
+        # at most len - 1 tokens: every request computes its last prompt token itself
+        shared = max(0, min(_common_prefix(prompts), min(len(p) for p in prompts) - 1))
         if shared:   # decode the shared prefix once into its own sequence, then share its cells
             for start in range(0, shared, n_batch):
                 chunk = range(start, min(shared, start + n_batch))
@@ -260,7 +256,7 @@ class LlamaCppEngine:
                     lc.llama_memory_seq_cp(mem, prefix_seq, s, -1, -1)   # the prefix sequence holds only it
                     start = shared
                 slots[s] = {"req": i, "pos": start}
-            entries, owners = [], []   # owners: (seq, is the request's first output) per logit row
+            entries, owners = [], []   # owners: the sequence of each logit row, in row order
             budget = n_batch
             for s, st in slots.items():   # decoding sequences first: one token each
                 if "next" in st:
@@ -278,7 +274,6 @@ class LlamaCppEngine:
                     if last:
                         owners.append(s)
                 st["pos"] += take
-                st["prefilled"] = st["pos"] == len(p)
                 budget -= take
             logits = self._decode(entries)
             picks = np.argmax(logits, axis=-1) if logits is not None else []

@@ -118,17 +118,16 @@ def cpu_facts() -> dict:
 # ---- engine processes -------------------------------------------------------------------------
 
 class Worker:
-    """One engine's process: commands on stdin, ``@@peer`` result lines on stdout; everything
-    else it prints goes to ``log``."""
+    """One engine's process: commands on stdin, ``@@peer`` result lines on stdout; of everything
+    else it prints the last lines are kept for the error when it fails."""
 
-    def __init__(self, engine: str, python: pathlib.Path, spec_path: pathlib.Path, env: dict, log):
+    def __init__(self, engine: str, python: pathlib.Path, spec_path: pathlib.Path, env: dict):
         self.engine = engine
         cmd = [str(python), str(HERE / "peer_worker.py"), "--engine", engine, "--spec", str(spec_path)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
         self.messages: queue.Queue = queue.Queue()
         self.tail: list[str] = []
-        self._log = log
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -137,7 +136,6 @@ class Worker:
                 self.messages.put(json.loads(line[len(PREFIX):]))
             else:
                 self.tail = (self.tail + [line.rstrip()])[-40:]
-                self._log(f"[{self.engine}] {line.rstrip()}", echo=False)
         self.messages.put(None)
 
     def receive(self, timeout: float) -> dict:
@@ -168,7 +166,8 @@ class Worker:
 def engine_env(engine: str, args, python: pathlib.Path) -> dict:
     """Environment variables per engine, from each one's CPU documentation."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent)] * (engine == "jaxkv") + [env.get("PYTHONPATH", "")]).strip(os.pathsep)
+    if engine == "jaxkv":   # this checkout's jaxkv, whatever the interpreter has installed
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH")) if p)
     if engine == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
@@ -253,10 +252,9 @@ def main(argv=None) -> dict:
     root = pathlib.Path(args.root).expanduser()
     lines: list[str] = []
 
-    def log(msg: str, echo: bool = True) -> None:
-        if echo:   # the engines' own logging is not kept (a failed worker's tail is raised)
-            lines.append(msg)
-            print(msg, flush=True)
+    def log(msg: str) -> None:   # the engines' own logging is not kept (a failed worker's tail is raised)
+        lines.append(msg)
+        print(msg, flush=True)
 
     cpu = cpu_facts()
     env_info = bc.environment()
@@ -285,7 +283,7 @@ def main(argv=None) -> dict:
     try:
         for e in args.engines:   # one at a time: loading competes for the same cores
             t0 = time.perf_counter()
-            workers[e] = Worker(e, pythons[e], spec_path, engine_env(e, args, pythons[e]), log)
+            workers[e] = Worker(e, pythons[e], spec_path, engine_env(e, args, pythons[e]))
             ready = workers[e].receive(args.timeout)
             configs[e] = dict(ready["config"], load_s=ready["load_s"])
             warm = {}
@@ -326,6 +324,10 @@ def main(argv=None) -> dict:
     return payload
 
 
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
 def summarize(args, results, tokens, workloads) -> dict:
     out = {}
     for w in args.workloads:
@@ -339,10 +341,6 @@ def summarize(args, results, tokens, workloads) -> dict:
                 if e == "jaxkv":
                     continue
                 j, q = per["jaxkv"], per[e]
-
-                def ratio(a, b):
-                    return a / b if a is not None and b else None
-
                 ratios[e] = {
                     "output_tok_s": ratio(j["output_tok_s"]["median"], q["output_tok_s"]["median"]),
                     # decode speed: 1/TPOT, jaxkv over the peer (> 1: jaxkv faster)

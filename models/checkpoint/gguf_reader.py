@@ -22,7 +22,7 @@ from jaxkv.models.checkpoint.tensors import CheckpointTensors, Index
 from jaxkv.models.tokenizer import Tokenizer
 
 
-def _field_value(field) -> Any:
+def field_value(field) -> Any:
     """A reader field as a python value (str, int, float, bool, or a list of them)."""
     types = field.types
     if not types:
@@ -46,7 +46,7 @@ def _field_value(field) -> Any:
 
 def read_gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     """``{key: value}`` of all metadata except the ``GGUF.*`` header fields."""
-    return {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return {k: field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
 def dequantize_tensor(tensor) -> np.ndarray:
