@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=256 << 20)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--warmup", choices=("decode", "all", "off"), default="decode")
+    p.add_argument("--warmup", choices=("on", "off"), default="on")
     p.add_argument("--warm-passes", type=int, default=1)
     p.add_argument("--prefill-devices", default=None, help="CUDA_VISIBLE_DEVICES of the prefill instance")
     p.add_argument("--decode-devices", default=None, help="CUDA_VISIBLE_DEVICES of the decode instance")

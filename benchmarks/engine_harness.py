@@ -5,15 +5,16 @@ Per-step timing wraps the engine's own methods on the *instance* (no engine code
 
   step      wall time of ``engine.step()``
   schedule  ``scheduler.schedule()``
-  execute   ``runner.dispatch()`` + ``runner.collect()``; inside them ``device`` = the jitted
-            step's call (``runner._dispatch``: one host->device transfer, and the compile of a
-            new shape) + the wait for its results (``runner._fetch``: one device->host
-            transfer); the rest is input preparation and unpacking
+  execute   ``runner.dispatch()`` + ``runner.collect()``; inside them ``device`` = the calls
+            of the compiled programs (``runner._run``: forward, sampler, ...; their inputs'
+            host->device transfers are in ``runner._to_device``, counted too) + the wait for the
+            results (``runner._fetch``: the device->host transfer); the rest is input
+            preparation and unpacking
   update    ``scheduler.update_from_output()``
   host%     (step - device) / step
 
-A step whose ``_dispatch`` saw a new static shape compiled; such steps are flagged and the timed
-pass is expected to have none (``compiles`` in the tables).
+A step during which the runner compiled a program is flagged (after the default warm-up there
+should be none: ``compiles`` in the tables).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ class StepRecord:
     num_reqs: int
     num_tokens: int
     compiled: bool
-    width: int | None      # block-table width bucket the step ran with
 
     @property
     def decode_only(self) -> bool:
@@ -57,24 +57,17 @@ class StepTimer:
         sched.update_from_output = self._timed(sched.update_from_output, "update_s")
         runner.dispatch = self._timed(runner.dispatch, "execute_s")
         runner.collect = self._timed(runner.collect, "execute_s")
-        orig_dispatch, orig_fetch = runner._dispatch, runner._fetch
+        self._runner = runner
+        for name in ("_run", "_to_device", "_fetch"):
+            setattr(runner, name, self._device_timed(getattr(runner, name)))
 
-        def dispatch(shape, packed):
-            new = shape not in runner.compiled_shapes
+    def _device_timed(self, fn):
+        def wrapper(*args):
             t0 = time.perf_counter()
-            out = orig_dispatch(shape, packed)
+            out = fn(*args)
             self._cur["device_s"] = self._cur.get("device_s", 0.0) + time.perf_counter() - t0
-            self._cur["compiled"] = self._cur.get("compiled", False) or new
-            self._cur["width"] = shape.width
             return out
-
-        def fetch(shape, out):
-            t0 = time.perf_counter()
-            result = orig_fetch(shape, out)
-            self._cur["device_s"] = self._cur.get("device_s", 0.0) + time.perf_counter() - t0
-            return result
-
-        runner._dispatch, runner._fetch = dispatch, fetch
+        return wrapper
 
     def _timed(self, fn, key):
         def wrapper(*args, **kwargs):
@@ -89,15 +82,14 @@ class StepTimer:
 
     def step(self):
         self._cur = {}
-        t0 = time.perf_counter()
+        compiles, t0 = self._runner.num_compiles, time.perf_counter()
         outs = self.engine.step()
         c = self._cur
         self.records.append(StepRecord(
             step_s=time.perf_counter() - t0, schedule_s=c.get("schedule_s", 0.0),
             execute_s=c.get("execute_s", 0.0), update_s=c.get("update_s", 0.0),
             device_s=c.get("device_s", 0.0), num_reqs=c.get("num_reqs", 0),
-            num_tokens=c.get("num_tokens", 0), compiled=c.get("compiled", False),
-            width=c.get("width")))
+            num_tokens=c.get("num_tokens", 0), compiled=self._runner.num_compiles != compiles))
         return outs
 
 
@@ -221,7 +213,7 @@ def decode_step_times(engine: LLMEngine, timer: StepTimer, prompts: list[list[in
     return {"steps": len(good), "step_ms_median": 1e3 * statistics.median(r.step_s for r in good),
             "step_ms_min": 1e3 * min(r.step_s for r in good),
             "device_ms_median": 1e3 * statistics.median(r.device_s for r in good),
-            "width": good[-1].width, "compiled_steps": sum(r.compiled for r in timer.records)}
+            "compiled_steps": sum(r.compiled for r in timer.records)}
 
 
 def seeded_tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:

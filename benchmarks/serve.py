@@ -11,11 +11,12 @@ ignored), sent to ``/v1/completions`` streamed (``stream_options.include_usage``
 process of that many requests a second (exponential gaps, seeded). Per rate it reports request
 throughput, output tok/s, TTFT, TPOT ((latency - TTFT) / (output tokens - 1)) and ITL (gaps
 between streamed chunks, one token each), mean / p50 / p99 in ms. The server is started here
-(``--warmup decode``, prefix caching off) and sent the requests ``--warm-passes`` times
-untimed before each timed pass, with the same arrivals: the prefill / decode mix of a step
-depends on arrival timing, and each new mix compiles on first use (5-8 s a shape on a loaded
-2-core VM), so one untimed pass was not enough; then it is stopped and an in-process ``LLM`` with the same engine flags runs
-the same requests (one untimed, one timed pass). Everything is bounded by ``--timeout``; the
+(default warm-up: every program the engine can run is compiled before ``/health`` answers;
+prefix caching off) and sent the requests ``--warm-passes`` times untimed before each timed
+pass, with the same arrivals (warming the host side: nothing compiles after start-up, and the
+server's ``jaxkv:compiles_total`` is read before and after to check it); then it is stopped
+and an in-process ``LLM`` with the same engine flags runs the same requests (one untimed, one
+timed pass). Everything is bounded by ``--timeout``; the
 server listens on 127.0.0.1 only. CPU numbers on shared cores are noisy: compare within a run.
 """
 
@@ -64,7 +65,7 @@ def engine_kwargs(args) -> dict:
     return dict(max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching,
-                warmup=False if args.warmup == "off" else args.warmup)
+                warmup=args.warmup != "off")
 
 
 class Server:
@@ -208,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=512 << 20)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--warmup", choices=("decode", "all", "off"), default="decode")
+    p.add_argument("--warmup", choices=("on", "off"), default="on")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="off by default: the untimed pass would turn the timed prompts into cache hits")
     p.add_argument("--warm-passes", type=int, default=2,

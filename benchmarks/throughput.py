@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
 import pathlib
 import statistics
 import sys
@@ -238,7 +237,7 @@ def run_long_decode(ctx, sz: Sizes) -> dict:
             t0 = time.perf_counter()
             r = measure(engine, timer, c, b)
             row = {"context": c, "batch": b, "jaxkv_step_ms": r["step_ms_median"],
-                   "jaxkv_device_ms": r.get("device_ms_median"), "width_blocks": r.get("width"),
+                   "jaxkv_device_ms": r.get("device_ms_median"),
                    "measured_steps": r["steps"], "wall_s": time.perf_counter() - t0}
             if ctx.naive is not None:
                 row["naive_step_ms"] = 1e3 * ctx.naive.decode_step_time(b, c, steps)
@@ -337,7 +336,7 @@ class Context:
         t0 = time.perf_counter()
         engine.runner.warmup(progress=False)
         self.compile[label] = {"warmup_s": time.perf_counter() - t0, "warmup_compiles": engine.runner.num_compiles}
-        print(f"# engine ({label}) warmup: {engine.runner.num_compiles} shapes, "
+        print(f"# engine ({label}) warmup: {engine.runner.num_compiles} programs, "
               f"{self.compile[label]['warmup_s']:.1f} s", file=sys.stderr)
         return engine, timer
 
@@ -494,10 +493,10 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if not args.no_compile_cache and not os.environ.get("JAXKV_NO_COMPILE_CACHE"):
-        from jaxkv.entrypoints.cli import _enable_compile_cache
+    if not args.no_compile_cache:
+        from jaxkv import compile_cache
 
-        _enable_compile_cache()
+        compile_cache.enable()   # JAXKV_COMPILE_CACHE=off leaves it off
     sz = _sizes(args)
     workloads = WORKLOADS if args.workload == "all" else (args.workload,)
     env = bc.environment()

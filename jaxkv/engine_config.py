@@ -5,14 +5,12 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
-import sys
 
-import jax
 
 from jaxkv.core import SchedulerConfig
 from jaxkv.core.stop_check import merge_eos_token_ids
 from jaxkv.pooling_params import PoolerConfig
-from jaxkv.worker.model_runner import BACKENDS
+from jaxkv.worker.backends import BACKENDS
 from jaxkv.worker.sampler import LOGPROBS_MODES
 from jaxkv.worker.spec_decode import SpeculativeConfig
 from jaxkv.models.config import DTYPES
@@ -44,9 +42,8 @@ class EngineConfig:
     cache_dtype: str
     attention_backend: str
     seed: int
-    warmup: bool | str
+    warmup: bool
     scheduler_config: SchedulerConfig
-    warmup_sampling: tuple = ()  # SamplingParams whose step variants warmup also compiles
     speculative_config: SpeculativeConfig | None = None
     logprobs_mode: str = "raw_logprobs"   # vLLM's: what sampled tokens' logprobs are computed from
     tensor_parallel_size: int = 1         # devices the model and KV heads are split over
@@ -68,6 +65,14 @@ class EngineConfig:
     headless: bool = False     # this node only runs workers (node_rank > 0)
     devices_per_worker: int = 1   # "mp": devices of each worker process (CPU host devices; GPUs per process)
     kv_transfer_config: object = None   # a KVTransferConfig: the KV connector (P/D disaggregation)
+    compile_cache_dir: str | None = None   # jax's persistent compilation cache (None: left alone)
+
+
+def _compile_cache_dir(setting) -> str | None:
+    from jaxkv.compile_cache import resolve  # noqa: PLC0415
+
+    path = resolve(setting)
+    return None if path is None else str(path)
 
 
 def _positive(name, value):
@@ -103,8 +108,8 @@ def _check_argument_types(*, flags: dict, warmup, max_logprobs, seed, dtype, gpu
     """The checks of ``resolve_engine_config``'s arguments that need no model: each wrong
     type or value a TypeError / ValueError naming the argument (bool flags must be bools:
     ``"no"`` is truthy; ``warmup=1`` would compare equal to True)."""
-    if not (isinstance(warmup, bool) or warmup in ("decode", "all")):
-        raise ValueError(f"warmup must be True, False, 'decode' or 'all', got {warmup!r}")
+    if not isinstance(warmup, bool):
+        raise ValueError(f"warmup must be True or False, got {warmup!r}")
     for name, value in flags.items():
         _check_bool(name, value)
     if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
@@ -195,8 +200,7 @@ def resolve_engine_config(
     dtype: str = "float32",
     seed: int = 0,
     tokenizer=None,
-    warmup: bool | str = True,
-    warmup_sampling=(),
+    warmup: bool = True,
     speculative_config=None,
     logprobs_mode: str = "raw_logprobs",
     tensor_parallel_size: int = 1,
@@ -213,6 +217,7 @@ def resolve_engine_config(
     headless: bool = False,
     devices_per_worker: int = 1,
     kv_transfer_config=None,
+    compile_cache=True,
 ):
     """Resolves and checks every engine argument. Returns (model, model_config, tokenizer,
     EngineConfig); ``model`` is the NNX model given (the in-process worker serves it), or
@@ -222,18 +227,16 @@ def resolve_engine_config(
     KV-cache plan is made later by the engine core from what each worker reports
     (``jaxkv.engine.core``).
 
-    ``warmup`` compiles the pure-decode step for every request bucket at start-up (a progress
-    line on stderr when ``verbose``), so steady-state decoding never compiles; ``"all"`` also
-    compiles every prefill / mixed step shape (one per token bucket x request bucket: 108
-    for tiny-llama's benchmark settings, 162 s on 2 CPU cores), so no greedy step compiles
-    later; ``False`` compiles each shape on first use.
-
-    A step's compiled variant also depends on its sampling flags (all greedy or not, top-k /
-    top-p, logprobs, min_tokens' banned ids, penalties), so the warm-up covers greedy steps
-    only unless ``warmup_sampling`` lists SamplingParams like the ones the traffic will use:
-    each adds its variant of every warmed-up shape (e.g. ``[SamplingParams(temperature=0.8,
-    top_p=0.95)]`` doubles the warm-up). Penalties' token-history widths grow with the
-    requests, so penalised steps still compile per history bucket on first use.
+    ``warmup`` (default True) compiles every program the engine can run at start-up (a
+    progress line on stderr when ``verbose``): the forward of every token bucket, the greedy
+    and the general sampler of every request bucket, prompt logprobs per token bucket, the
+    verifier of every position bucket with speculative decoding, and three small update
+    programs (``jaxkv.worker.program_set``; ``2 F + 2 Q + V + 3`` for F token, Q request and V
+    position buckets). Sampling options are data, not compiled variants, so after warm-up no
+    request compiles anything (a compile after it is counted in ``get_stats()["late_compiles"]``
+    and logged). ``False`` compiles each program on first use. jax's persistent compilation
+    cache (``jaxkv.compile_cache``) makes a restart with the same configuration read the
+    programs back instead of compiling them.
 
     ``async_scheduling`` pipelines the engine one step deep (``LLMEngine.step``; vLLM's
     ``--async-scheduling``): the same tokens, outputs one ``step()`` later.
@@ -243,8 +246,7 @@ def resolve_engine_config(
     step by n-gram lookup over its own tokens and verifies them in the next step (see
     ``jaxkv.worker.spec_decode``); not with ``async_scheduling``. ``"disable_by_batch_size":
     B`` (vLLM's) proposes no drafts after a step of B or more requests. Steps with drafts are
-    extra compiled variants: ``warmup`` also compiles the decode steps with drafts (28 for 64
-    requests and k = 3); steps mixing prefill with drafts compile on first use.
+    verified by the ``verify`` programs (one per bucket of scored positions).
 
     ``logprobs_mode`` (vLLM's): what the logprobs of sampled tokens are computed from:
     "raw_logprobs" (default: the model's distribution), "raw_logits", "processed_logprobs" /
@@ -290,6 +292,11 @@ def resolve_engine_config(
     ``{"kv_connector": "JaxTransferConnector", "kv_role": "kv_producer"}`` on a prefill
     instance. Requests then pass ``SamplingParams(extra_args={"kv_transfer_params": {...}})``.
 
+    ``compile_cache`` (default True): jax's persistent compilation cache, so a restart with
+    the same configuration reads its compiled programs back (``jaxkv.compile_cache``): True
+    for ``$JAXKV_COMPILE_CACHE``, else a directory the process already gave jax, else
+    ``~/.cache/jaxkv/xla``; a directory; or False / "off" to leave jax's setting alone.
+
     ``model`` is a name or path (``str`` or ``os.PathLike``) for ``jaxkv.models.load_model``, or an
     already built NNX model (then ``tokenizer`` may be given). Flags (``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``async_scheduling``, ``verbose``) must be real bools.
@@ -307,14 +314,6 @@ def resolve_engine_config(
     check_executor_args(distributed_executor_backend, model, nnodes=nnodes, node_rank=node_rank,
                         master_addr=master_addr, master_port=master_port, headless=headless,
                         tensor_parallel_size=tensor_parallel_size, devices_per_worker=devices_per_worker)
-    from jaxkv.sampling_params import SamplingParams  # noqa: PLC0415
-
-    if isinstance(warmup_sampling, SamplingParams) or not isinstance(warmup_sampling, (list, tuple)):
-        raise TypeError(f"warmup_sampling must be a list of SamplingParams, got {warmup_sampling!r}")
-    for p in warmup_sampling:
-        if not isinstance(p, SamplingParams):
-            raise TypeError(f"warmup_sampling entries must be SamplingParams, got {p!r}")
-
     if distributed_executor_backend != "mp":   # "mp": the devices are the worker processes'
         check_device_count(tensor_parallel_size)   # ValueError saying how to get more devices
     if runner not in RUNNERS:
@@ -373,7 +372,7 @@ def resolve_engine_config(
                           max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                           cache_dtype=cache_dtype, attention_backend=attention_backend, seed=seed,
                           warmup=warmup, scheduler_config=sched,
-                          warmup_sampling=tuple(warmup_sampling), speculative_config=speculative_config,
+                          speculative_config=speculative_config,
                           logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size,
                           pooler_config=pooler_config, runner=runner, max_logprobs=max_logprobs,
                           eos_token_ids=eos_ids, model=model if isinstance(model, str) else None,
@@ -383,5 +382,6 @@ def resolve_engine_config(
                           distributed_executor_backend=distributed_executor_backend, nnodes=nnodes,
                           node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                           headless=headless, devices_per_worker=devices_per_worker,
-                          kv_transfer_config=kv_transfer_config)
+                          kv_transfer_config=kv_transfer_config,
+                          compile_cache_dir=_compile_cache_dir(compile_cache))
     return loaded, model_config, tokenizer, config

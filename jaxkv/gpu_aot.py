@@ -87,11 +87,10 @@ def aot_compile(jitted, device, *args, **static_kwargs):
         return jitted.trace(*on_device(args, device), **static_kwargs).lower().compile()
 
 
-def compile_runner_step(runner, device, T: int, S: int, *, max_q_len: int, sampling=None,
-                        num_output_tokens: int = 0, spec_positions: int = 0, pooling: int = 0,
-                        num_blocks: int | None = None, report: bool = False):
-    """The runner's step of shape (T tokens, S rows) compiled for ``device`` with the Pallas
-    kernels lowered for the GPU (not interpreted); arguments as ``ModelRunner._empty_step``.
+def compile_runner_program(runner, device, key, *, num_blocks: int | None = None, report: bool = False):
+    """The runner's program ``key`` (a ``jaxkv.worker.program_set.ProgramKey``, e.g. the
+    forward of a token bucket) compiled for ``device`` with the Pallas kernels lowered for the
+    GPU (not interpreted): the same builder the engine's warm-up uses.
 
     ``num_blocks``: compile for KV buffers of that many blocks instead of the runner's own
     (a plan for a GPU's memory needs no such buffers on this machine). ``report``: also
@@ -99,24 +98,25 @@ def compile_runner_step(runner, device, T: int, S: int, *, max_q_len: int, sampl
     import jax
     import numpy as np
 
+    from jaxkv.worker.step_programs import build_program
+
     binding = dataclasses.replace(runner.binding, backend="pallas", interpret=False)
-    shape, packed = runner._empty_step(T, S, max_q_len=max_q_len, sampling=sampling,
-                                       num_output_tokens=num_output_tokens,
-                                       spec_positions=spec_positions, pooling=pooling)
     buffers = runner.buffers
     if num_blocks is not None:
         buffers = tuple(jax.ShapeDtypeStruct((num_blocks * runner.page_bytes,), np.uint8) for _ in buffers)
-    args = (runner.state, buffers, runner.tables, runner.last_sampled, packed)
+    program = build_program(runner, key, binding=binding, buffers=buffers)
+    jitted = jax.jit(program.fn, donate_argnums=program.donate_argnums)
     if report:
-        return compile_with_report(runner.jit_step(binding), device, *args, shape=shape)
-    return aot_compile(runner.jit_step(binding), device, *args, shape=shape)
+        return compile_with_report(jitted, device, *program.abstract_args())
+    return aot_compile(jitted, device, *program.abstract_args())
 
 
 def gpu_step_report(model_config, *, target: str = "h200", kv_cache_memory_bytes: int,
                     max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                     block_size: int = 16, kv_cache_dtype: str = "auto") -> str:
-    """What a decode step of ``max_num_seqs`` rows and a full mixed step would take on the
-    GPU ``target``: each step's temp memory and KV aliasing, and each Triton kernel's grid,
+    """What the forward of a decode step of ``max_num_seqs`` rows and of a full mixed step
+    would take on the GPU ``target``: each one's temp memory and KV aliasing, and each Triton
+    kernel's grid,
     threads, shared memory, registers and spills, compiled deviceless for the model's config
     (weights abstract: nothing the size of the model is allocated)."""
     from flax import nnx
@@ -124,6 +124,7 @@ def gpu_step_report(model_config, *, target: str = "h200", kv_cache_memory_bytes
     from jaxkv.engine import LLMEngine
     from jaxkv.plan import build_plan, layer_infos
     from jaxkv.models import build_model
+    from jaxkv.worker.program_set import FORWARD, ProgramKey
 
     cache_dtype = model_config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     plan = build_plan(layer_infos(model_config), block_size=block_size, cache_dtype=cache_dtype,
@@ -140,10 +141,10 @@ def gpu_step_report(model_config, *, target: str = "h200", kv_cache_memory_bytes
     lines = [f"{target.upper()} (deviceless compile, no autotuning): {model_config.num_hidden_layers} "
              f"layers, hidden {model_config.hidden_size}, {plan.num_blocks} KV blocks of {block_size} "
              f"tokens ({kv_cache_memory_bytes / 2**30:.2f} GiB, {cache_dtype})"]
-    S = runner.seq_buckets[-1]
-    for label, T, q in (("decode", S, 1), ("mixed", runner.token_buckets[-1], runner.token_buckets[-1])):
-        compiled, kernels = compile_runner_step(runner, dev, T, S, max_q_len=q,
-                                                num_blocks=plan.num_blocks, report=True)
+    S = runner.buckets.seqs[-1]
+    for label, T in (("decode", S), ("mixed", runner.buckets.tokens[-1])):
+        compiled, kernels = compile_runner_program(runner, dev, ProgramKey(FORWARD, T),
+                                                   num_blocks=plan.num_blocks, report=True)
         ma = compiled.memory_analysis()
         lines.append(f"  {label} step (T={T}, S={S}): temp {ma.temp_size_in_bytes / 2**20:.1f} MiB, "
                      f"arguments {ma.argument_size_in_bytes / 2**30:.2f} GiB, aliased "

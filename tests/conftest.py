@@ -9,20 +9,25 @@ if not os.path.exists("/dev/nvidiactl"):   # no NVIDIA GPU: let the CUDA plugin 
     prepare_environment()                  # for deviceless compiles (tests/gpu_aot)
 
 import jax  # noqa: E402
-import pytest
+import pytest  # noqa: E402
+
+from jaxkv import compile_cache  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_compile_cache():
     """Many tests build engines of the same small models with the same settings, so their
-    jitted steps compile to identical programs: one persistent XLA cache per test session (a
-    fresh directory, removed afterwards) compiles each once. ``JAXKV_TEST_NO_COMPILE_CACHE=1``
-    turns it off."""
+    programs compile to identical executables: one persistent XLA cache per test session (a
+    fresh directory, removed afterwards; engines and the processes the tests start use it
+    through ``JAXKV_COMPILE_CACHE``) compiles each once, and the user's own cache is never
+    touched. ``JAXKV_TEST_NO_COMPILE_CACHE=1`` turns it off."""
     if os.environ.get("JAXKV_TEST_NO_COMPILE_CACHE"):
+        os.environ[compile_cache.ENV] = "off"
         yield
         return
     with tempfile.TemporaryDirectory(prefix="jaxkv-test-xla-") as path:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        os.environ[compile_cache.ENV] = path
+        compile_cache.enable(path)
         yield
         jax.config.update("jax_compilation_cache_dir", None)
+        os.environ.pop(compile_cache.ENV, None)

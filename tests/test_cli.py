@@ -19,11 +19,6 @@ TINY = ["generate", "--model", "tiny-llama", "--max-tokens", "2", "--kv-cache-me
         "--max-model-len", "128", "--max-num-seqs", "4", "--warmup", "off"]
 
 
-@pytest.fixture(autouse=True)
-def _no_cli_compile_cache(monkeypatch):
-    monkeypatch.setenv("JAXKV_NO_COMPILE_CACHE", "1")   # the CLI's cache is global jax config
-
-
 @pytest.fixture
 def no_load(monkeypatch):
     """Any attempt to build the engine (and so load the model) fails the test."""
@@ -305,7 +300,7 @@ def test_every_flag_has_one_line_help_with_its_default():
 def test_flag_choices_match_the_library():
     from jaxkv.models.config import CACHE_DTYPES, DTYPES
 
-    from jaxkv.worker.model_runner import BACKENDS
+    from jaxkv.worker.backends import BACKENDS
 
     assert cli.MODEL_DTYPES == DTYPES
     assert cli.KV_CACHE_DTYPES == ("auto",) + CACHE_DTYPES

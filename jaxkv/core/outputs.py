@@ -50,6 +50,8 @@ class ModelRunnerOutput:
             ``[num_prompt_tokens, dims]`` for ``token_embed``) of pooling requests whose
             prompt finished this step.
         kv_connector_output: The KV connector's report (None without a connector).
+        num_compiles: Programs the worker has compiled since it started, warm-up included
+            (``/metrics`` ``jaxkv:compiles_total``; after warm-up it should never change).
     """
 
     req_ids: list[str]
@@ -60,6 +62,7 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None
     pooler_output: dict[str, object] = dataclasses.field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
+    num_compiles: int = 0
 
     @classmethod
     def from_sampled(cls, sampled: dict[str, list[int]]) -> "ModelRunnerOutput":

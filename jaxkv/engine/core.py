@@ -33,10 +33,9 @@ class EngineCore:
       config: the engine's ``EngineConfig``.
       executor_class: an ``Executor`` subclass (``Executor.get_class(config)``).
       model: an NNX model built in this process (in-process executors only).
-      warmup_sampling: SamplingParams (bad words encoded) whose step variants warm-up compiles.
     """
 
-    def __init__(self, config, executor_class, model=None, *, warmup_sampling=()):
+    def __init__(self, config, executor_class, model=None):
         self.config = config
         self.model_executor = executor_class(config, model)
         try:
@@ -44,7 +43,9 @@ class EngineCore:
             self.kv_cache_config: KVCacheConfig = self.kv_cache_configs[0]
             self.scheduler = Scheduler(self.kv_cache_config, config.scheduler_config,
                                        kv_connector=self._make_kv_connector())
-            self.model_executor.compile_or_warm_up_model(warmup_sampling)
+            self.model_executor.compile_or_warm_up_model()
+            #: Programs the driver worker has compiled (warm-up included), from its outputs.
+            self.num_compiles = int(self.model_executor.get_runner_stats()["num_compiles"])
         except BaseException:
             self.model_executor.shutdown()
             raise
@@ -114,7 +115,7 @@ class EngineCore:
         With async scheduling this dispatches step N+1 and returns step N's outputs."""
         if not self.config.scheduler_config.async_scheduling:
             so = self._schedule()
-            outputs = self.scheduler.update_from_output(so, self.model_executor.execute_model(so))
+            outputs = self._update(so, self.model_executor.execute_model(so))
             self._idle_wait(so)
             return outputs, so
         outputs = []
@@ -152,7 +153,12 @@ class EngineCore:
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         so, pending = self._in_flight
         self._in_flight = None
-        return self.scheduler.update_from_output(so, pending.result())
+        return self._update(so, pending.result())
+
+    def _update(self, so: SchedulerOutput, output) -> list[EngineCoreOutput]:
+        if output is not None and output.num_compiles:
+            self.num_compiles = output.num_compiles
+        return self.scheduler.update_from_output(so, output)
 
     # ---- failed steps -------------------------------------------------------------------------
 

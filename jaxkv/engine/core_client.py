@@ -72,6 +72,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     kv_transfer_seconds: float = 0.0      # ... and the seconds those loads took (start to data)
     kv_external_tokens: int = 0           # tokens computed elsewhere and loaded
     kv_failed_loads: int = 0              # loads that failed (their requests recomputed)
+    num_compiles: int = 0                 # programs compiled since start (warm-up included)
 
 
 class CoreOutputs(msgspec.Struct, array_like=True):
@@ -116,14 +117,14 @@ def _stats_of(core) -> CoreStats:
                      totals.total_queries, totals.total_hits, float(st.prefix_cache_hit_rate),
                      st.num_preemptions, int(kv.get("bytes_pulled", kv.get("bytes_loaded", 0))),
                      float(kv.get("pull_seconds", kv.get("load_seconds", 0.0))), sched.num_external_computed_tokens,
-                     sched.num_failed_kv_loads)
+                     sched.num_failed_kv_loads, getattr(core, "num_compiles", 0))
 
 
 # ---- the engine-core process --------------------------------------------------------------------
 
 
 def run_engine_core(model: str, engine_kwargs: dict, input_addr: str, output_addr: str,
-                    parent_pid: int, compile_cache_dir: str | None) -> None:
+                    parent_pid: int) -> None:
     """The core process's entry point: build the engine, answer READY, run the busy loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the front end's to handle
     ctx = zmq.Context()
@@ -134,7 +135,7 @@ def run_engine_core(model: str, engine_kwargs: dict, input_addr: str, output_add
     out.setsockopt(zmq.LINGER, 2000)
     try:
         try:
-            core = _build_core(model, engine_kwargs, compile_cache_dir, out)
+            core = _build_core(model, engine_kwargs, out)
         except BaseException as exc:  # noqa: BLE001 - reported to the front end, which raises it
             message = f"{type(exc).__name__}: {exc}"
             out.send_multipart([MsgType.STARTUP_FAILED.value, pickle.dumps(message)])
@@ -149,23 +150,15 @@ def run_engine_core(model: str, engine_kwargs: dict, input_addr: str, output_add
         ctx.term()
 
 
-def _build_core(model, engine_kwargs, compile_cache_dir, out):
-    if compile_cache_dir:
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", compile_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+def _build_core(model, engine_kwargs, out):
     from jaxkv.engine.core import EngineCore
     from jaxkv.engine_config import resolve_engine_config
     from jaxkv.executor import Executor
-    from jaxkv.input_processor import InputProcessor
 
     loaded, model_config, tokenizer, config = resolve_engine_config(model, **engine_kwargs)
-    ip = InputProcessor(config, model_config, tokenizer)
-    warmup = [ip.with_bad_words_ids("warmup", p) for p in config.warmup_sampling]
-    core = EngineCore(config, Executor.get_class(config), loaded, warmup_sampling=warmup)
+    core = EngineCore(config, Executor.get_class(config), loaded)
     kv = core.kv_cache_config
-    info = {"num_blocks": kv.num_blocks, "pid": os.getpid()}
+    info = {"num_blocks": kv.num_blocks, "pid": os.getpid(), "num_compiles": core.num_compiles}
     out.send_multipart([MsgType.READY.value, pickle.dumps((config, model_config, tokenizer, info))])
     return core
 
@@ -288,7 +281,7 @@ class EngineCoreClient:
         input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         self.input.bind(input_addr)
         self.output.bind(output_addr)
-        args = (os.fspath(model), engine_kwargs, input_addr, output_addr, os.getpid(), _compile_cache_dir())
+        args = (os.fspath(model), engine_kwargs, input_addr, output_addr, os.getpid())
         self.dead: EngineDeadError | None = None
         self.proc = _spawn(args)
         try:
@@ -401,14 +394,6 @@ def _spawn(args: tuple) -> subprocess.Popen:
         proc.wait()
         raise
     return proc
-
-
-def _compile_cache_dir() -> str | None:
-    """The persistent XLA cache this process uses (the CLI's, a test session's), for the core."""
-    import sys
-
-    jax = sys.modules.get("jax")
-    return getattr(jax.config, "jax_compilation_cache_dir", None) if jax is not None else None
 
 
 async def wait_for_exit(proc: subprocess.Popen, loop: asyncio.AbstractEventLoop) -> None:

@@ -49,9 +49,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.input_processor = InputProcessor(config, model_config, tokenizer)
-        # bad_words encoded, so warm-up compiles the widths requests use
-        warmup_sampling = [self.input_processor.with_bad_words_ids("warmup", p) for p in config.warmup_sampling]
-        self.engine_core = EngineCore(config, Executor.get_class(config), model, warmup_sampling=warmup_sampling)
+        self.engine_core = EngineCore(config, Executor.get_class(config), model)
         self.kv_cache_config = self.engine_core.kv_cache_config
         self.output_processor = OutputProcessor(tokenizer)
         self._counter = itertools.count()
@@ -248,6 +246,8 @@ class LLMEngine:
             prefix_hit_tokens=op.prefix_hit_tokens,
             num_compiles=runner["num_compiles"],
             compile_seconds=round(runner["compile_seconds"], 3),
+            num_programs=runner["num_programs"],
+            late_compiles=len(runner["late_compiles"]),
             num_steps=self.num_steps,
             generated_tokens=op.num_generated_tokens,
             scheduled_tokens=self.num_prompt_tokens_computed,

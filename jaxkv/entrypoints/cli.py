@@ -139,7 +139,7 @@ FLAG_NAMES = {
     "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "stop": "--stop", "n": "-n",
     "distributed_executor_backend": "--distributed-executor-backend", "nnodes": "--nnodes",
     "node_rank": "--node-rank", "master_addr": "--master-addr", "master_port": "--master-port",
-    "headless": "--headless", "devices_per_worker": "--devices-per-worker",
+    "headless": "--headless", "devices_per_worker": "--devices-per-worker", "compile_cache": "--compile-cache",
 }
 _FLAG_RE = re.compile(r"(?<![\w-])(" + "|".join(sorted(FLAG_NAMES, key=len, reverse=True)) + r")(?![\w-])")
 
@@ -271,22 +271,6 @@ def _add_proxy(sub) -> None:
     add_parser(sub)
 
 
-def _enable_compile_cache() -> None:
-    """Persist compiled steps across CLI runs (the CLI owns its process; the library never
-    touches global jax config). ``JAXKV_NO_COMPILE_CACHE=1`` turns it off."""
-    import os
-
-    if os.environ.get("JAXKV_NO_COMPILE_CACHE"):
-        return
-    import jax
-
-    from jaxkv.models.checkpoint.smollm2 import cache_dir
-
-    path = cache_dir() / "xla"
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns its exit code (0 done, 2 bad arguments), ``--help``
     included, so that ``jaxkv.entrypoints.cli.main([...])`` can be called in-process."""
@@ -297,8 +281,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as e:   # --help (0) or a usage error (2, already printed)
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
-    if args.command not in ("plan", "proxy"):
-        _enable_compile_cache()
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -88,7 +88,8 @@ def cmd_serve(args) -> int:
         return error("serve", name_flags(e))
     names = args.served_model_name or [args.model]
     print(f"jaxkv serve: {names[0]} on http://{args.host}:{args.port} "
-          f"({engine.engine_core.info['num_blocks']} KV blocks)", file=sys.stderr, flush=True)
+          f"({engine.engine_core.info['num_blocks']} KV blocks, "
+          f"{engine.engine_core.info.get('num_compiles', 0)} programs compiled)", file=sys.stderr, flush=True)
     run_server(engine, names, host=args.host, port=args.port, api_key=args.api_key,
                log_level=args.uvicorn_log_level)
     return 0

@@ -33,8 +33,12 @@ def add_engine_args(g) -> None:
                    help="most tokens per step (default: 2048, or --max-num-seqs when larger)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
                    default="auto", help="attention implementation (default: auto)")
-    g.add_argument("--warmup", choices=("decode", "all", "off"), default="decode",
-                   help="compile at load: decode steps, all step shapes, or none (default: decode)")
+    g.add_argument("--warmup", choices=("on", "off"), default="on",
+                   help="compile every program the engine can run at load, so nothing compiles "
+                        "while it works; off compiles each on first use (default: on)")
+    g.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                   help="jax's persistent compilation cache, so a restart reads its programs back "
+                        "(default: $JAXKV_COMPILE_CACHE, else ~/.cache/jaxkv/xla; off: not used)")
     g.add_argument("--async-scheduling", action="store_true",
                    help="schedule step N+1 while step N runs: same tokens, pays on GPU / TPU "
                         "(default: off)")
@@ -64,6 +68,7 @@ def engine_kwargs(args) -> dict:
                 kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-                warmup=False if args.warmup == "off" else args.warmup,
+                warmup=args.warmup != "off",
+                compile_cache=True if args.compile_cache is None else args.compile_cache,
                 async_scheduling=args.async_scheduling, speculative_config=args.speculative_ngram,
                 kv_transfer_config=args.kv_transfer_config)

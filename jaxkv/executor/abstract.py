@@ -83,8 +83,8 @@ class Executor(abc.ABC):
         (``WorkerWrapperBase.initialize_from_config``) and allocates its buffers."""
         self.collective_rpc("initialize_from_config", args=(kv_cache_configs,))
 
-    def compile_or_warm_up_model(self, sampling: list = ()) -> None:
-        self.collective_rpc("compile_or_warm_up_model", kwargs={"sampling": list(sampling)})
+    def compile_or_warm_up_model(self) -> None:
+        self.collective_rpc("compile_or_warm_up_model")
 
     def recover_after_failure(self, req_ids) -> bool:
         """Makes every worker consistent after a failed step, forgetting ``req_ids`` (None:

@@ -118,6 +118,19 @@ def apply_block_table_ops(
     return tuple(out)
 
 
+def _encode(moves, clears, writes, layout: BlockTableOpsLayout) -> np.ndarray:
+    """(src, dst) moves, cleared rows and (group, row, col, id) writes, padded to ``layout``:
+    ``[layout.size]`` int32."""
+    move_arr = np.full((layout.num_moves, _MOVE_FIELDS), PAD_ROW, np.int32)
+    move_arr[: len(moves)] = np.asarray(moves, np.int32).reshape(-1, _MOVE_FIELDS)
+    clear_arr = np.full((layout.num_clears,), PAD_ROW, np.int32)
+    clear_arr[: len(clears)] = clears
+    write_arr = np.zeros((layout.num_writes, _WRITE_FIELDS), np.int32)
+    write_arr[:, 1] = PAD_ROW
+    write_arr[: len(writes)] = np.asarray(writes, np.int32).reshape(-1, _WRITE_FIELDS)
+    return np.concatenate([move_arr.ravel(), clear_arr, write_arr.ravel()])
+
+
 @dataclasses.dataclass
 class _RowDiff:
     """Net effect of this step's staged ops on one row."""
@@ -269,17 +282,30 @@ class BlockTableStager:
                 f"diff needs {len(moves)} moves, {len(clears)} clears, {len(writes)} writes; "
                 f"layout {layout} is too small"
             )
-        move_arr = np.full((layout.num_moves, _MOVE_FIELDS), PAD_ROW, np.int32)
-        move_arr[: len(moves)] = np.asarray(moves, np.int32).reshape(-1, _MOVE_FIELDS)
-        clear_arr = np.full((layout.num_clears,), PAD_ROW, np.int32)
-        clear_arr[: len(clears)] = clears
-        write_arr = np.zeros((layout.num_writes, _WRITE_FIELDS), np.int32)
-        write_arr[:, 1] = PAD_ROW
-        write_arr[: len(writes)] = np.asarray(writes, np.int32).reshape(-1, _WRITE_FIELDS)
-
         self._diff.clear()
         self._start_num_blocks = self.num_blocks_per_row.copy()
-        return np.concatenate([move_arr.ravel(), clear_arr, write_arr.ravel()]), layout
+        return _encode(moves, clears, writes, layout), layout
+
+    def encode_chunks(self, layout: BlockTableOpsLayout) -> list[np.ndarray]:
+        """:meth:`encode` for a fixed ``layout`` whatever the diff's size: the moves, the clears
+        and the first ``layout.num_writes`` writes in the first encoding, the other writes in
+        further ones (applied after it, in order; writes are plain assignments, so splitting
+        them changes nothing). At least one encoding; ValueError when the moves or clears do
+        not fit (a layout with ``max_num_reqs`` of each always fits them)."""
+        moves, clears, writes = self._net_ops()
+        if len(moves) > layout.num_moves or len(clears) > layout.num_clears:
+            raise ValueError(f"diff needs {len(moves)} moves and {len(clears)} clears; layout {layout} "
+                             f"holds {layout.num_moves} and {layout.num_clears}")
+        w = layout.num_writes
+        if writes and not w:
+            raise ValueError(f"diff needs {len(writes)} writes; layout {layout} holds none")
+        parts = [writes[i: i + w] for i in range(0, len(writes), w)]
+        chunks = []
+        for i, part in enumerate(parts or [[]]):
+            chunks.append(_encode(moves if i == 0 else [], clears if i == 0 else [], part, layout))
+        self._diff.clear()
+        self._start_num_blocks = self.num_blocks_per_row.copy()
+        return chunks
 
     def reset(self) -> None:
         """Every row empty and nothing staged (after a failed step; pair it with fresh

@@ -22,13 +22,7 @@ import numpy as np
 
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.block_table import BlockTableStager
-from jaxkv.worker.sampling_metadata import (
-    SamplingMetadata,
-    build_sampling_metadata,
-    make_request_key,
-    make_unseeded_request_key,
-    reads_token_ids,
-)
+from jaxkv.worker.sampling_updates import make_request_key, make_unseeded_request_key
 
 
 class InputBatch:
@@ -212,33 +206,3 @@ class InputBatch:
 
     def output_token_ids(self, row: int) -> np.ndarray:  # [num_output_tokens] int32 (a view)
         return self.token_ids_cpu[row, self.num_prompt_tokens[row] : self.num_tokens[row]]
-
-    def sampling_metadata(
-        self, num_rows: int, *, eos_token_id: int | None = None, vocab_size: int | None = None,
-        num_pending: Sequence[int] | None = None,
-    ) -> SamplingMetadata:
-        """Numpy SamplingMetadata for rows ``0..num_reqs-1`` padded to ``num_rows``.
-
-        Call after :meth:`condense`. Rows sample with ``fold_in(key, num_output_tokens)``;
-        ``num_pending`` [num_reqs] counts each row's sampled tokens not appended yet (async
-        scheduling), so the count, and the key, is the one the row has once they are.
-        """
-        if not self.is_condensed:
-            raise ValueError("sampling_metadata() needs a condensed batch; call condense() first")
-        n = self.num_reqs
-        rows = range(n)
-        params = self.sampling_params[:n]
-        counts = self.num_tokens[:n] - self.num_prompt_tokens[:n]
-        if num_pending is not None:
-            counts = counts + np.asarray(num_pending)
-        history = any(map(reads_token_ids, params))   # penalties and bad words read the tokens
-        return build_sampling_metadata(
-            params,
-            self.request_keys[:n],
-            counts,
-            [self.token_ids_cpu[r, : self.num_tokens[r]] for r in rows] if history else None,
-            self.num_prompt_tokens[:n] if history else None,
-            num_rows=num_rows,
-            eos_token_id=eos_token_id,
-            vocab_size=vocab_size,
-        )

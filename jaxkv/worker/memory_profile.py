@@ -2,26 +2,27 @@
 
 vLLM runs a profiling forward pass of ``max_num_batched_tokens`` tokens (plus a sampler pass
 over ``max_num_seqs`` rows) and reads the peak; JAX answers the same question before anything
-runs: the compiled step's ``memory_analysis().temp_size_in_bytes`` is the scratch memory XLA
-reserves for that step. The step is lowered with abstract arguments
-(``jax.ShapeDtypeStruct`` with the arguments' shardings), so no KV cache exists and nothing is
-allocated for it; temp memory does not grow with the cache (the buffers are donated and
-updated in place, tests/engine/test_step_memory.py), so a placeholder ``num_blocks`` does.
+runs: a compiled program's ``memory_analysis().temp_size_in_bytes`` is the scratch memory XLA
+reserves for it. The programs are lowered with abstract arguments (``jax.ShapeDtypeStruct``
+with the arguments' shardings), so no KV cache exists and nothing is allocated for it; temp
+memory does not grow with the cache (the buffers are donated and updated in place,
+tests/engine/test_step_memory.py), so a placeholder ``num_blocks`` does.
 
-The step is the engine's own: a ``ModelRunner`` built on a two-block placeholder plan of the
-worker's KV specs gives ``jit_step`` and ``_empty_step`` (the packed inputs of a step with no
-request in it), exactly what the engine compiles later.
+The programs are the engine's own: a ``ModelRunner`` built on a two-block placeholder plan of
+the worker's KV specs gives ``jaxkv.worker.step_programs.build_program``, exactly what the
+engine compiles later. A step runs its programs one after another, so the budget leaves room
+for the largest of them.
 
-Then ``available_kv_bytes``: ``bytes_limit * gpu_memory_utilization - weights - step temp``
-(an explicit ``kv_cache_memory_bytes`` wins; devices without memory stats, CPU, get a
-configured budget). The engine core sizes ``num_blocks`` to the smallest worker's answer
-(``jaxkv.kv_cache.get_kv_cache_configs``).
+Then ``available_kv_bytes``: ``bytes_limit * gpu_memory_utilization - weights - the sampling
+state - program temp`` (an explicit ``kv_cache_memory_bytes`` wins; devices without memory
+stats, CPU, get a configured budget). The engine core sizes ``num_blocks`` to the smallest
+worker's answer (``jaxkv.kv_cache.get_kv_cache_configs``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -29,12 +30,9 @@ import numpy as np
 from jaxkv.engine_config import DEFAULT_CPU_KV_CACHE_BYTES  # noqa: F401 - the CPU budget, re-exported
 from jaxkv.kv_cache import KVCacheSpec, get_kv_cache_config
 from jaxkv.models.sharding import TP_AXIS
-from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.model_runner import ModelRunner
-
-#: The sampled variant profiled next to the greedy one, as vLLM's dummy sampler run: not
-#: greedy, top-p and top-k (a sort over the vocabulary per row), and a sampled token's logprob.
-PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.99, top_k=50, logprobs=1)
+from jaxkv.worker.program_set import FORWARD, PROMPT_LOGPROBS, SAMPLE, VERIFY, ProgramKey
+from jaxkv.worker.step_programs import build_program
 
 #: Blocks the placeholder plan allocates (block 0 is the null block; 2 is the least a plan has).
 _PLACEHOLDER_BLOCKS = 2
@@ -42,117 +40,85 @@ _PLACEHOLDER_BLOCKS = 2
 
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
-    """One compiled step's memory on one device (``memory_analysis()``), in bytes."""
+    """One compiled program's memory on one device (``memory_analysis()``), in bytes."""
 
-    label: str                 # "greedy", "sampled", "speculative"
-    num_tokens: int            # T
-    num_seqs: int              # S
-    spec_positions: int        # P (0: no drafts)
-    temp_bytes: int            # XLA's scratch for the step: what the KV budget must leave free
+    program: str               # its key, e.g. "forward[2048]"
+    temp_bytes: int            # XLA's scratch for the program: what the KV budget must leave free
     argument_bytes: int        # weights + KV cache + inputs (the placeholder cache here)
     output_bytes: int
     alias_bytes: int           # outputs that reuse donated inputs (the KV buffers)
 
 
-def profile_largest_steps(
-    model,
-    kv_cache_specs: Mapping[str, KVCacheSpec],
-    *,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    max_model_len: int,
-    mesh=None,
-    num_blocks: int | None = None,
-    sampling: Sequence[SamplingParams | None] = (None, PROFILE_SAMPLING),
-    **runner_kwargs,
-) -> tuple[StepMemory, ...]:
-    """Compiles (never runs) the largest steps the engine can take and reads their memory.
+def largest_program_keys(runner: ModelRunner) -> list[ProgramKey]:
+    """The largest program of each kind the runner can run: the forward and the prompt
+    logprobs of the top token bucket, the sampler of the top request bucket and, with
+    speculative decoding, the verifier of the most positions."""
+    b = runner.buckets
+    keys = [ProgramKey(FORWARD, b.tokens[-1]), ProgramKey(SAMPLE, b.seqs[-1])]
+    if b.spec:
+        keys.append(ProgramKey(VERIFY, b.spec[-1]))
+    return keys + [ProgramKey(PROMPT_LOGPROBS, b.tokens[-1])]
 
-    The largest step has the top token bucket (``max_num_batched_tokens``) and the top request
-    bucket (``max_num_seqs``) with prefill (``max_q_len = T``), once per ``sampling`` variant
-    (None: greedy); with speculative decoding also the decode step with the most draft
-    positions. Prompt logprobs ([T, V] logits) are not profiled, as in vLLM.
+
+def placeholder_runner(model, kv_cache_specs: Mapping[str, KVCacheSpec], *, max_num_seqs: int,
+                       max_num_batched_tokens: int, max_model_len: int, mesh=None, **runner_kwargs) -> ModelRunner:
+    """The engine's ``ModelRunner`` on a two-block plan of ``kv_cache_specs`` (arguments as
+    :func:`profile_largest_programs`)."""
+    plan = get_kv_cache_config(kv_cache_specs, 1 << 62, max_model_len=max_model_len,
+                               max_num_batched_tokens=max_num_batched_tokens,
+                               num_gpu_blocks_override=_PLACEHOLDER_BLOCKS)
+    return ModelRunner(model, plan, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       max_model_len=max_model_len, mesh=mesh, **runner_kwargs)
+
+
+def profile_largest_programs(model, kv_cache_specs: Mapping[str, KVCacheSpec], *, num_blocks: int | None = None,
+                             **kwargs) -> tuple[StepMemory, ...]:
+    """Compiles (never runs) the largest programs the engine can run and reads their memory.
 
     Args:
       model: the worker's model, its weights loaded (placed on ``mesh`` when given; with
         ``mesh=None`` an ``nnx.eval_shape`` model works too).
       kv_cache_specs: this worker's ``{layer name: spec}`` (its own KV heads under TP).
-      max_num_seqs, max_num_batched_tokens, max_model_len: the scheduler's limits.
-      mesh: the worker's ``"tp"`` mesh, or None.
-      num_blocks: the cache size (blocks per device) the steps are compiled for, default the
+      num_blocks: the cache size (blocks per device) the programs are compiled for, default the
         two-block placeholder; no cache of that size is allocated. Temp memory does not depend
         on it (measured: 2 to 5000 blocks, the same bytes; tests/worker/test_memory_profile.py).
-        The placeholder's steps zero at most ``max_num_seqs * groups`` pages in the step where
-        a large cache's zero up to ``zero_capacity`` (a few more int32 ids, same temp).
-      sampling: sampling variants to compile (None: greedy).
-      runner_kwargs: the rest of the engine's ``ModelRunner`` arguments (attention_backend,
-        cache_dtype, k_scale, v_scale, speculative_config, logprobs_mode, min_token_bucket,
-        ...), so the profiled step is the one the engine compiles.
+      kwargs: ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``mesh`` and the
+        rest of the engine's ``ModelRunner`` arguments (attention_backend, cache_dtype,
+        speculative_config, max_logprobs, ...), so the profiled programs are the engine's.
 
     Returns:
-      One ``StepMemory`` per compiled step (per device: an SPMD program's analysis is one
-      device's).
+      One ``StepMemory`` per program (per device: an SPMD program's analysis is one device's).
     """
-    plan = get_kv_cache_config(kv_cache_specs, 1 << 62, max_model_len=max_model_len,
-                               max_num_batched_tokens=max_num_batched_tokens,
-                               num_gpu_blocks_override=_PLACEHOLDER_BLOCKS)
-    runner = ModelRunner(model, plan, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                         mesh=mesh, **runner_kwargs)
-    T, S = runner.token_buckets[-1], runner.seq_buckets[-1]
-    jobs = [("greedy" if p is None else "sampled", T, S, T, p, 0) for p in sampling]
-    spec_shapes = runner.spec_step_shapes()
-    if spec_shapes:
-        t, s, p = max(spec_shapes, key=lambda x: (x[2], x[0], x[1]))
-        jobs.append(("speculative", t, s, t, None, p))
+    runner = placeholder_runner(model, kv_cache_specs, **kwargs)
     out = []
-    for label, t, s, q, params, p in jobs:
-        ma = compile_step(runner, t, s, max_q_len=q, sampling=params, spec_positions=p,
-                          num_blocks=num_blocks).memory_analysis()
-        out.append(StepMemory(label=label, num_tokens=t, num_seqs=s, spec_positions=p,
-                              temp_bytes=int(ma.temp_size_in_bytes),
+    for key in largest_program_keys(runner):
+        ma = compile_program(runner, key, num_blocks=num_blocks).memory_analysis()
+        out.append(StepMemory(program=str(key), temp_bytes=int(ma.temp_size_in_bytes),
                               argument_bytes=int(ma.argument_size_in_bytes),
-                              output_bytes=int(ma.output_size_in_bytes),
-                              alias_bytes=int(ma.alias_size_in_bytes)))
+                              output_bytes=int(ma.output_size_in_bytes), alias_bytes=int(ma.alias_size_in_bytes)))
     return tuple(out)
 
 
 def largest_step_temp_bytes(model, kv_cache_specs: Mapping[str, KVCacheSpec], **kwargs) -> int:
-    """The temp memory of the largest step the engine will compile, per device: the max of
-    ``profile_largest_steps(model, kv_cache_specs, **kwargs)``'s ``temp_bytes`` (same
+    """The temp memory of the largest program the engine will compile, per device: the max of
+    ``profile_largest_programs(model, kv_cache_specs, **kwargs)``'s ``temp_bytes`` (same
     arguments). What ``available_kv_bytes`` subtracts, as vLLM subtracts its profiled peak."""
-    return max(step.temp_bytes for step in profile_largest_steps(model, kv_cache_specs, **kwargs))
+    return max(step.temp_bytes for step in profile_largest_programs(model, kv_cache_specs, **kwargs))
 
 
-def compile_step(runner: ModelRunner, T: int, S: int, *, max_q_len: int, sampling=None,
-                 num_output_tokens: int = 0, spec_positions: int = 0, num_blocks: int | None = None):
-    """``runner``'s step of T tokens and S rows (arguments as ``ModelRunner._empty_step``),
-    lowered with abstract arguments and compiled for the runner's devices; ``num_blocks``:
-    for KV buffers of that many blocks per device instead of the runner's own (none of that
-    size is allocated). Returns the ``jax.stages.Compiled``."""
-    shape, packed = runner._empty_step(T, S, max_q_len=max_q_len, sampling=sampling,
-                                       num_output_tokens=num_output_tokens,
-                                       spec_positions=spec_positions)
+def compile_program(runner: ModelRunner, key: ProgramKey, *, num_blocks: int | None = None, binding=None):
+    """``runner``'s program ``key`` lowered with abstract arguments and compiled for the
+    runner's devices; ``num_blocks``: for KV buffers of that many blocks per device instead of
+    the runner's own (none of that size is allocated); ``binding``: another attention binding
+    (``jaxkv.gpu_aot``: the Pallas kernels). Returns the ``jax.stages.Compiled``."""
     blocks = runner.config.num_blocks if num_blocks is None else num_blocks
     if blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {blocks}")
     shards = 1 if runner.mesh is None else runner.mesh.shape[TP_AXIS]
     buffers = tuple(jax.ShapeDtypeStruct((shards * blocks * runner.page_bytes,), np.uint8,
                                          sharding=b.sharding) for b in runner.buffers)
-    args = (_abstract(runner.state), buffers, _abstract(runner.tables), _abstract(runner.last_sampled),
-            jax.ShapeDtypeStruct(packed.shape, packed.dtype))
-    return runner.jit_step(runner.binding).lower(*args, shape=shape).compile()
-
-
-def _abstract(tree):
-    """Every array leaf as a ShapeDtypeStruct with its sharding if it is committed to one
-    (an uncommitted array, ``jnp.zeros`` on the default device, follows the others as in the
-    engine's own call); abstract leaves stay."""
-    def leaf(x):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
-    return jax.tree.map(leaf, tree)
+    program = build_program(runner, key, binding=binding, buffers=buffers)
+    return jax.jit(program.fn, donate_argnums=program.donate_argnums).lower(*program.abstract_args()).compile()
 
 
 def device_weight_bytes(model_or_state) -> int:

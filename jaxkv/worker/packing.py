@@ -1,10 +1,10 @@
 """One host->device transfer per step: pack many small int32/float32 arrays into one buffer.
 
-The host builds a dict of numpy arrays (token ids, query_start_loc, block-table diff, sampling
-parameters, ...), :func:`pack` concatenates them into one flat int32 array (4-byte values are
-bitcast, bools widened) and returns a hashable :class:`PackSpec`; inside the jitted step
-:func:`unpack` slices and bitcasts them back. The spec is a static argument, so a new spec is a
-new compile: keep array shapes bucketed.
+The host builds a record (a dataclass, e.g. ``ForwardInputs``) of numpy arrays,
+:func:`pack_record` concatenates them into one flat int32 array (4-byte values are bitcast,
+bools widened) and returns a hashable :class:`PackSpec`; inside the compiled program
+:func:`unpack_record` slices and bitcasts them back into the same record type. A program is
+built for one spec, so every record's shapes are fixed by its program's key.
 
 Example: ``pack({"ids": int32[4], "temp": float32[2]})`` -> int32[6] and
 ``PackSpec((("ids", (4,), "int32", 0), ("temp", (2,), "float32", 4)))``.
@@ -99,3 +99,25 @@ def pack_device(arrays: Mapping[str, jax.Array]) -> tuple[jax.Array, PackSpec]:
         offset += flat.size
     buf = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.int32)
     return buf, PackSpec(tuple(fields))
+
+
+# ---- typed records: a dataclass of arrays packed the same way ------------------------------------
+
+def record_arrays(record) -> dict:
+    """A dataclass record's fields as ``{name: array}`` in field order (no copies)."""
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+
+
+def pack_record(record) -> tuple[np.ndarray, PackSpec]:
+    """:func:`pack` of a dataclass of numpy arrays (its fields in order)."""
+    return pack(record_arrays(record))
+
+
+def unpack_record(buf: jax.Array, spec: PackSpec, cls):
+    """:func:`unpack` on the device into an instance of the dataclass ``cls``."""
+    return cls(**unpack(buf, spec))
+
+
+def unpack_record_host(buf: np.ndarray, spec: PackSpec, cls):
+    """:func:`unpack_host` into an instance of the dataclass ``cls``."""
+    return cls(**unpack_host(buf, spec))

@@ -1,44 +1,21 @@
-"""Pooling requests on the worker: what a step returns for them, and what the host keeps.
+"""Pooling requests on the worker: what the host keeps of a request's prompt chunks.
 
-A step that runs prompt tokens of pooling requests (``StepShape.pooling``) returns, besides
-its samples, per row the sum, first and last of the row's final-normed hidden states in this
-step (``POOL_ROWS``: three ``[S, hidden]`` float32 arrays), and with a ``token_embed`` row
-among them every token's (``POOL_ALL``: ``[T, hidden]`` too). The host adds a request's
-chunks up in its ``PoolAccumulator`` and finishes the pooled vector when the prompt is done:
-MEAN = sum / prompt length, CLS = the first chunk's first row, LAST = the last chunk's last
-row, ALL = the rows in position order; then ``dimensions`` truncation and L2 normalisation.
-A pooling request that needs every token takes no prefix-cache hit, and one that is
-preempted restarts from position 0, so a chunk at position 0 starts a fresh sum.
+A step that runs prompt tokens of pooling requests hands the host its final-normed hidden
+states (the forward's ``hidden`` output, fetched only for such steps); the host adds a
+request's chunks up in its ``PoolAccumulator`` and finishes the pooled vector when the prompt is
+done: MEAN = sum / prompt length, CLS = the first chunk's first row, LAST = the last chunk's
+last row, ALL = the rows in position order; then ``dimensions`` truncation and L2
+normalisation. A pooling request that needs every token takes no prefix-cache hit, and one
+that is preempted restarts from position 0, so a chunk at position 0 starts a fresh sum.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.pooling_params import PoolingParams
-
-POOL_NONE, POOL_ROWS, POOL_ALL = 0, 1, 2
-
-
-def pool_outputs(hidden: jax.Array,      # [T, hidden] final-normed
-                 seq: jax.Array,         # [T] int32 row of each token
-                 valid: jax.Array,       # [T] bool
-                 qsl: jax.Array,         # [S + 1] int32
-                 mode: int) -> dict[str, jax.Array]:
-    """The step's pooling outputs (float32): ``pool_sum`` / ``pool_first`` / ``pool_last``
-    [S, hidden], and with ``POOL_ALL`` ``pool_hidden`` [T, hidden]."""
-    h = hidden.astype(jnp.float32)
-    S = qsl.shape[0] - 1
-    out = {"pool_sum": jax.ops.segment_sum(jnp.where(valid[:, None], h, 0.0), seq, num_segments=S),
-           "pool_first": h[jnp.minimum(qsl[:-1], h.shape[0] - 1)],
-           "pool_last": h[jnp.maximum(qsl[1:] - 1, 0)]}
-    if mode == POOL_ALL:
-        out["pool_hidden"] = h
-    return out
 
 
 @dataclasses.dataclass
@@ -51,23 +28,23 @@ class PoolAccumulator:
     first: np.ndarray | None = None  # CLS: [hidden]
     rows: np.ndarray | None = None   # ALL: [num_prompt_tokens, hidden]
 
-    def add(self, results: dict[str, np.ndarray], row: int, start: int, q_len: int,
-            computed: int) -> np.ndarray | None:
-        """Takes row ``row`` of a step that ran prompt positions ``computed .. computed + q_len``
-        (token ``start`` of the step is the first); returns the finished vector(s) when the
+    def add(self, rows: np.ndarray, computed: int) -> np.ndarray | None:
+        """Takes the hidden states of the prompt positions ``computed .. computed + q_len`` a
+        step ran (``rows`` [q_len, hidden] float32); returns the finished vector(s) when the
         prompt ends in this step, else None."""
         kind = self.params.pooling_type
+        q_len = rows.shape[0]
         if computed == 0:                       # a fresh start (first chunk, or after preemption)
             self.total = self.first = None
         if kind == "MEAN":
-            part = results["pool_sum"][row]
-            self.total = part.copy() if self.total is None else self.total + part
+            part = rows.sum(axis=0, dtype=np.float32)
+            self.total = part if self.total is None else self.total + part
         elif kind == "CLS" and computed == 0:
-            self.first = results["pool_first"][row].copy()
+            self.first = rows[0].copy()
         elif kind == "ALL":
             if self.rows is None:
-                self.rows = np.zeros((self.num_prompt_tokens, results["pool_hidden"].shape[1]), np.float32)
-            self.rows[computed: computed + q_len] = results["pool_hidden"][start: start + q_len]
+                self.rows = np.zeros((self.num_prompt_tokens, rows.shape[1]), np.float32)
+            self.rows[computed: computed + q_len] = rows
         if computed + q_len < self.num_prompt_tokens:
             return None
         if kind == "MEAN":
@@ -77,7 +54,7 @@ class PoolAccumulator:
         elif kind == "ALL":
             vec = self.rows
         else:
-            vec = results["pool_last"][row].copy()
+            vec = rows[-1].copy()
         return finish(vec, self.params)
 
 

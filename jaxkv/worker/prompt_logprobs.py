@@ -1,5 +1,5 @@
 """Prompt logprobs on the worker's host side: which rows ask, the targets a step scores, and
-the ``TokenLogprobs`` taken from its results (the step computes them: ``StepShape.prompt_logprobs``).
+the ``TokenLogprobs`` taken from its results (the ``prompt_logprobs[T]`` program computes them).
 
 A row's state is the runner's ``CachedRequestState`` (``sampling_params``, ``token_ids``,
 ``num_prompt_tokens``, ``num_computed_tokens``).
@@ -11,19 +11,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxkv.worker.sampling_adapter import prompt_row
+from jaxkv.worker.heads import prompt_row
 
 
 def wants(s) -> bool:
     """The request asks for prompt logprobs and is still in its prompt."""
     return (getattr(s.sampling_params, "prompt_logprobs", None) is not None
             and s.num_computed_tokens < s.num_prompt_tokens)
-
-
-def top_k(states: Sequence) -> int:
-    """Top-k of prompt logprobs this step needs (-1: no request is in its prompt and asks)."""
-    ks = [s.sampling_params.prompt_logprobs for s in states if wants(s)]
-    return max(ks) if ks else -1
 
 
 def targets(states: Sequence, qsl: np.ndarray, q_lens: np.ndarray, T: int) -> np.ndarray:

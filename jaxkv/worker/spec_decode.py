@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from jaxkv.worker.buckets import pick_bucket
+from jaxkv.worker.heads import VerifyInputs
 
 METHODS = ("ngram",)
 
@@ -121,46 +122,42 @@ def batch_may_speculate(config: SpeculativeConfig, num_requests: int) -> bool:
 
 # ---- a step with drafts: which positions it scores, and which tokens it keeps ------------------
 
-def spec_padding(P: int, S: int) -> dict[str, np.ndarray]:
-    """The inputs of a step scoring P positions against drafts, all padding: every position
-    row 0's first token at offset 0 checking no draft, every row's bonus position 0.
-    ``spec_step_inputs`` fills in the real positions."""
-    return {"spec_index": np.zeros(P, np.int32),      # [P] the token of each position
-            "spec_row": np.zeros(P, np.int32),        # [P] its row
-            "spec_offset": np.zeros(P, np.int32),     # [P] its output offset j
-            "spec_drafts": np.full(P, -1, np.int32),  # [P] the draft it checks, -1: none
-            "spec_last": np.zeros(S, np.int32)}       # [S] each row's bonus position
-
-
-def spec_step_inputs(qsl: np.ndarray,                 # [S + 1] int32 query start of each row
-                     drafts: list[list[int]], S: int, buckets: list[int],
-                     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def verify_inputs(qsl: np.ndarray,                 # [n + 1] int32 query start of each row (at least)
+                  drafts: list[list[int]],          # [n] each row's drafts scored this step
+                  rows: dict[str, np.ndarray],      # per row [n]: slots, num_output_tokens,
+                                                    #   num_history_tokens, num_logprobs, samples
+                  *, buckets, num_drafts: int, num_batch_rows: int, neutral_slot: int,
+                  ) -> tuple[VerifyInputs, np.ndarray, np.ndarray]:
     """The positions a step with drafts scores: P = rows + drafts, padded to a bucket.
 
     Row i with m drafts scores its last m + 1 tokens (its last confirmed token, then the
-    drafts) at positions start_i .. start_i + m: position start_i + j checks draft j and
-    samples output ``num_output_tokens + j``; start_i + m samples the bonus token. A row
-    without drafts scores one position and samples as without speculation. Padding
-    positions repeat row 0's first one (their results are not read).
+    drafts) at positions start_i .. start_i + m: position start_i + j checks draft j, follows
+    drafts 0 .. j - 1 and samples output ``num_output_tokens + j``; start_i + m samples the
+    bonus token. A row without drafts scores one position and samples as without speculation.
 
-    Returns the step inputs and ``start`` [n] int32.
+    Returns the ``verify[P]`` inputs, ``sample_index`` [P] (the step token each position reads)
+    and ``start`` [n] int32.
     """
     n = len(drafts)
     counts = np.array([len(d) + 1 for d in drafts], np.int32)     # [n]
     start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
     total = int(counts.sum())
-    x = spec_padding(pick_bucket(total, buckets), S)
-    x["spec_row"][:total] = np.repeat(np.arange(n), counts)
-    offset = x["spec_offset"]
-    offset[:total] = np.arange(total) - np.repeat(start, counts)
+    x = VerifyInputs.empty(pick_bucket(total, buckets), num_drafts, num_batch_rows, neutral_slot)
+    row = np.repeat(np.arange(n), counts)                          # [total] its row
+    offset = np.arange(total) - np.repeat(start, counts)
+    x.offsets[:total] = offset
+    for name in ("slots", "num_history_tokens", "num_logprobs", "samples"):
+        getattr(x, name)[:total] = rows[name][row]
+    x.num_output_tokens[:total] = rows["num_output_tokens"][row] + offset
     last = np.maximum(qsl[1: n + 1] - 1, 0)       # [n] each row's last scheduled token
-    index = x["spec_index"]
-    index[:total] = np.repeat(last - counts + 1, counts) + offset[:total]
-    index[total:] = index[0]
+    index = np.zeros(x.slots.shape[0], np.int32)
+    index[:total] = np.repeat(last - counts + 1, counts) + offset
     for i, d in enumerate(drafts):
-        x["spec_drafts"][start[i]: start[i] + len(d)] = d
-    x["spec_last"][:n] = start + counts - 1
-    return x, start
+        x.drafts[start[i]: start[i] + len(d)] = d
+        for j in range(1, len(d) + 1):            # position start_i + j follows drafts[:j]
+            x.prior_drafts[start[i] + j, :j] = d[:j]
+    x.row_last[:n] = start + counts - 1
+    return x, index, start
 
 
 def accepted_tokens(tokens: list[int], accepted, start: int, drafts) -> list[int]:

@@ -20,6 +20,7 @@ from jaxkv.kv_cache import KVCacheConfig, kv_cache_specs_from_layers
 from jaxkv.models.sharding import make_tp_mesh
 from jaxkv.worker.memory_profile import available_kv_bytes, device_weight_bytes, largest_step_temp_bytes
 from jaxkv.worker.model_runner import ModelRunner
+from jaxkv.worker.sampling_state import state_bytes
 
 
 class Worker:
@@ -50,6 +51,11 @@ class Worker:
     def init_device(self) -> None:
         """The ``"tp"`` mesh over ``tensor_parallel_size`` devices (None for one device) and
         this process's devices of it (``devices``: whose memory the worker measures)."""
+        cache = getattr(self.config, "compile_cache_dir", None)
+        if cache:   # before the first compile of this process (the weights' init)
+            from jaxkv.compile_cache import enable  # noqa: PLC0415
+
+            enable(cache)
         tp = self.config.tensor_parallel_size
         self.mesh = make_tp_mesh(tp) if tp > 1 else None
         self.devices = list(self.mesh.local_devices) if self.mesh is not None else [jax.local_devices()[0]]
@@ -96,7 +102,8 @@ class Worker:
         stats = self.device_memory_stats() if c.kv_cache_memory_bytes is None else None
         weights = temp = 0
         if stats is not None:
-            weights = device_weight_bytes(self.model)
+            weights = device_weight_bytes(self.model) + state_bytes(
+                c.max_num_seqs + 1, self.model_config.vocab_size, c.max_model_len)
             temp = largest_step_temp_bytes(
                 self.model, self.get_kv_cache_spec(), max_num_seqs=c.max_num_seqs,
                 max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
@@ -109,7 +116,7 @@ class Worker:
                                        step_temp_bytes=temp, cpu_kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES)
         if stats is not None and c.verbose:
             print(f"jaxkv: rank {self.rank}: {stats['bytes_limit'] / 2**30:.2f} GiB x "
-                  f"{c.gpu_memory_utilization} - weights {weights / 2**30:.2f} GiB - largest step's temp "
+                  f"{c.gpu_memory_utilization} - weights and sampling state {weights / 2**30:.2f} GiB - largest step's temp "
                   f"{temp / 2**30:.2f} GiB = {available / 2**30:.2f} GiB for the KV cache", file=sys.stderr)
         return available
 
@@ -119,7 +126,8 @@ class Worker:
         c = self.config
         return dict(attention_backend=c.attention_backend, cache_dtype=c.cache_dtype, seed=c.seed,
                     eos_token_id=c.eos_token_ids[0] if c.eos_token_ids else None,
-                    speculative_config=c.speculative_config, logprobs_mode=c.logprobs_mode)
+                    speculative_config=c.speculative_config, logprobs_mode=c.logprobs_mode,
+                    max_logprobs=c.max_logprobs)
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         """Builds the runner on this rank's plan: its buffers are allocated here."""
@@ -153,12 +161,12 @@ class Worker:
             self.kv_connector.shutdown()
             self.kv_connector = None
 
-    def compile_or_warm_up_model(self, sampling=()) -> None:
-        """Compiles the step shapes serving will use (``warmup``: decode, or "all"), with the
-        sampling variants of ``sampling`` (SamplingParams, bad words encoded)."""
+    def compile_or_warm_up_model(self) -> None:
+        """Compiles every program the engine can run (``warmup``; a pooling-only engine's
+        never sample), so nothing compiles while it works."""
         c = self.config
-        if c.warmup and c.runner != "pooling":   # a pooling-only engine never decodes
-            self.model_runner.warmup(progress=c.verbose, prefill=c.warmup == "all", sampling=list(sampling))
+        if c.warmup:
+            self.model_runner.warmup(progress=c.verbose, generate=c.runner != "pooling")
 
     # ---- steps --------------------------------------------------------------------------------
 
@@ -179,6 +187,7 @@ class Worker:
     def runner_stats(self) -> dict:
         r = self.model_runner
         return dict(num_compiles=r.num_compiles, compile_seconds=r.compile_seconds,
+                    late_compiles=list(r.programs.late_compiles), num_programs=len(r.program_keys()),
                     num_draft_tokens=r.num_draft_tokens, num_accepted_tokens=r.num_accepted_tokens)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxkv.sampling_params import SamplingParams
+from jaxkv.worker.forward import ForwardInputs
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 from tests.engine.test_engine_greedy import _prompts
 
@@ -88,13 +89,14 @@ def test_async_sampling_variants_match_sync(model):
 def _count_inputs_from_device(runner) -> list[int]:
     """Per dispatched step, how many input tokens it reads from the step in flight."""
     counts = []
-    pack = runner._pack_step
+    real = runner._to_device
 
-    def spy(input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, **kw):
-        counts.append(int((extra["prev_rows"] >= 0).sum()))
-        return pack(input_ids, qsl, num_computed, n, ops, ops_layout, zeros, md, extra, **kw)
+    def spy(record):
+        if isinstance(record, ForwardInputs):
+            counts.append(int((record.prev_rows >= 0).sum()))
+        return real(record)
 
-    runner._pack_step = spy
+    runner._to_device = spy
     return counts
 
 

@@ -27,45 +27,13 @@ def _prompt(seed, n):
     return np.random.default_rng(seed).integers(3, 512, size=n).tolist()
 
 
-def test_steady_state_decode_does_not_compile(model):
-    llm = make_llm(model, max_num_seqs=4, max_model_len=128)
-    runner = llm.llm_engine.runner
-    runner.warmup(progress=False)
-    warm = runner.num_compiles
-    assert warm == len(runner.seq_buckets)
-    engine = llm.llm_engine
-    for i in range(4):
-        engine.add_request(f"d{i}", _prompt(i, 5 + i), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-    engine.step()  # the prefill step compiles its mixed shape
-    after_prefill = runner.num_compiles
-    while engine.has_unfinished_requests():
-        engine.step()  # pure decode: contexts grow from ~9 to ~48 tokens (2 width buckets)
-    assert runner.num_compiles == after_prefill, runner.num_compiles - after_prefill
-    assert after_prefill - warm <= 1
-
-
-def test_penalties_compile_once_while_the_history_grows(model):
-    """Penalised rows send one history (prompt, then output) of a power-of-two width >= 256:
-    a decode whose history grows from 6 to 45 tokens compiles nothing after its first step
-    (with separate prompt / output widths from 16 up, it compiled at 17 and 33 outputs)."""
-    llm = make_llm(model, max_num_seqs=4, max_model_len=128)
-    engine, runner = llm.llm_engine, llm.llm_engine.runner
-    params = SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)
-    engine.add_request("p", _prompt(3, 6), params)
-    engine.step()
-    engine.step()   # the prefill and the first decode compile their shapes
-    compiled = runner.num_compiles
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert runner.num_compiles == compiled
-
-
-def test_step_shape_is_set_by_token_and_request_buckets(model):
-    """Block-table writes beyond one per row are applied before the step, so prefills writing
-    10..16 entries share one compiled step (each exact count was its own compile), and their
+def test_prefills_of_any_block_count_share_the_programs(model):
+    """Block-table writes beyond one per row are applied by the table_ops program before the
+    step, so prefills writing 10..16 entries run the warmed forwards (no compile), and their
     tokens match the dense forward."""
     llm = make_llm(model, max_num_seqs=8, max_num_batched_tokens=64, block_size=4, max_model_len=128)
     engine, runner = llm.llm_engine, llm.llm_engine.runner
+    runner.warmup(progress=False)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     prompts = [_prompt(20 + i, n) for i, n in enumerate([61, 57, 50, 63, 45, 38, 62, 55])]
     outs = llm.generate(prompts, params, use_tqdm=False)   # all at once: 8 rows, chunked
@@ -73,73 +41,21 @@ def test_step_shape_is_set_by_token_and_request_buckets(model):
         engine.add_request(engine.next_request_id(), p, params)
         while engine.has_unfinished_requests():
             engine.step()
-    keys = {(s.num_tokens, s.num_seqs, s.max_q_len) for s in runner.compiled_shapes}
-    assert len(keys) == len(runner.compiled_shapes) == runner.num_compiles
-    assert {s.ops.num_writes for s in runner.compiled_shapes} == {8}
+    assert runner.programs.late_compiles == [] and runner.ops_layout.num_writes == 8
     assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(model, p, 1) for p in prompts]
 
 
 @pytest.mark.parametrize("backend", ["auto", "xla"])   # C++ zeroing where it builds; XLA scatter
 def test_pages_beyond_the_step_capacity_are_zeroed_before_it(model, backend):
+    """``_zero_now`` zeroes any number of pages, ``zero_chunk`` a call of the one program."""
     llm = make_llm(model, max_num_seqs=4, max_model_len=128, attention_backend=backend)
     runner = llm.llm_engine.runner
     runner.buffers = tuple(jnp.ones_like(b) for b in runner.buffers)
-    cap = runner.zero_capacity(16, 1)
-    ids = list(range(3, 3 + cap + 5))
-    ops, layout, zeros = runner._table_ops_and_zeros(ids, 16, 1)
-    assert zeros.shape == (cap,) and (zeros == -1).all()
+    ids = list(range(3, 3 + 2 * runner.zero_chunk + 5))
+    runner._zero_now(ids)
     pages = np.asarray(runner.buffers[0]).reshape(-1, runner.page_bytes)
     assert (pages[ids] == 0).all() and (pages[:3] == 1).all() and (pages[ids[-1] + 1:] == 1).all()
-    ops, layout, zeros = runner._table_ops_and_zeros([7, 9], 16, 1)   # fits: left to the step
-    assert list(zeros[:3]) == [7, 9, -1]
-
-
-def test_warmup_all_compiles_every_greedy_step(model):
-    llm = make_llm(model, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
-    engine, runner = llm.llm_engine, llm.llm_engine.runner
-    runner.warmup(progress=False, prefill=True)
-    warm = runner.num_compiles
-    assert warm == len(runner.step_shapes(prefill=True)) > len(runner.seq_buckets)
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    rng = np.random.default_rng(5)
-    for wave in range(3):
-        for i in range(int(rng.integers(1, 6))):
-            engine.add_request(f"w{wave}-{i}", _prompt(100 * wave + i, int(rng.integers(1, 60))), params)
-        for _ in range(int(rng.integers(1, 8))):
-            engine.step()
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert runner.num_compiles == warm
-
-
-def test_warmup_sampling_compiles_the_sampled_decode_variants(model):
-    """Sampled traffic (temperature + top-p, min_tokens) decodes without compiling after a
-    warm-up given SamplingParams like it; without them the first sampled decode steps compile.
-    (Without stop ids or EOS to ban, min_tokens adds no variant: the two coincide.)"""
-    sampled = SamplingParams(temperature=0.8, top_p=0.9, min_tokens=2, stop_token_ids=[7],
-                             max_tokens=12, ignore_eos=True)
-    for warm_sampling, expect_decode_compiles in (([sampled], False), ([], True)):
-        llm = make_llm(model, max_num_seqs=4, max_model_len=128)
-        engine, runner = llm.llm_engine, llm.llm_engine.runner
-        runner.warmup(progress=False, sampling=warm_sampling)
-        # greedy + (the variant banning stop ids while outputs < min_tokens, the one after)
-        assert runner.num_compiles == len(runner.seq_buckets) * (1 + 2 * len(warm_sampling))
-        for i in range(4):
-            p = SamplingParams(temperature=0.8, top_p=0.9, min_tokens=2, stop_token_ids=[7],
-                               max_tokens=12, ignore_eos=True, seed=i)
-            engine.add_request(f"s{i}", _prompt(40 + i, 5 + i), p)
-        engine.step()   # the prefill step compiles its mixed shape
-        after_prefill = runner.num_compiles
-        while engine.has_unfinished_requests():
-            engine.step()
-        assert (runner.num_compiles > after_prefill) is expect_decode_compiles
-
-
-def test_warmup_sampling_must_be_sampling_params(model):
-    with pytest.raises(TypeError, match="warmup_sampling must be a list"):
-        make_llm(model, warmup_sampling=SamplingParams(temperature=0.5))
-    with pytest.raises(TypeError, match="entries must be SamplingParams"):
-        make_llm(model, warmup_sampling=[{"temperature": 0.5}])
+    assert runner.programs.num_compiles == 1
 
 
 def test_bad_warmup_value_is_refused(model):

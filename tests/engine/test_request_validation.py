@@ -22,7 +22,7 @@ from jaxkv.core import SchedulerConfig
 from jaxkv.core.stop_check import with_eos_stop_ids
 from jaxkv.engine_config import resolve_engine_config
 from jaxkv.sampling_params import resolve_logprobs
-from jaxkv.worker.sampling_metadata import build_sampling_metadata
+from tests.worker.sampler_helpers import write_state
 from jaxkv.models import dense_forward
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
@@ -127,12 +127,11 @@ def test_sampling_params_normalise_token_ids():
 
 
 def test_min_tokens_beyond_int32_builds_its_bans():
-    """Any min_tokens is valid (max_model_len ends the request first); its count of banned
-    outputs is clamped to int32 instead of overflowing the metadata."""
-    md = build_sampling_metadata([SamplingParams(max_tokens=None, min_tokens=2**40, stop_token_ids=[4])],
-                                 np.zeros((1, 2), np.uint32), [0], num_rows=1, eos_token_id=2)
-    assert int(md.num_banned_outputs[0]) == 2**31 - 1
-    assert sorted(md.banned_token_ids[0][md.banned_token_ids[0] >= 0].tolist()) == [2, 4]
+    """Any min_tokens is valid (max_model_len ends the request first); the slot's min_tokens is
+    clamped to int32 instead of overflowing the sampling state."""
+    state = write_state([SamplingParams(max_tokens=None, min_tokens=2**40, stop_token_ids=[4])], eos_token_id=2)
+    assert int(state.min_tokens[0]) == 2**31 - 1
+    assert np.flatnonzero(np.asarray(state.stop_mask[0])).tolist() == [2, 4]
 
 
 def test_resolve_logprobs_follows_vllm():
@@ -259,10 +258,9 @@ def test_min_tokens_bans_every_eos_id(llm, model, eos_ids):
     # the worker's bans: the request's stop token ids (the extra EOS ids) and the primary
     params = with_eos_stop_ids(SamplingParams(min_tokens=2), ids[1:])
     ignoring = with_eos_stop_ids(SamplingParams(min_tokens=2, ignore_eos=True), ids[1:])
-    md = build_sampling_metadata([params, ignoring],
-                                 np.zeros((2, 2), np.uint32), [0, 0], num_rows=2, eos_token_id=ids[0])
-    assert sorted(t for t in md.banned_token_ids[0].tolist() if t >= 0) == sorted(ids)
-    assert not [t for t in md.banned_token_ids[1].tolist() if t >= 0]
+    state = write_state([params, ignoring], eos_token_id=ids[0], vocab=llm.llm_engine.model_config.vocab_size)
+    assert np.flatnonzero(np.asarray(state.stop_mask[0])).tolist() == sorted(ids)
+    assert not np.asarray(state.stop_mask[1]).any()   # ignore_eos: no EOS id is banned
     assert_no_block_leaks(llm)
 
 
@@ -347,7 +345,7 @@ def test_llm_of_none_names_the_model_argument():
     (dict(enable_chunked_prefill=0), TypeError, "enable_chunked_prefill must be a bool"),
     (dict(async_scheduling="no"), TypeError, "async_scheduling must be a bool"),
     (dict(verbose="no"), TypeError, "verbose must be a bool"),
-    (dict(warmup=1), ValueError, "warmup must be True, False, 'decode' or 'all', got 1"),
+    (dict(warmup=1), ValueError, "warmup must be True or False, got 1"),
     (dict(max_logprobs=-2), ValueError, r"max_logprobs must be an int >= 0, or -1 .*-2"),
     (dict(max_logprobs=True), ValueError, "max_logprobs must be"),
     (dict(max_logprobs="20"), ValueError, "max_logprobs must be"),

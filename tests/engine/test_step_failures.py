@@ -12,6 +12,7 @@ dense forward.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import numpy as np
@@ -21,6 +22,7 @@ from jaxkv.core.consistency import scheduler_problems
 from jaxkv.core.errors import EngineStepError
 from jaxkv.pooling_params import PoolingParams
 from jaxkv.sampling_params import SamplingParams
+from jaxkv.worker.program_set import FORWARD
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -91,10 +93,11 @@ def fail_once(obj, name: str, *, after: bool = False, on_call: int = 1):
 
 @contextlib.contextmanager
 def fail_in_jitted_step(runner):
-    """The next step fails inside its XLA program (a host callback that raises), after its
-    inputs, the KV buffers among them, were donated."""
-    real = runner._step
-    inner = real.__wrapped__
+    """The next step fails inside its forward program (a host callback that raises), after its
+    inputs, the KV buffers among them, were donated. The forwards are rebuilt with the
+    callback (and put back on exit)."""
+    programs = runner.programs
+    real_build, real_compiled = programs._build, dict(programs._compiled)
     armed = [True]
 
     def check(x):
@@ -103,17 +106,25 @@ def fail_in_jitted_step(runner):
             raise Injected("injected inside the jitted step")
         return x
 
-    def step(state, buffers, tables, last_sampled, packed, *, shape):
-        buffers, tables, last_sampled, out = inner(state, buffers, tables, last_sampled, packed, shape=shape)
-        out = jax.pure_callback(check, jax.ShapeDtypeStruct(out.shape, out.dtype), out)
-        return buffers, tables, last_sampled, out
+    def build(key):
+        program = real_build(key)
+        if key.kind != FORWARD:
+            return program
 
-    runner._step = jax.jit(step, static_argnames=("shape",),
-                           donate_argnames=("buffers", "tables", "last_sampled"))
+        def forward(*args):
+            buffers, tables, hidden, selected = program.fn(*args)
+            selected = jax.pure_callback(check, jax.ShapeDtypeStruct(selected.shape, selected.dtype), selected)
+            return buffers, tables, hidden, selected
+
+        return dataclasses.replace(program, fn=forward)
+
+    programs._build = build
+    programs._compiled = {k: v for k, v in real_compiled.items() if k.kind != FORWARD}
     try:
         yield
     finally:
-        runner._step = real
+        programs._build = real_build
+        programs._compiled = {**programs._compiled, **real_compiled}
 
 
 def injection(llm, stage: str):
@@ -121,7 +132,7 @@ def injection(llm, stage: str):
     return {
         "schedule": lambda: fail_once(engine.scheduler, "schedule", after=True),
         "schedule_mid": lambda: fail_once(engine.scheduler.kv_cache_manager, "allocate_slots", on_call=2),
-        "dispatch": lambda: fail_once(engine.runner, "_pack_step"),
+        "dispatch": lambda: fail_once(engine.runner, "_to_device"),
         "jitted_step": lambda: fail_in_jitted_step(engine.runner),
         "collect": lambda: fail_once(engine.runner, "_fetch", after=True),
         "update": lambda: fail_once(engine.scheduler, "update_from_output"),
@@ -306,7 +317,7 @@ def test_unwritten_blocks_are_not_served_as_hits(model, reference):
     llm = make_llm(model)
     engine = llm.llm_engine
     engine.add_request("x", PROMPTS[0], GREEDY)
-    with fail_once(engine.runner, "_pack_step"), pytest.raises(EngineStepError):
+    with fail_once(engine.runner, "_to_device"), pytest.raises(EngineStepError):
         engine.step()
     pool = engine.scheduler.kv_cache_manager.block_pool
     assert pool.cached_block_hash_to_block.num_blocks() == 0

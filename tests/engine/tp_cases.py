@@ -33,18 +33,15 @@ def _prompts(rng, lengths):
 
 
 def _collectives(runner) -> dict:
-    """Per step shape the runner has run: its compiled HLO's collectives, by (op, f32 operand
-    dims)."""
+    """Per program the runner has compiled: its HLO's collectives, by (op, f32 operand dims)."""
     found = {}
-    for shape in runner.compiled_shapes:
-        packed = jnp.zeros((shape.inputs.size,), jnp.int32)
-        text = runner._step.lower(runner.state, runner.buffers, runner.tables, runner.last_sampled,
-                                  packed, shape=shape).compile().as_text()
+    for key in runner.programs.keys:
+        text = runner.programs.get(key).as_text()
         ops = collections.Counter()
         for dims, op in re.findall(r"= \w+\[([\d,]*)\]\S* (all-reduce|all-gather|all-to-all|"
                                    r"reduce-scatter|collective-permute)\(", text):
             ops[op, tuple(int(d) for d in dims.split(",") if d)] += 1
-        found[shape] = ops
+        found[key] = ops
     return found
 
 
@@ -70,9 +67,9 @@ def test_matches_dense_with_chunks_prefix_hits_and_preemption():
 def test_weights_and_kv_heads_are_split():
     """Each device holds half of every split weight (embedding and LM head by vocabulary) and
     of the KV heads' pages, the per-device KV budget gives twice the blocks of one device, and
-    a step communicates by one all-reduce after o_proj and one after down_proj per layer, one
-    for the embedding lookup and one all-gather of the logits, and nothing else (a step that
-    pools hidden states too). (The XLA
+    the forward communicates by one all-reduce after o_proj and one after down_proj per layer
+    and one for the embedding lookup, the greedy sampler by one all-gather of the logits, and
+    nothing else (a step that pools hidden states too; the small update programs none). (The XLA
     attention backend here; the other tests use the default, the C++ kernels.)"""
     model = small_model("tiny-llama")
     one = make_llm(model, attention_backend="xla")
@@ -98,9 +95,15 @@ def test_weights_and_kv_heads_are_split():
     assert buf2.shape[0] == 2 * buf1.shape[0]
     assert buf2.addressable_shards[0].data.shape == buf1.shape     # same bytes per device
     assert len({s.device for s in buf2.addressable_shards}) == 2
-    for shape, ops in _collectives(runner).items():   # logits vocab-major (greedy): [V, S]
-        T, S = shape.num_tokens, shape.num_seqs
-        assert ops == {("all-reduce", (T, 128)): 2 * 2 + 1, ("all-gather", (512, S)): 1}, (shape, ops)
+    found = _collectives(runner)
+    assert {k.kind for k in found} >= {"forward", "greedy"}, found
+    for key, ops in found.items():   # logits vocab-major (greedy): [V, S]
+        if key.kind == "forward":
+            assert ops == {("all-reduce", (key.size, 128)): 2 * 2 + 1}, (key, ops)
+        elif key.kind == "greedy":
+            assert ops == {("all-gather", (512, key.size)): 1}, (key, ops)
+        else:
+            assert not ops, (key, ops)
 
 
 def test_pallas_kernels_per_device():
@@ -186,8 +189,8 @@ def test_named_model_loads_onto_the_mesh_and_measures_its_devices(tmp_path, monk
     every parameter already split (its model's arrays carry the TP shardings before any
     runner places them), greedy tokens equal the dense forward, and with devices that
     report a limit (faked) each rank reports limit x util - its own shards' weights - the
-    largest step's temp (faked: 1 MiB; the profile on a mesh is memory_profile_cases.py's),
-    over its smallest device."""
+    sampling state (replicated) - the largest program's temp (faked: 1 MiB; the profile on a
+    mesh is memory_profile_cases.py's), over its smallest device."""
     from flax import nnx
 
     from jaxkv.models import hf_state_dict
@@ -229,7 +232,8 @@ def test_named_model_loads_onto_the_mesh_and_measures_its_devices(tmp_path, monk
     assert meshes == [worker.mesh]
     config = llm.llm_engine.kv_cache_config
     page = config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
-    assert config.num_blocks == ((15 << 20) - per_device) // page // len(config.kv_cache_tensors)
+    sampling = sum(x.nbytes for x in jax.tree_util.tree_leaves(worker.model_runner.sampling_state))
+    assert config.num_blocks == ((15 << 20) - per_device - sampling) // page // len(config.kv_cache_tensors)
     prompt = list(range(3, 30))
     (out,) = llm.generate([prompt], GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == dense_greedy(model, prompt, 8)

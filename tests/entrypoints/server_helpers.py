@@ -20,13 +20,15 @@ sys.path.insert(0, str(ROOT / "tests" / "models"))
 from ckpt_fixtures import hf_config_dict, small_config, write_llama_gguf  # noqa: E402
 
 #: Engine flags of the test servers and of the in-process LLMs they are compared with (same
-#: settings: the same compiled steps, shared through the session's XLA cache).
-ENGINE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 20, max_num_seqs=8, warmup=False)
+#: settings: the same programs, compiled once through the session's XLA cache). Both warm up
+#: as a user's would (the default): every program is compiled before the first request.
+ENGINE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 20, max_num_seqs=8, max_num_batched_tokens=128)
 
 
 def serve_flags(engine: dict = ENGINE) -> list[str]:
     return ["--max-model-len", str(engine["max_model_len"]), "--kv-cache-memory", str(engine["kv_cache_memory_bytes"]),
-            "--max-num-seqs", str(engine["max_num_seqs"]), "--warmup", "off"]
+            "--max-num-seqs", str(engine["max_num_seqs"]),
+            "--max-num-batched-tokens", str(engine["max_num_batched_tokens"])]
 
 
 def make_model_dir(path: Path) -> Path:
@@ -56,17 +58,10 @@ def free_port() -> int:
 
 
 def _compile_cache_env(tmp: Path) -> dict:
-    """JAXKV_CACHE_DIR whose xla/ is this test session's XLA cache (tests/conftest.py), so
-    the server's engine core and the in-process engines compile each program once."""
-    import jax
-
-    env = {"JAXKV_CACHE_DIR": str(tmp)}
-    session = jax.config.jax_compilation_cache_dir
-    if session:
-        (tmp / "xla").symlink_to(session)
-    else:
-        env["JAXKV_NO_COMPILE_CACHE"] = "1"
-    return env
+    """A JAXKV_CACHE_DIR of the test's own; the XLA cache is the session's, inherited through
+    JAXKV_COMPILE_CACHE (tests/conftest.py), so the server's engine core and the in-process
+    engines compile each program once."""
+    return {"JAXKV_CACHE_DIR": str(tmp)}
 
 
 class Server:

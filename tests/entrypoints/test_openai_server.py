@@ -204,6 +204,26 @@ def test_metrics_after_requests(server, client):
         assert name in m
 
 
+def test_nothing_compiles_while_serving(server, client, llm):
+    """Warm-up (the default) compiled every program before /health answered: requests of every
+    kind (sampling features, n > 1, stops, logprobs, prompt logprobs, chat, embeddings) compile
+    none. ``jaxkv:compiles_total`` counts every program the core compiled since start."""
+    programs = llm.llm_engine.get_stats()["num_programs"]
+    assert _metrics(server)["jaxkv:compiles_total"] == programs > 10
+    kinds = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=3, extra_body={"top_k": 20}),
+             dict(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.5, n=2, extra_body={"min_p": 0.1}),
+             dict(temperature=0, logprobs=3, echo=True, max_tokens=1), dict(temperature=0, stop=["e"]),
+             dict(temperature=0.7, logit_bias={"7": 5.0}, extra_body={"repetition_penalty": 1.2,
+                                                                      "min_tokens": 3, "prompt_logprobs": 2})]
+    for i, kw in enumerate(kinds):
+        kw.setdefault("max_tokens", 6)
+        client.completions.create(model=NAME, prompt=list(range(3, 3 + 10 * (i + 1))), **kw)
+    client.chat.completions.create(model=NAME, messages=MSG, max_tokens=4, temperature=0)
+    client.embeddings.create(model=NAME, input=["hello world", "the"])
+    m = _metrics(server)
+    assert m["jaxkv:compiles_total"] == programs, "a program compiled while serving"
+
+
 # ---- bad requests --------------------------------------------------------------------------------
 
 C, CHAT, EMB = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"

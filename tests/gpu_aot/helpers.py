@@ -1,6 +1,7 @@
-"""Shared by the deviceless H200 tests: small engines on the Pallas backend, compiled steps."""
+"""Shared by the deviceless H200 tests: small engines on the Pallas backend, compiled programs."""
 
 from jaxkv import gpu_aot
+from jaxkv.worker.program_set import FORWARD, ProgramKey
 from tests.engine.helpers import make_llm, small_model
 
 
@@ -12,9 +13,15 @@ def pallas_runner(family, **kw):
     return make_llm(small_model(family), attention_backend="pallas", **kw).llm_engine.runner
 
 
-def compile_step(runner, dev, T, S, q, **kw):
-    """The runner's step (T tokens, S rows, max_q_len q) compiled for ``dev``; it must launch
-    at least one Pallas Triton kernel."""
-    compiled = gpu_aot.compile_runner_step(runner, dev, T, S, max_q_len=q, **kw)
-    assert gpu_aot.triton_kernels(compiled), "the step launches no Pallas Triton kernel"
+def compile_program(runner, dev, key, **kw):
+    """The runner's program ``key`` compiled for ``dev``; a forward must launch at least one
+    Pallas Triton kernel."""
+    compiled = gpu_aot.compile_runner_program(runner, dev, key, **kw)
+    if key.kind == FORWARD:
+        assert gpu_aot.triton_kernels(compiled), f"{key} launches no Pallas Triton kernel"
     return compiled
+
+
+def compile_forward(runner, dev, num_tokens, **kw):
+    """The forward of the token bucket ``num_tokens`` compiled for ``dev``."""
+    return compile_program(runner, dev, ProgramKey(FORWARD, num_tokens), **kw)

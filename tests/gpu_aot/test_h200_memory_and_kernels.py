@@ -1,10 +1,9 @@
 """The KV cache stays in place and the kernels fit an NVIDIA H200, deviceless (jaxkv.gpu_aot).
 
-Here: the test of record and the kernels at realistic shapes (test_h200_steps.py: every step
-shape). The steps run the Pallas Triton kernels (``attention_backend="pallas"``, not interpreted) and
-are compiled to sm_90a machine code on this CPU-only machine: every shape ``warmup="all"``
-compiles, with sampling, speculative-decoding and pooling variants, for tiny-llama and
-tiny-hybrid (sliding windows, soft-caps); the KV buffers stay aliased in place and temp
+Here: the test of record and the kernels at realistic shapes (test_h200_steps.py: every
+program). The forwards run the Pallas Triton kernels (``attention_backend="pallas"``, not
+interpreted) and are compiled to sm_90a machine code on this CPU-only machine, for tiny-llama
+and tiny-hybrid (sliding windows, soft-caps); the KV buffers stay aliased in place and temp
 memory does not grow with the cache (the test of record, on the GPU executable); the kernels
 at Llama-3-8B-like and Gemma-2-like shapes (bf16 and fp8 caches) use no more shared memory
 than a block may have and spill no register; a Llama-3-8B-sized layer compiles in bf16.
@@ -21,14 +20,14 @@ import jaxkv.pallas_kernels as pk
 from jaxkv import gpu_aot
 from jaxkv.models import build_model, get_config
 from tests.engine.helpers import make_llm
-from tests.gpu_aot.helpers import compile_step, pallas_runner
+from tests.gpu_aot.helpers import compile_forward, pallas_runner
 
 pytestmark = pytest.mark.gpu_aot
 
 
-#: (family, cache dtype, decode): every cache dtype's view in a mixed step (decode and
-#: prefill tiles, KV writes); the decode-only program (no prefill tiles, same write and views)
-#: in bf16, the GPU's cache dtype. (test_h200_steps.py checks aliasing at every decode shape.)
+#: (family, cache dtype, decode): every cache dtype's view in the forward of a mixed step
+#: (decode and prefill tiles, KV writes); the forward of a 4-token decode in bf16, the GPU's
+#: cache dtype. (test_h200_steps.py checks aliasing at every decode shape.)
 #: CI's oldest-jax leg runs the bf16 cases; the f32 and fp8 views are gpu_aot_full (newest jax).
 IN_PLACE_CASES = [pytest.param(f, dt, d, id=f"{f}-{dt}-{'decode' if d else 'mixed'}",
                                marks=[] if dt == "bfloat16" else [pytest.mark.gpu_aot_full])
@@ -43,8 +42,7 @@ def test_step_updates_cache_in_place_on_h200(h200, family, cache_dtype, decode):
     for mib in (16, 64):
         runner = pallas_runner(family, kv_cache_memory_bytes=mib << 20, kv_cache_dtype=cache_dtype)
         cache = sum(b.nbytes for b in runner.buffers)
-        T, q = (4, 1) if decode else (64, 64)
-        ma = compile_step(runner, h200, T, 4, q).memory_analysis()
+        ma = compile_forward(runner, h200, 4 if decode else 64).memory_analysis()
         assert ma.alias_size_in_bytes >= cache   # buffers donated and aliased, not copied
         assert ma.temp_size_in_bytes < 0.25 * cache or mib == 16
         temps.append(ma.temp_size_in_bytes)
@@ -99,8 +97,8 @@ def test_llama3_8b_layer_compiles_in_bf16(h200):
     model = nnx.eval_shape(lambda: build_model(cfg, seed=0))
     runner = make_llm(model, attention_backend="pallas", max_num_seqs=64, max_num_batched_tokens=512,
                       max_model_len=4096, kv_cache_memory_bytes=256 << 20).llm_engine.runner
-    for T, S, q in ((64, 64, 1), (512, 64, 512)):
-        compiled = compile_step(runner, h200, T, S, q)
+    for T in (64, 512):
+        compiled = compile_forward(runner, h200, T)
         assert compiled.memory_analysis().temp_size_in_bytes < 1 << 30
 
 

@@ -7,13 +7,13 @@ with two CPU host devices (``XLA_FLAGS=--xla_force_host_platform_device_count=2`
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 from jaxkv.models import build_model, get_config
 from jaxkv.models.sharding import make_tp_mesh
-from jaxkv.worker.memory_profile import device_weight_bytes, profile_largest_steps
+from jaxkv.worker.memory_profile import device_weight_bytes, profile_largest_programs
+from jaxkv.worker.program_set import FORWARD, ProgramKey
 from tests.engine.helpers import SMALL, make_llm
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
@@ -31,13 +31,10 @@ def test_profile_on_a_mesh_equals_the_tp_engines_step():
     runner = llm.llm_engine.runner
     specs = {n: g.kv_cache_spec for g in runner.config.kv_cache_groups for n in g.layer_names}
     assert {s.num_kv_heads for s in specs.values()} == {1}     # 2 KV heads over 2 devices
-    (step,) = profile_largest_steps(model, specs, mesh=mesh, attention_backend="xla", sampling=(None,),
-                                    eos_token_id=llm.llm_engine.input_processor.eos_token_id, **LIMITS)
-    T, S = runner.token_buckets[-1], runner.seq_buckets[-1]
-    shape, packed = runner._empty_step(T, S, max_q_len=T)
-    real = runner._step.lower(runner.state, runner.buffers, runner.tables, runner.last_sampled,
-                              jnp.asarray(packed), shape=shape).compile().memory_analysis()
-    assert step.temp_bytes == real.temp_size_in_bytes > 0
+    step = profile_largest_programs(model, specs, mesh=mesh, attention_backend="xla",
+                                    eos_token_id=llm.llm_engine.input_processor.eos_token_id, **LIMITS)[0]
+    real = runner.programs.get(ProgramKey(FORWARD, runner.token_buckets[-1])).memory_analysis()
+    assert step.program == "forward[128]" and step.temp_bytes == real.temp_size_in_bytes > 0
 
 
 def test_device_weight_bytes_counts_own_shards():

@@ -1,14 +1,12 @@
 """Persistent input batch: rows, holes, condense, and the block tables kept in sync."""
 
-import jax
 import numpy as np
 import pytest
 
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.block_table import apply_block_table_ops_jit
 from jaxkv.worker.input_batch import InputBatch
-from jaxkv.worker.sampler import sample
-from jaxkv.worker.sampling_metadata import make_request_key, make_unseeded_request_key
+from jaxkv.worker.sampling_updates import make_request_key, make_unseeded_request_key
 
 
 def _rows(batch, group=0):
@@ -95,26 +93,3 @@ def test_errors():
     assert b.token_ids_cpu[0].tolist() == [1, 7, 8, 9] and b.num_tokens[0] == 4
 
 
-def test_sampling_metadata_from_rows():
-    b = InputBatch(max_num_reqs=4, max_model_len=8, max_num_blocks_per_req=[2])
-    b.add_request("g", [1, 2], [[1]], SamplingParams(temperature=0.0, repetition_penalty=2.0))
-    b.add_request("r", [3], [[2]], SamplingParams(temperature=1.0, seed=9, top_k=3),
-                  output_token_ids=[4, 5])
-    b.add_request("x", [6], [[3]])
-    b.remove_request("g")
-    with pytest.raises(ValueError, match="condense"):
-        b.sampling_metadata(num_rows=4)
-    b.condense()  # x (row 2) -> row 0
-    b.add_request("g2", [1, 2, 3], [[4]], SamplingParams(temperature=0.0, repetition_penalty=2.0))
-    md = b.sampling_metadata(num_rows=4)
-    assert b.req_ids == ["x", "r", "g2"]
-    assert md.num_output_tokens.tolist() == [0, 2, 0, 0]
-    assert md.key_data[1].tolist() == make_request_key(9).tolist()
-    assert md.use_penalties and md.use_top_k_top_p and not md.all_greedy
-    assert md.history_token_ids[:, :4].tolist() == [[6, -1, -1, -1], [3, 4, 5, -1], [1, 2, 3, -1], [-1] * 4]
-    assert md.num_prompt_tokens.tolist() == [1, 1, 3, 0] and md.num_history_tokens.tolist() == [1, 3, 3, 0]
-    logits = np.zeros((4, 8), np.float32)
-    logits[:, 2] = 1.0
-    logits[:, 5] = 0.8
-    out = jax.jit(sample)(logits, md)
-    assert int(out.sampled_token_ids[2]) == 5  # g2 is greedy; token 2 (in its prompt) halved

@@ -7,7 +7,7 @@ import pytest
 
 from jaxkv.kv_cache import FullAttentionSpec, SlidingWindowSpec, get_kv_cache_config
 from jaxkv.worker import allocate_kv_buffers, page_size_bytes, read_blocks, write_blocks, zero_blocks
-from jaxkv.worker.step import slot_mapping, token_positions
+from jaxkv.worker.forward import slot_mapping, token_positions
 from jaxkv.pallas_kernels import PAD_SLOT_ID, kv_cache_view, write_kv
 
 BS, H, D = 16, 2, 64

@@ -4,19 +4,18 @@ program, and vLLM's budget arithmetic."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 from jaxkv.kv_cache import kv_cache_specs_from_layers
 from jaxkv.worker.memory_profile import (
     DEFAULT_CPU_KV_CACHE_BYTES,
-    PROFILE_SAMPLING,
     available_kv_bytes,
     device_weight_bytes,
     largest_step_temp_bytes,
-    profile_largest_steps,
+    profile_largest_programs,
 )
+from jaxkv.worker.program_set import ProgramKey
 from jaxkv.worker.spec_decode import SpeculativeConfig
 from tests.engine.helpers import make_llm, small_model
 from tests.two_host_devices import run_cases_on_two_host_devices
@@ -24,19 +23,16 @@ from tests.two_host_devices import run_cases_on_two_host_devices
 LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256)
 
 
-def _engine_step_temp(runner, sampling):
-    """The temp bytes of the engine's own largest prefill step, compiled from its real
-    (allocated) arguments, as tests/engine/test_step_memory.py does."""
-    T, S = runner.token_buckets[-1], runner.seq_buckets[-1]
-    shape, packed = runner._empty_step(T, S, max_q_len=T, sampling=sampling)
-    compiled = runner._step.lower(runner.state, runner.buffers, runner.tables, runner.last_sampled,
-                                  jnp.asarray(packed), shape=shape).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+def _engine_program_temp(runner, key: str):
+    """The temp bytes of the engine's own program (``runner.programs``: what it runs, its
+    real 16 MiB cache), as tests/engine/test_step_memory.py reads them."""
+    kind, size = key.rstrip("]").split("[")
+    return runner.programs.get(ProgramKey(kind, int(size))).memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize("family, backend", [("tiny-llama", "cpu"), ("tiny-hybrid", "xla")])
-def test_profile_equals_the_engines_compiled_step(family, backend):
-    """Greedy and sampled variants each equal the engine's compiled step of the same shape
+def test_profile_equals_the_engines_compiled_programs(family, backend):
+    """The largest forward, sampler and prompt-logprob programs each equal the engine's own
     (whose cache is 16 MiB; the profile's is 2 blocks), and the result is their max."""
     model = small_model(family)
     llm = make_llm(model, kv_cache_memory_bytes=16 << 20, attention_backend=backend, **LIMITS)
@@ -44,10 +40,10 @@ def test_profile_equals_the_engines_compiled_step(family, backend):
     specs = {g_name: g.kv_cache_spec for g in runner.config.kv_cache_groups for g_name in g.layer_names}
     kwargs = dict(LIMITS, attention_backend=backend, cache_dtype="float32",
                   eos_token_id=llm.llm_engine.input_processor.eos_token_id)
-    steps = profile_largest_steps(model, specs, **kwargs)
-    assert [(s.label, s.num_tokens, s.num_seqs) for s in steps] == [("greedy", 128, 8), ("sampled", 128, 8)]
-    assert steps[0].temp_bytes == _engine_step_temp(runner, None)
-    assert steps[1].temp_bytes == _engine_step_temp(runner, PROFILE_SAMPLING)
+    steps = profile_largest_programs(model, specs, **kwargs)
+    assert [s.program for s in steps] == ["forward[128]", "sample[8]", "prompt_logprobs[128]"]
+    for s in steps:
+        assert s.temp_bytes == _engine_program_temp(runner, s.program), s.program
     assert largest_step_temp_bytes(model, specs, **kwargs) == max(s.temp_bytes for s in steps) > 0
     assert all(s.argument_bytes < 16 << 20 for s in steps)   # no real cache in the profile
 
@@ -57,12 +53,12 @@ def test_temp_does_not_depend_on_num_blocks_but_on_tokens():
     specs = kv_cache_specs_from_layers(model.kv_layer_infos(), block_size=16, cache_dtype="float32")
     temp = {}
     for blocks in (2, 4096):
-        temp[blocks] = [s.temp_bytes for s in profile_largest_steps(
-            model, specs, num_blocks=blocks, attention_backend="xla", sampling=(None,), **LIMITS)]
+        temp[blocks] = [s.temp_bytes for s in profile_largest_programs(
+            model, specs, num_blocks=blocks, attention_backend="xla", **LIMITS)]
     assert temp[2] == temp[4096]
-    bigger = largest_step_temp_bytes(model, specs, attention_backend="xla", sampling=(None,),
-                                     **dict(LIMITS, max_num_batched_tokens=256))
-    assert bigger > temp[2][0]        # the profiled step is the prefill of the token budget
+    bigger = profile_largest_programs(model, specs, attention_backend="xla",
+                                      **dict(LIMITS, max_num_batched_tokens=256))
+    assert bigger[0].temp_bytes > temp[2][0]   # the profiled forward is the token budget's
 
 
 def test_speculative_decoding_adds_its_largest_step():
@@ -70,8 +66,8 @@ def test_speculative_decoding_adds_its_largest_step():
     specs = kv_cache_specs_from_layers(model.kv_layer_infos(), block_size=16, cache_dtype="float32")
     spec = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 3,
                                          "prompt_lookup_max": 3, "prompt_lookup_min": 1})
-    steps = profile_largest_steps(model, specs, sampling=(None,), speculative_config=spec, **LIMITS)
-    assert [(s.label, s.num_seqs, s.spec_positions) for s in steps] == [("greedy", 8, 0), ("speculative", 8, 32)]
+    steps = profile_largest_programs(model, specs, speculative_config=spec, **LIMITS)
+    assert [s.program for s in steps] == ["forward[128]", "sample[8]", "verify[32]", "prompt_logprobs[128]"]
 
 
 def test_device_weight_bytes_one_device():

@@ -1,16 +1,20 @@
 """Speculative decoding pieces: the n-gram proposer, its config, and draft verification."""
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv.sampling_params import SamplingParams
-from jaxkv.worker.sampler import _processed_logits, sample, sample_and_verify
-from jaxkv.worker.sampling_adapter import gather_rows
-from jaxkv.worker.sampling_metadata import build_sampling_metadata, make_request_key
-from jaxkv.worker.spec_decode import SpeculativeConfig, propose_ngram
+from jaxkv.worker.sampler import SamplingRows, processed_logits, sample, sample_and_verify
+from jaxkv.worker.spec_decode import SpeculativeConfig, propose_ngram, verify_inputs
+from tests.worker.sampler_helpers import rows as _rows, write_state
+
+verify_jit = jax.jit(functools.partial(sample_and_verify, num_logprobs=0))
 
 
 def test_config_defaults_and_validation():
@@ -61,14 +65,13 @@ def test_propose_ngram_matches_a_plain_search(tokens, lo, span, k):
 
 
 def _md(params, n_rows, seeds):
-    keys = np.stack([make_request_key(s) for s in seeds])
-    return build_sampling_metadata(params, keys, [0] * n_rows, num_rows=n_rows, vocab_size=8)
+    return _rows(params, num_rows=n_rows, seeds=seeds, vocab=8)
 
 
 def test_verify_greedy_accepts_exactly_the_argmax():
     logits = np.array([[0, 5, 1, 0, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0, 0, 1], [0] * 7 + [2]], np.float32)
     md = _md([SamplingParams(temperature=0)] * 3, 3, [0, 0, 0])
-    out, acc = jax.jit(sample_and_verify)(logits, md, np.array([1, 7, -1], np.int32))
+    out, acc = verify_jit(logits, md, np.array([1, 7, -1], np.int32))
     assert np.asarray(out.sampled_token_ids).tolist() == [1, 0, 7]
     assert np.asarray(acc).tolist() == [True, False, False]
 
@@ -81,23 +84,24 @@ def test_verify_random_follows_the_target_distribution():
     p = np.exp(logits) / np.exp(logits).sum()
     md = _md([SamplingParams(temperature=1.0, seed=s) for s in range(n)], n, list(range(n)))
     for draft in (0, 3):
-        out, acc = jax.jit(sample_and_verify)(np.tile(logits, (n, 1)), md, np.full(n, draft, np.int32))
+        out, acc = verify_jit(np.tile(logits, (n, 1)), md, np.full(n, draft, np.int32))
         toks, acc = np.asarray(out.sampled_token_ids), np.asarray(acc)
         freq = np.bincount(toks, minlength=8) / n
         np.testing.assert_allclose(freq, p, atol=0.015)
         assert abs(acc.mean() - p[draft]) < 0.015
         assert (toks[acc] == draft).all() and (toks[~acc] != draft).all()
     # No draft: the same draw as plain sampling would make for that output index.
-    out, acc = jax.jit(sample_and_verify)(np.tile(logits, (n, 1)), md, np.full(n, -1, np.int32))
+    out, acc = verify_jit(np.tile(logits, (n, 1)), md, np.full(n, -1, np.int32))
     np.testing.assert_array_equal(out.sampled_token_ids,
-                                  jax.jit(sample)(np.tile(logits, (n, 1)), md).sampled_token_ids)
+                                  jax.jit(functools.partial(sample, num_logprobs=0))(
+                                      np.tile(logits, (n, 1)), md).sampled_token_ids)
     assert not np.asarray(acc).any()
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_positions_see_the_drafts_before_them(seed):
-    """Each scored position's penalties, bad-word bans and min_tokens bans equal those of its
-    row's metadata built on the host with the drafts before the position appended as outputs."""
+    """Each scored position's penalties, bad-word bans and min_tokens bans (``verify_inputs``'
+    rows) equal those of its request with the drafts before the position appended as outputs."""
     rng = np.random.default_rng(seed)
     vocab, k = 16, 3
     params = [SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.7,
@@ -110,25 +114,28 @@ def test_positions_see_the_drafts_before_them(seed):
     num_prompt = [4, 6, 5, 5]
     counts = [len(t) - p for t, p in zip(tokens, num_prompt)]
     drafts = [[5, 6], [3], [2, 3], [7, 8, 9]]   # row 0's draft 5 makes 6 a bad word after it
-    rows, offsets, checks = [], [], []
-    for r, d in enumerate(drafts):
-        for j in range(len(d) + 1):
-            rows.append(r)
-            offsets.append(j)
-            checks.append(d[j] if j < len(d) else -1)
-    keys = np.stack([make_request_key(0)] * 4)
-    md = build_sampling_metadata(params, keys, counts, tokens, num_prompt, num_rows=4, vocab_size=vocab,
-                                 min_history_bucket=16, eos_token_id=1)
-    logits = rng.normal(size=(len(rows), vocab)).astype(np.float32)
-    got = jax.jit(lambda lg, m, r, o, c: _processed_logits(lg, gather_rows(m, r, o, c, max_drafts=k)))(
-        logits, md, np.array(rows, np.int32), np.array(offsets, np.int32), np.array(checks, np.int32))
-    for p, (r, j) in enumerate(zip(rows, offsets)):
-        ref = build_sampling_metadata([params[r]], keys[:1], [counts[r] + j], [tokens[r] + drafts[r][:j]],
-                                      [num_prompt[r]], num_rows=1, vocab_size=vocab, min_history_bucket=16,
-                                      eos_token_id=1)
-        want = jax.jit(_processed_logits)(logits[p: p + 1], ref)
-        np.testing.assert_allclose(np.asarray(got)[p], np.asarray(want)[0], rtol=1e-6, err_msg=f"position {p}")
-    got = np.asarray(got)
+    state = write_state(params, prompts=[t[:p] for t, p in zip(tokens, num_prompt)],
+                        outputs=[t[p:] for t, p in zip(tokens, num_prompt)], eos_token_id=1, vocab=vocab)
+    qsl = np.concatenate([[0], np.cumsum([len(d) + 1 for d in drafts])]).astype(np.int32)
+    row_data = {"slots": np.arange(4, dtype=np.int32), "num_output_tokens": np.array(counts, np.int32),
+                "num_history_tokens": np.array([len(t) for t in tokens], np.int32),
+                "num_logprobs": np.full(4, -1, np.int32), "samples": np.ones(4, bool)}
+    x, index, start = verify_inputs(qsl, drafts, row_data, buckets=(16,), num_drafts=k, num_batch_rows=4,
+                                    neutral_slot=state.neutral_slot)
+    P = int(qsl[-1])
+    assert index[:P].tolist() == list(range(P)) and start.tolist() == qsl[:-1].tolist()
+    positions = SamplingRows(state=state, slots=jnp.asarray(x.slots), num_output_tokens=jnp.asarray(x.num_output_tokens),
+                             num_history_tokens=jnp.asarray(x.num_history_tokens),
+                             num_logprobs=jnp.asarray(x.num_logprobs), prior_drafts=jnp.asarray(x.prior_drafts))
+    logits = rng.normal(size=(16, vocab)).astype(np.float32)
+    got = np.asarray(jax.jit(processed_logits)(logits, positions))
+    for p in range(P):
+        r = int(np.searchsorted(qsl, p, side="right")) - 1
+        j = p - int(qsl[r])
+        ref = _rows([params[r]], prompts=[tokens[r][:num_prompt[r]]], outputs=[tokens[r][num_prompt[r]:] + drafts[r][:j]],
+                    eos_token_id=1, vocab=vocab)
+        want = jax.jit(processed_logits)(logits[p: p + 1], ref)
+        np.testing.assert_allclose(got[p], np.asarray(want)[0], rtol=1e-6, err_msg=f"position {p}")
     assert np.isneginf(got[1, 6])   # row 0 after its draft 5: the word [5, 6]
-    last = rows.index(3)            # row 3's positions: bans at offsets 0, 1, not 2, 3
+    last = int(qsl[3])              # row 3's positions: bans at offsets 0, 1, not 2, 3
     assert [bool(np.isneginf(got[last + j, 12])) for j in range(4)] == [True, True, False, False]

@@ -126,11 +126,16 @@ def test_cpu_budget_is_the_configured_one(checkpoint, worker_calls):
     assert worker.determine_available_memory() == DEFAULT_CPU_KV_CACHE_BYTES and not worker_calls["profiled"]
 
 
+def _sampling_state_bytes(worker) -> int:
+    """What the runner's device sampling state holds (it lives beside the weights)."""
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(worker.model_runner.sampling_state))
+
+
 def test_accelerator_memory_is_limit_x_util_minus_weights_minus_step_temp(checkpoint, monkeypatch,
                                                                            worker_calls):
     """With a device reporting a 16 MiB limit at utilization 0.5: the worker reports
-    8 MiB - weights - the temp of the largest compiled step, which it profiled with the
-    engine's own limits and KV specs; num_blocks follows from that."""
+    8 MiB - weights - the device sampling state - the temp of the largest compiled program,
+    which it profiled with the engine's own limits and KV specs; num_blocks follows from that."""
     _fake_devices(monkeypatch, 16 << 20)
     llm = make_llm(checkpoint[0], **ACCELERATOR)
     worker = _worker(llm)
@@ -139,7 +144,7 @@ def test_accelerator_memory_is_limit_x_util_minus_weights_minus_step_temp(checkp
     assert {k: kwargs[k] for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")} == \
         {k: LIMITS[k] for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")}
     assert kwargs["attention_backend"] == "auto" and 0 < temp < 4 << 20
-    weights = _param_bytes(worker.model)
+    weights = _param_bytes(worker.model) + _sampling_state_bytes(worker)
     assert worker_calls["available"] == [(8 << 20) - weights - temp]
     config = llm.llm_engine.kv_cache_config
     page = config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
@@ -154,7 +159,8 @@ def test_override_wins_and_too_little_memory_names_the_terms(checkpoint, monkeyp
     _fake_devices(monkeypatch, 16 << 20)
     llm = make_llm(checkpoint[0], **ACCELERATOR, num_gpu_blocks_override=5)
     assert llm.llm_engine.kv_cache_config.num_blocks == 5
-    assert worker_calls["available"] == [(7 << 20) - _param_bytes(_worker(llm).model)]
+    worker = _worker(llm)
+    assert worker_calls["available"] == [(7 << 20) - _param_bytes(worker.model) - _sampling_state_bytes(worker)]
     _fake_devices(monkeypatch, 2 << 20)
     with pytest.raises(ValueError, match=r"bytes_limit 2097152 x gpu_memory_utilization 0.5 .*temp "
                                          r"memory 1048576"):

@@ -48,6 +48,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     chat = ServingChat(engine, served_model_names)
     embedding = ServingEmbedding(engine, served_model_names)
     stat_logger = PrometheusStatLogger(base.model_name)
+    info = getattr(getattr(engine, "engine_core", None), "info", None) or {}
+    stat_logger.start(num_compiles=int(info.get("num_compiles", 0)))   # the warm-up's programs
     engine.stat_loggers.append(stat_logger)
     created = int(time.time())
 

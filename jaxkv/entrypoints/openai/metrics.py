@@ -42,6 +42,8 @@ class PrometheusStatLogger:
         self.kv_failed = c("jaxkv:kv_transfer_failed_loads", "Loads that failed (their requests recomputed).")
         self.prompt_tokens = c("jaxkv:prompt_tokens", "Prompt tokens of the requests started.")
         self.generation_tokens = c("jaxkv:generation_tokens", "Generated tokens.")
+        self.compiles = c("jaxkv:compiles", "Programs compiled since start, warm-up included (a compile "
+                          "after warm-up is a bug: the engine logs it).")
         self.request_success = c("jaxkv:request_success", "Finished requests.", ["finished_reason"])
         h = lambda name, doc, buckets: Histogram(name, doc, labels, buckets=buckets, registry=r)   # noqa: E731
         self.ttft = h("jaxkv:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
@@ -51,13 +53,19 @@ class PrometheusStatLogger:
         self._counters = {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
                           "num_preemptions": self.preemptions, "kv_transfer_bytes": self.kv_bytes,
                           "kv_transfer_seconds": self.kv_seconds, "kv_external_tokens": self.kv_external,
-                          "kv_failed_loads": self.kv_failed}
+                          "kv_failed_loads": self.kv_failed, "num_compiles": self.compiles}
         self._seen = dict.fromkeys(self._counters, 0)
         for g in self._gauges.values():
             g.labels(model_name).set(0)
         for metric in (*self._counters.values(), self.prompt_tokens, self.generation_tokens,
                        self.ttft, self.itl, self.e2e):
             metric.labels(model_name)   # exported at 0 from the start, as vLLM's are
+
+    def start(self, *, num_compiles: int = 0) -> None:
+        """The engine's state at start-up (before its first step): programs warm-up compiled."""
+        if num_compiles > self._seen["num_compiles"]:
+            self.compiles.labels(self.model_name).inc(num_compiles - self._seen["num_compiles"])
+            self._seen["num_compiles"] = num_compiles
 
     def record(self, stats, it) -> None:
         m = self.model_name

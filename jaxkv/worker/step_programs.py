@@ -1,0 +1,160 @@
+"""The runner's programs: which exist for its configuration, and how each is built.
+
+:func:`buckets_for` fixes the sizes programs are keyed by (a function of the engine's limits
+only); :func:`build_program` turns a ``ProgramKey`` into the function, the arguments it donates
+and abstract arguments to compile it with (``jaxkv.worker.program_set``). The same builders
+serve the engine's warm-up and its memory profile, and the deviceless GPU tier compiles them
+for a GPU this machine does not have (``jaxkv.gpu_aot``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from jaxkv.worker import kv_memory
+from jaxkv.worker.block_table import apply_block_table_ops
+from jaxkv.worker.buckets import pow2_buckets, token_buckets
+from jaxkv.worker.forward import ForwardDims, build_forward_fn
+from jaxkv.worker.heads import (
+    PromptLogprobsInputs,
+    SampleInputs,
+    VerifyInputs,
+    build_greedy_fn,
+    build_prompt_logprobs_fn,
+    build_sample_fn,
+    build_verify_fn,
+    spec_of,
+)
+from jaxkv.worker.packing import pack_record, unpack_record
+from jaxkv.worker.program_set import (
+    FORWARD,
+    GREEDY,
+    PROMPT_LOGPROBS,
+    SAMPLE,
+    SAMPLING_UPDATE,
+    TABLE_OPS,
+    VERIFY,
+    ZERO_PAGES,
+    Program,
+    ProgramKey,
+)
+from jaxkv.worker.sampling_state import SamplingStateUpdate, apply_update
+from jaxkv.worker.sampling_updates import empty_update
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The sizes programs are keyed by.
+
+    ``tokens`` (F): every power of two up to ``max_num_seqs`` (a decode step of n rows has n
+    tokens) and ``token_buckets(min_token_bucket, max_num_batched_tokens)`` (powers of two and
+    their 1.5x midpoints: a step wastes at most a third of its tokens on padding).
+    ``seqs`` (Q): powers of two up to ``max_num_seqs``, plus it. ``spec`` (V): scored positions
+    of a step with drafts, powers of two up to ``min(max_num_seqs (k + 1), max_num_batched_tokens)``
+    (empty without speculative decoding).
+    """
+
+    tokens: tuple[int, ...]
+    seqs: tuple[int, ...]
+    spec: tuple[int, ...] = ()
+
+    @property
+    def num_sampled(self) -> int:
+        """P: hidden rows the forward hands the sampling programs (the largest S or P)."""
+        return max(self.seqs[-1], self.spec[-1] if self.spec else 0)
+
+
+def buckets_for(*, max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int = 0,
+                min_token_bucket: int = 16) -> Buckets:
+    seqs = pow2_buckets(1, max_num_seqs)
+    tokens = sorted(set(seqs) | set(token_buckets(min(min_token_bucket, max_num_batched_tokens),
+                                                 max_num_batched_tokens)))
+    spec = ()
+    if num_speculative_tokens:
+        spec = pow2_buckets(1, min(max_num_seqs * (num_speculative_tokens + 1), max_num_batched_tokens))
+    return Buckets(tokens=tuple(tokens), seqs=tuple(seqs), spec=tuple(spec))
+
+
+def abstract(tree):
+    """Every array leaf as a ShapeDtypeStruct with its sharding if it is committed to one
+    (an uncommitted array, ``jnp.zeros`` on the default device, follows the others as in the
+    engine's own call); abstract leaves stay."""
+    def leaf(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
+    return jax.tree.map(leaf, tree)
+
+
+def _packed(record) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((spec_of(record).size,), np.int32)
+
+
+def forward_dims(runner, num_tokens: int) -> ForwardDims:
+    return ForwardDims.for_tokens(num_tokens, max_num_seqs=runner.max_num_seqs, block_size=runner.block_size,
+                                  num_groups=runner.num_groups, num_sampled=runner.buckets.num_sampled,
+                                  ops=runner.ops_layout)
+
+
+def build_program(runner, key: ProgramKey, *, binding=None, buffers=None) -> Program:
+    """The program ``key`` of ``runner`` (a ``ModelRunner``). ``binding`` / ``buffers``
+    (abstract) replace the runner's own: the deviceless GPU tier compiles the Pallas
+    kernels' variant for KV buffers of a real GPU's size."""
+    binding = binding or runner.binding
+    buffers = abstract(runner.buffers if buffers is None else buffers)
+    kind, size = key.kind, key.size
+    if kind == FORWARD:
+        dims = forward_dims(runner, size)
+        fn = build_forward_fn(runner.graphdef, binding=binding, page_bytes=runner.page_bytes, dims=dims)
+        state, tables, last = abstract(runner.state), abstract(runner.tables), abstract(runner.last_sampled)
+        return Program(fn, (1, 2), lambda: (state, buffers, tables, last, _packed(dims.empty())))
+    if kind == TABLE_OPS:
+        fn = functools.partial(apply_block_table_ops, layout=runner.ops_layout)
+        ops = jax.ShapeDtypeStruct((runner.ops_layout.size,), np.int32)
+        return Program(fn, (0,), lambda: (abstract(runner.tables), ops))
+    if kind == ZERO_PAGES:
+        fn = functools.partial(kv_memory.zero_blocks_all, page_bytes=runner.page_bytes,
+                               cpu_kernel=binding.cpu_kernels, mesh=runner.mesh)
+        ids = jax.ShapeDtypeStruct((runner.zero_chunk,), np.int32)
+        return Program(fn, (0,), lambda: (buffers, ids))
+    sampling = abstract(runner.sampling_state)
+    if kind == SAMPLING_UPDATE:
+        spec = update_spec(runner)
+
+        def update(state_, packed):
+            return apply_update(state_, unpack_record(packed, spec, SamplingStateUpdate))
+
+        return Program(update, (0,), lambda: (sampling, jax.ShapeDtypeStruct((spec.size,), np.int32)))
+    # the programs after the forward: the LM head's parameters and the forward's hidden states
+    head = abstract(runner.head.params(runner.state))
+    last = abstract(runner.last_sampled)
+    selected = jax.ShapeDtypeStruct((runner.buckets.num_sampled, runner.hidden_size), runner.hidden_dtype)
+    common = dict(num_logprobs=runner.num_logprobs, logprobs_mode=runner.logprobs_mode,
+                  neutral_slot=runner.neutral_slot)
+    if kind == GREEDY:
+        return Program(build_greedy_fn(runner.head, num_rows=size), (2,), lambda: (head, selected, last))
+    if kind == SAMPLE:
+        fn = build_sample_fn(runner.head, num_rows=size, **common)
+        packed = _packed(SampleInputs.empty(size, runner.neutral_slot))
+        return Program(fn, (2, 3), lambda: (head, selected, sampling, last, packed))
+    if kind == VERIFY:
+        fn = build_verify_fn(runner.head, num_positions=size, num_drafts=runner.num_speculative_tokens,
+                             num_rows=runner.max_num_seqs, **common)
+        packed = _packed(VerifyInputs.empty(size, runner.num_speculative_tokens, runner.max_num_seqs,
+                                            runner.neutral_slot))
+        return Program(fn, (2, 3), lambda: (head, selected, sampling, last, packed))
+    if kind == PROMPT_LOGPROBS:
+        fn = build_prompt_logprobs_fn(runner.head, num_tokens=size, num_logprobs=runner.num_logprobs)
+        h = jax.ShapeDtypeStruct((size, runner.hidden_size), runner.hidden_dtype)
+        packed = _packed(PromptLogprobsInputs(targets=np.zeros(size, np.int32)))
+        return Program(fn, (), lambda: (head, h, packed))
+    raise ValueError(f"unknown program {key}")
+
+
+def update_spec(runner):
+    """The packed layout of one ``SamplingStateUpdate`` of the runner's capacities."""
+    return pack_record(SamplingStateUpdate(**empty_update(runner.update_slots, runner.update_entries)))[1]
