@@ -12,10 +12,10 @@ Score (vLLM's, after transformers): ``cum_logprob / length ** length_penalty`` w
 ``length`` counts the prompt and the generated tokens, less a final EOS. Every EOS id of the
 model (Llama 3 has several) completes a hypothesis.
 
-The rounds' requests (:class:`BeamRoundParams`) ask for ``2 * beam_width`` logprobs whatever
-the engine's ``max_logprobs`` (vLLM's cap of 20 would stop beam widths above 10): the engine
-checks them against the vocabulary only, and ``LLM.beam_search`` refuses ``2 * beam_width``
-above it.
+The rounds' requests ask for ``2 * beam_width`` logprobs, within the engine's ``max_logprobs``
+as every request's (vLLM's rule: with the default 20, beam widths up to 10; a wider search
+needs ``LLM(..., max_logprobs=...)``): the sampling programs compute that many logprob
+columns for every row, a size fixed when they are compiled.
 """
 
 from __future__ import annotations
@@ -26,18 +26,10 @@ import numbers
 from collections.abc import Callable, Collection, Sequence
 
 from jaxkv.outputs import PositionLogprobs
-from jaxkv.sampling_params import SamplingParams
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-class BeamRoundParams(SamplingParams):
-    """SamplingParams of one beam-search round's request: exempt from the engine's
-    ``max_logprobs`` (its ``2 * beam_width`` logprobs are checked against the vocabulary)."""
-
-    checks_max_logprobs = False
 
 
 EosIds = int | Collection[int] | None   # one EOS id, several (Llama 3), or none

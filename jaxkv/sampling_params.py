@@ -10,7 +10,6 @@ import dataclasses
 import enum
 import math
 import numbers
-from typing import ClassVar
 
 #: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
@@ -128,10 +127,6 @@ class SamplingParams:
         extra_args: Free-form arguments for extensions (vLLM's); the engine reads
             ``extra_args["kv_transfer_params"]`` (a dict) for the KV connector.
     """
-
-    #: False only for the engine's own requests (beam search's rounds), which the engine
-    #: checks against the vocabulary size instead of its ``max_logprobs``.
-    checks_max_logprobs: ClassVar[bool] = True
 
     n: int = 1
     temperature: float = 1.0
@@ -301,14 +296,13 @@ def resolve_logprobs(params: SamplingParams, *, vocab_size: int, max_logprobs: i
     """``params`` with ``logprobs`` / ``prompt_logprobs`` of -1 resolved to ``vocab_size``
     (a copy; ``params`` itself when nothing changes), after vLLM V1's check: a count above
     ``max_logprobs`` (-1: ``vocab_size``) is a ValueError, as is one above the vocabulary.
-    Params whose class sets ``checks_max_logprobs = False`` (beam search's rounds) are checked
-    against the vocabulary only. Only the counts are compared, so nothing is allocated in
+    Only the counts are compared, so nothing is allocated in
     proportion to them here.
 
     >>> resolve_logprobs(SamplingParams(logprobs=-1), vocab_size=512, max_logprobs=-1).logprobs
     512
     """
-    cap = max_logprobs if params.checks_max_logprobs and max_logprobs != -1 else None
+    cap = max_logprobs if max_logprobs != -1 else None
     counts = {}
     for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         asked = getattr(params, name)

@@ -43,9 +43,8 @@ class EngineCore:
             self.kv_cache_config: KVCacheConfig = self.kv_cache_configs[0]
             self.scheduler = Scheduler(self.kv_cache_config, config.scheduler_config,
                                        kv_connector=self._make_kv_connector())
-            self.model_executor.compile_or_warm_up_model()
-            #: Programs the driver worker has compiled (warm-up included), from its outputs.
-            self.num_compiles = int(self.model_executor.get_runner_stats()["num_compiles"])
+            #: Programs the driver worker has compiled (warm-up included), then from its outputs.
+            self.num_compiles = self.model_executor.compile_or_warm_up_model()
         except BaseException:
             self.model_executor.shutdown()
             raise

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxkv.beam_search import BeamRoundParams, BeamSearchOutput, BeamSearchParams, run_beam_search
+from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from jaxkv.engine import LLMEngine
 from jaxkv.interrupts import DeferredInterrupt
 from jaxkv.outputs import (
@@ -174,13 +174,16 @@ class LLM:
         if k > engine.model_config.vocab_size:
             raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width <= the vocabulary "
                              f"({engine.model_config.vocab_size})")
+        cap = engine.config.max_logprobs
+        if cap != -1 and k > cap:
+            raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width = {k} logprobs a round, "
+                             f"above the engine's max_logprobs={cap}: build the LLM with max_logprobs >= {k}")
         max_len = engine.config.max_model_len
         for i, t in enumerate(token_lists):
             if not t or len(t) >= max_len:
                 raise ValueError(f"prompt {i} has {len(t)} tokens; beam search needs 1 .. "
                                  f"max_model_len - 1 = {max_len - 1}")
-        # Exempt from max_logprobs (checked against the vocabulary above): see jaxkv.beam_search.
-        one = BeamRoundParams(max_tokens=1, temperature=params.temperature, logprobs=k,
+        one = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=k,
                               ignore_eos=True, detokenize=False)
 
         def expand(beams: list[list[int]]) -> list:

@@ -83,8 +83,9 @@ class Executor(abc.ABC):
         (``WorkerWrapperBase.initialize_from_config``) and allocates its buffers."""
         self.collective_rpc("initialize_from_config", args=(kv_cache_configs,))
 
-    def compile_or_warm_up_model(self) -> None:
-        self.collective_rpc("compile_or_warm_up_model")
+    def compile_or_warm_up_model(self) -> int:
+        """Warms every worker up; returns the programs the driver worker has compiled."""
+        return int(self.collective_rpc("compile_or_warm_up_model")[0] or 0)
 
     def recover_after_failure(self, req_ids) -> bool:
         """Makes every worker consistent after a failed step, forgetting ``req_ids`` (None:

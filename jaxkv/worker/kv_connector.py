@@ -106,6 +106,18 @@ class PagedKVCaches:
                              f"{[(p.dtype.name, p.shape) for p in pages]}")
         self._runner.buffers = self._write(self.buffers, self._ids(block_ids), pages)
 
+    def warm_up(self) -> int:
+        """Runs the page gather and scatter once per page bucket a transfer can have (powers
+        of two up to every block of one request in every group), with ids of -1 (nothing is
+        written), so no transfer compiles while the engine works. Returns the buckets run."""
+        r = self._runner
+        most = pages_bucket(r.num_groups * r.max_blocks_per_req)
+        buckets = [1 << i for i in range(most.bit_length())]
+        for n in buckets:
+            ids = [-1] * n
+            self.write_pages(ids, self.read_pages(ids))
+        return len(buckets)
+
     # ---- host copies (one entry per addressable shard: a process of a multi-process mesh
     # holds only its own devices' pages) ---------------------------------------------------------
 

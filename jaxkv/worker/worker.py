@@ -148,7 +148,8 @@ class Worker:
         connector = KVConnectorFactory.create_connector(
             self.config.kv_transfer_config, KVConnectorRole.WORKER, self.kv_cache_config,
             rank=self.rank, world_size=jax.process_count())
-        connector.register_kv_caches(PagedKVCaches(self.model_runner))
+        self.kv_pages = PagedKVCaches(self.model_runner)
+        connector.register_kv_caches(self.kv_pages)
         self.kv_connector = connector
         self.model_runner.kv_connector_hooks = ConnectorHooks(connector)
 
@@ -161,12 +162,16 @@ class Worker:
             self.kv_connector.shutdown()
             self.kv_connector = None
 
-    def compile_or_warm_up_model(self) -> None:
+    def compile_or_warm_up_model(self) -> int:
         """Compiles every program the engine can run (``warmup``; a pooling-only engine's
-        never sample), so nothing compiles while it works."""
+        never sample) and, with a KV connector, its page gathers and scatters, so nothing
+        compiles while it works. Returns the programs compiled so far."""
         c = self.config
         if c.warmup:
             self.model_runner.warmup(progress=c.verbose, generate=c.runner != "pooling")
+            if self.kv_connector is not None:
+                self.kv_pages.warm_up()
+        return self.model_runner.num_compiles
 
     # ---- steps --------------------------------------------------------------------------------
 

@@ -150,3 +150,30 @@ def test_async_scheduling_loads_too(saved):
     assert [o.num_cached_tokens for o in outs] == [len(p) - 1 for p in ps]
     assert_no_block_leaks(b)
     b.shutdown()
+
+
+@pytest.mark.slow
+def test_warm_consumer_compiles_nothing_while_loading(saved):
+    """With the default warm-up the page scatters (and gathers) of every bucket are compiled
+    at start: loading the saved blocks compiles no program (jax's own compile events)."""
+    import jax.monitoring
+
+    store, ps, want = saved
+    llm = LLM("tiny-llama", kv_transfer_config=storage(store, "kv_consumer"), **dict(ENGINE, warmup=True))
+    compiles = []
+    active = [True]
+
+    def on(event, duration, **_):
+        if active[0] and event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on)
+    try:
+        assert generate(llm, ps) == want
+    finally:
+        active[0] = False
+    core = llm.llm_engine.engine_core
+    assert core.scheduler.num_external_computed_tokens == sum(len(p) - 1 for p in ps)
+    assert compiles == []
+    assert_no_block_leaks(llm)
+    llm.shutdown()

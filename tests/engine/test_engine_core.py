@@ -35,8 +35,8 @@ class _RecordingWorker:
     def initialize_from_config(self, config):
         self.kv_cache_config = config
 
-    def compile_or_warm_up_model(self, sampling=()):
-        pass
+    def compile_or_warm_up_model(self):
+        return 0
 
 
 class _StubExecutor(Executor):

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from jaxkv import LLM, BeamSearchParams, SamplingParams
-from jaxkv.beam_search import BeamRoundParams
 from jaxkv.core import SchedulerConfig
 from jaxkv.core.stop_check import with_eos_stop_ids
 from jaxkv.engine_config import resolve_engine_config
@@ -147,10 +146,6 @@ def test_resolve_logprobs_follows_vllm():
         resolve_logprobs(SamplingParams(prompt_logprobs=-1), vocab_size=VOCAB, max_logprobs=20)
     with pytest.raises(ValueError, match=f"logprobs=600 is larger than the vocabulary size {VOCAB}"):
         resolve_logprobs(SamplingParams(logprobs=600), vocab_size=VOCAB, max_logprobs=1000)
-    beam = BeamRoundParams(logprobs=22, max_tokens=1)
-    assert resolve_logprobs(beam, vocab_size=VOCAB, max_logprobs=20) is beam
-    with pytest.raises(ValueError, match="larger than the vocabulary"):
-        resolve_logprobs(BeamRoundParams(logprobs=VOCAB + 1), vocab_size=VOCAB, max_logprobs=20)
 
 
 # ---- add_request: values wrong for this model --------------------------------------------------
@@ -203,10 +198,13 @@ def test_logprobs_within_the_cap_and_wide_seeds_work(llm, greedy):
 
 
 def test_beam_search_wider_than_the_logprobs_cap(llm, greedy):
-    """beam_width 11 asks for 22 logprobs a round, above max_logprobs=20: its own requests
-    are checked against the vocabulary only (a user request of 22 is refused)."""
-    (out,) = llm.beam_search([PROMPT], BeamSearchParams(beam_width=11, max_tokens=2, ignore_eos=True))
-    assert len(out.sequences) == 11 and len({tuple(s.tokens) for s in out.sequences}) == 11
+    """beam_width 11 asks for 22 logprobs a round, above max_logprobs=20: refused as vLLM
+    does (the sampler's logprob columns are fixed at compile time), naming the way out; 10
+    fits exactly."""
+    with pytest.raises(ValueError, match="beam_width=11 needs 2 \\* beam_width = 22 .* max_logprobs=20"):
+        llm.beam_search([PROMPT], BeamSearchParams(beam_width=11, max_tokens=2, ignore_eos=True))
+    (out,) = llm.beam_search([PROMPT], BeamSearchParams(beam_width=10, max_tokens=2, ignore_eos=True))
+    assert len(out.sequences) == 10 and len({tuple(s.tokens) for s in out.sequences}) == 10
     with pytest.raises(ValueError, match="2 \\* beam_width <= the vocabulary"):
         llm.beam_search([PROMPT], BeamSearchParams(beam_width=VOCAB // 2 + 1, max_tokens=1))
     with pytest.raises(ValueError, match="max allowed: 20"):
