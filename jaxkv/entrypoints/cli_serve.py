@@ -61,7 +61,8 @@ def engine_kwargs(args) -> dict:
     from jaxkv.entrypoints.engine_args import engine_kwargs as shared
 
     return dict(shared(args), dtype=args.dtype, enable_prefix_caching=args.enable_prefix_caching,
-                max_logprobs=args.max_logprobs, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+                max_logprobs=args.max_logprobs, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                verbose=True)   # the KV budget and the warm-up's progress in the server's log
 
 
 def cmd_serve(args) -> int:

@@ -168,7 +168,8 @@ class Worker:
         compiles while it works. Returns the programs compiled so far."""
         c = self.config
         if c.warmup:
-            self.model_runner.warmup(progress=c.verbose, generate=c.runner != "pooling")
+            progress = c.verbose or sys.stderr.isatty()   # a terminal sees the compiles progress
+            self.model_runner.warmup(progress=progress, generate=c.runner != "pooling")
             if self.kv_connector is not None:
                 self.kv_pages.warm_up()
         return self.model_runner.num_compiles
