@@ -10,6 +10,7 @@ import pytest
 from jaxkv.engine import LLMEngine
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.models import dense_forward
+from tests.engine import mixed_workload
 from tests.engine.helpers import dense_greedy, make_llm, small_model
 
 
@@ -205,18 +206,7 @@ def test_allowed_token_ids_and_logit_bias_match_dense(llm, model):
     assert again.outputs[0].token_ids == want
 
 
-class _CharTokenizer:
-    """Token id i decodes to chr(ord('a') + i % 26): enough to test stop strings."""
-
-    eos_token_id = None
-    bos_token_id = None
-    chat_template = None
-
-    def encode(self, text, add_special_tokens=True):
-        return [ord(ch) - ord("a") for ch in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(ord("a") + i % 26) for i in ids)
+_CharTokenizer = mixed_workload.CharTokenizer   # token i decodes to chr(ord("a") + i % 26)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
