@@ -158,6 +158,7 @@ class ModelRunner:
         hidden = jax.eval_shape(forward.fn, *forward.abstract_args())[2]     # [T, hidden]
         self.hidden_size, self.hidden_dtype = hidden.shape[1], hidden.dtype
         self.head = LogitsHead(self.graphdef, self.state, self.hidden_size, mesh=mesh)
+        self.head_params = self.head.params(self.state)   # the weights never change: picked once
         self.programs = ProgramSet(lambda key: build_program(self, key))
 
     # ---- programs -----------------------------------------------------------------------------
@@ -275,7 +276,7 @@ class ModelRunner:
     def _dispatch_heads(self, plan: StepPlan, hidden: jax.Array, selected: jax.Array) -> dict:
         """Starts the sampling and prompt-logprob programs; returns the device arrays to fetch."""
         results: dict = {}
-        head = self.head.params(self.state)
+        head = self.head_params
         if plan.head in (SAMPLE, VERIFY):
             self.sampling_state, self.last_sampled, *out = self._run(
                 plan.head, plan.head_size, head, selected, self.sampling_state, self.last_sampled,

@@ -130,7 +130,7 @@ def build_program(runner, key: ProgramKey, *, binding=None, buffers=None) -> Pro
 
         return Program(update, (0,), lambda: (sampling, jax.ShapeDtypeStruct((spec.size,), np.int32)))
     # the programs after the forward: the LM head's parameters and the forward's hidden states
-    head = abstract(runner.head.params(runner.state))
+    head = abstract(runner.head_params)
     last = abstract(runner.last_sampled)
     selected = jax.ShapeDtypeStruct((runner.buckets.num_sampled, runner.hidden_size), runner.hidden_dtype)
     common = dict(num_logprobs=runner.num_logprobs, logprobs_mode=runner.logprobs_mode,
