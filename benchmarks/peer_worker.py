@@ -28,9 +28,8 @@ import time
 import numpy as np
 
 if __name__ == "__main__":
-    # Run as a script, this folder is sys.path[0], and its benchmark scripts would shadow
-    # packages of the same names that the peers import (benchmarks/kernels.py vs `kernels`,
-    # which transformers probes for).
+    # Run as a script, this folder is sys.path[0], and a benchmark script named like a package
+    # the peers import (or that transformers probes for) would shadow it.
     _here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
 

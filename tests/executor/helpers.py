@@ -7,7 +7,6 @@ import os
 import pathlib
 import sys
 import time
-import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "models"))   # ckpt_fixtures (the HF config writer)
@@ -48,16 +47,21 @@ def all_gone(pids, within: float = 5.0) -> bool:
 
 
 def executor_config(model_path, **overrides):
-    """The picklable engine config a ``MultiprocExecutor`` is started with."""
-    fields = dict(model=str(model_path), dtype="float32", seed=0, tensor_parallel_size=2, block_size=16,
-                  cache_dtype="float32", kv_cache_memory_bytes=8 << 20, gpu_memory_utilization=0.9,
-                  verbose=False, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512,
-                  attention_backend="auto", eos_token_ids=(), speculative_config=None,
-                  logprobs_mode="raw_logprobs", warmup=False, runner="auto", headless=False,
-                  node_rank=0, nnodes=1, master_addr="127.0.0.1", master_port=0,
+    """The engine config a ``MultiprocExecutor`` is started with: a real ``EngineConfig`` (so
+    a field the workers read is never missing here), small and on two processes."""
+    from jaxkv.core import SchedulerConfig  # noqa: PLC0415
+    from jaxkv.engine_config import EngineConfig  # noqa: PLC0415
+
+    fields = dict(model_name=str(model_path), model=str(model_path), dtype="float32", seed=0,
+                  tensor_parallel_size=2, block_size=16, cache_dtype="float32",
+                  kv_cache_memory_bytes=8 << 20, max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=512, attention_backend="auto", warmup=False,
                   distributed_executor_backend="mp")
     fields.update(overrides)
-    return types.SimpleNamespace(**fields)
+    fields["scheduler_config"] = SchedulerConfig(max_num_seqs=fields["max_num_seqs"],
+                                                 max_num_batched_tokens=fields["max_num_batched_tokens"],
+                                                 max_model_len=fields["max_model_len"])
+    return EngineConfig(**fields)
 
 
 def worker_env() -> dict:

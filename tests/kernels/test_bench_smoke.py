@@ -1,5 +1,5 @@
 """The kernel benchmark scripts run end to end on tiny shapes (--smoke) and write JSON + markdown
-(kernels.py also with --plot: a PNG next to the JSON when matplotlib is installed)."""
+(kernel_bench.py also with --plot: a PNG next to the JSON when matplotlib is installed)."""
 
 import importlib.util
 import json
@@ -12,7 +12,7 @@ import pytest
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-@pytest.mark.parametrize("script,stem,extra", [("kernels.py", "kernels_cpu_smoke", ["--plot"]),
+@pytest.mark.parametrize("script,stem,extra", [("kernel_bench.py", "kernels_cpu_smoke", ["--plot"]),
                                                ("_kernel_bench_gpu.py", "kernels_gpu_smoke", [])])
 def test_benchmark_smoke(script, stem, extra, tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH / script), str(tmp_path), "--smoke", *extra],

@@ -1,6 +1,6 @@
 """CPU table: XLA backend vs interpret-mode Pallas vs jax's reference, decode and mixed batches.
 
-    python benchmarks/kernels.py [OUT_DIR] [--smoke] [--repeats N] [--plot]
+    python benchmarks/kernel_bench.py [OUT_DIR] [--smoke] [--repeats N] [--plot]
 
 OUT_DIR defaults to $OUT, then $JAXKV_BENCH_DIR, then benchmarks/results/. Writes
 kernels_cpu.json and kernels_cpu.md there and prints the table; ``--plot`` also writes
