@@ -57,18 +57,25 @@ class PagedKVCaches:
         self.tp = self.mesh.shape[TP_AXIS] if self.mesh is not None else 1
         read = functools.partial(_read_all, page_bytes=self.page_bytes)
         write = functools.partial(_write_all, page_bytes=self.page_bytes)
+        n = self.num_tensors
         if self.mesh is not None:
             shard = PartitionSpec(TP_AXIS)
-            n = self.num_tensors
             read = jax.shard_map(read, mesh=self.mesh, in_specs=((shard,) * n, PartitionSpec()),
                                  out_specs=(shard,) * n, check_vma=False)
             write = jax.shard_map(write, mesh=self.mesh, in_specs=((shard,) * n, PartitionSpec(), (shard,) * n),
                                   out_specs=(shard,) * n, check_vma=False)
             self.page_sharding = NamedSharding(self.mesh, shard)
+            pages, ids = self.page_sharding, NamedSharding(self.mesh, PartitionSpec())
         else:
             self.page_sharding = None
-        self._read = jax.jit(read)
-        self._write = jax.jit(write, donate_argnums=0)
+            pages = ids = jax.sharding.SingleDeviceSharding(self._device())
+        # Shardings spelled out: jit's cache key otherwise holds whether each argument is
+        # committed, which differs between the warm-up's arrays (fresh buffers, gathered
+        # pages) and a load's (the step's outputs, pages put from the host), and every load
+        # compiled the scatter again.
+        self._read = jax.jit(read, in_shardings=((pages,) * n, ids), out_shardings=(pages,) * n)
+        self._write = jax.jit(write, in_shardings=((pages,) * n, ids, (pages,) * n),
+                              out_shardings=(pages,) * n, donate_argnums=0)
 
     @property
     def buffers(self) -> tuple[jax.Array, ...]:

@@ -153,9 +153,6 @@ def test_async_scheduling_loads_too(saved):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known gap: loading saved pages still compiles jit(_write_all) "
-                   "5 times (same shapes as the warm-up's calls: the jit cache key differs, not yet "
-                   "found why)")
 def test_warm_consumer_compiles_nothing_while_loading(saved):
     """With the default warm-up the page scatters (and gathers) of every bucket are compiled
     at start: loading the saved blocks compiles no program (jax's own compile events)."""
