@@ -163,14 +163,6 @@ class ModelRunner:
 
     # ---- programs -----------------------------------------------------------------------------
 
-    @property
-    def token_buckets(self) -> tuple[int, ...]:
-        return self.buckets.tokens
-
-    @property
-    def seq_buckets(self) -> tuple[int, ...]:
-        return self.buckets.seqs
-
     def program_keys(self, *, generate: bool = True) -> list[ProgramKey]:
         """Every program this runner can run (``generate=False``: pooling requests only)."""
         return program_keys(token_buckets=self.buckets.tokens, seq_buckets=self.buckets.seqs,

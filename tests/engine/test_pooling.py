@@ -154,7 +154,7 @@ def test_engine_pooler_config_and_runner(model):
     llm = make_llm(model, pooler_config={"pooling_type": "mean", "normalize": False},
                    runner="pooling", warmup=True)
     runner = llm.llm_engine.runner
-    assert runner.num_compiles == len(runner.token_buckets) + 2 == len(runner.program_keys(generate=False))
+    assert runner.num_compiles == len(runner.buckets.tokens) + 2 == len(runner.program_keys(generate=False))
     p = _prompts(7, [30])[0]
     out = llm.embed(p, use_tqdm=False)[0]
     np.testing.assert_allclose(out.outputs.embedding, _hidden(model, p).mean(0), atol=ATOL)

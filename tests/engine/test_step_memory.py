@@ -11,7 +11,7 @@ from tests.engine.helpers import make_llm, small_model
 
 
 def _compiled_memory(runner, *, size):
-    T = runner.token_buckets[0] if size == "decode" else runner.token_buckets[-1]
+    T = runner.buckets.tokens[0] if size == "decode" else runner.buckets.tokens[-1]
     return runner.programs.get(ProgramKey(FORWARD, T)).memory_analysis()
 
 

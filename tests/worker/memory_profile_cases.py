@@ -33,7 +33,7 @@ def test_profile_on_a_mesh_equals_the_tp_engines_step():
     assert {s.num_kv_heads for s in specs.values()} == {1}     # 2 KV heads over 2 devices
     step = profile_largest_programs(model, specs, mesh=mesh, attention_backend="xla",
                                     eos_token_id=llm.llm_engine.input_processor.eos_token_id, **LIMITS)[0]
-    real = runner.programs.get(ProgramKey(FORWARD, runner.token_buckets[-1])).memory_analysis()
+    real = runner.programs.get(ProgramKey(FORWARD, runner.buckets.tokens[-1])).memory_analysis()
     assert step.program == "forward[128]" and step.temp_bytes == real.temp_size_in_bytes > 0
 
 
