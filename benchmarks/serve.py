@@ -13,8 +13,9 @@ throughput, output tok/s, TTFT, TPOT ((latency - TTFT) / (output tokens - 1)) an
 between streamed chunks, one token each), mean / p50 / p99 in ms. The server is started here
 (default warm-up: every program the engine can run is compiled before ``/health`` answers;
 prefix caching off) and sent the requests ``--warm-passes`` times untimed before each timed
-pass, with the same arrivals (warming the host side: nothing compiles after start-up, and the
-server's ``jaxkv:compiles_total`` is read before and after to check it); then it is stopped
+pass, with the same arrivals (warming the host side: nothing compiles after start-up; the
+server's ``jaxkv:compiles_total`` is read at start, after the untimed passes and after the timed
+one, and each row reports the compiles of both); then it is stopped
 and an in-process ``LLM`` with the same engine flags runs the same requests (one untimed, one
 timed pass). Everything is bounded by ``--timeout``; the
 server listens on 127.0.0.1 only. CPU numbers on shared cores are noisy: compare within a run.
@@ -99,6 +100,13 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
 
+    def compiles(self) -> int:
+        """The server's ``jaxkv:compiles_total``: programs compiled since start (warm-up too)."""
+        import httpx
+
+        return compiles_from_metrics(httpx.get(f"{self.url}/metrics", timeout=10.0).text)
+
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGTERM)
@@ -107,6 +115,15 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+
+
+def compiles_from_metrics(text: str) -> int:
+    """``jaxkv:compiles_total`` of a Prometheus text page (summed over its label sets)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("jaxkv:compiles_total")]
+    if not values:
+        raise ValueError("no jaxkv:compiles_total on the server's /metrics")
+    return int(sum(values))
 
 
 # ---- the client ----------------------------------------------------------------------------------
@@ -240,22 +257,34 @@ def main(argv=None) -> dict:
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="jaxkv-bench-serve-") as tmp:
+        t0 = time.monotonic()
         server = Server(args, pathlib.Path(tmp) / "server.log", deadline)
+        startup_s = time.monotonic() - t0
         try:
             left = lambda: max(1.0, deadline - time.monotonic())   # noqa: E731
-            for rate in rates:   # untimed passes first (same arrivals): steps compile on first use
+            at_start = server.compiles()
+            for rate in rates:   # untimed passes first (same arrivals): host-side warm-up
+                before = server.compiles()
                 for _ in range(args.warm_passes):
                     asyncio.run(run_pass(server.url, args.model, prompts, outs, rate, args.seed, left()))
+                mid = server.compiles()
                 row = asyncio.run(run_pass(server.url, args.model, prompts, outs, rate, args.seed, left()))
-                rows.append({"system": "jaxkv serve", **row})
+                rows.append({"system": "jaxkv serve", **row, "compiles_warm_passes": mid - before,
+                             "compiles_timed": server.compiles() - mid})
         finally:
             server.stop()
     if not args.no_offline:
-        rows.append({"system": "LLM.generate", **run_offline(args, prompts, outs)})
+        offline = run_offline(args, prompts, outs)
+        for row in rows:   # the throughput ratio at each rate (inf is the one comparable to offline)
+            row["vs_offline"] = row["output_tok_per_s"] / offline["output_tok_per_s"]
+        rows.append({"system": "LLM.generate", **offline})
     payload = {"benchmark": "serve", "environment": env, "workload": desc, "model": args.model,
-               "engine": engine_kwargs(args), "rows": rows}
+               "engine": engine_kwargs(args), "rows": rows,
+               "server": {"startup_s": startup_s, "programs_at_start": at_start}}
     print("\n".join(bc.header_lines("jaxkv serve vs offline LLM.generate", env, desc)))
-    print(bc.table(rows, ["system", "request_rate", "completed", "duration_s", "req_per_s", "output_tok_per_s"]))
+    print(f"# server: healthy after {startup_s:.1f} s with {at_start} programs compiled")
+    print(bc.table(rows, ["system", "request_rate", "completed", "duration_s", "req_per_s", "output_tok_per_s",
+                          "vs_offline", "compiles_warm_passes", "compiles_timed"]))
     print(bc.table(rows, ["system", "request_rate", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_mean",
                           "tpot_ms_p50", "tpot_ms_p99", "itl_ms_mean", "itl_ms_p50", "itl_ms_p99"]))
     if args.json:

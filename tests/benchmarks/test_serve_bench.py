@@ -47,3 +47,13 @@ def test_serve_flags_match_the_offline_engine(serve_bench):
                      "--warmup", "off", "--no-enable-prefix-caching", "--max-num-batched-tokens", "64"]
     assert kw == dict(max_model_len=1024, kv_cache_memory_bytes=16 << 20, max_num_seqs=8,
                       max_num_batched_tokens=64, enable_prefix_caching=False, warmup=False)
+
+
+def test_compiles_read_from_the_metrics_page(serve_bench):
+    page = ("# HELP jaxkv:compiles_total Programs compiled\n# TYPE jaxkv:compiles_total counter\n"
+            'jaxkv:compiles_total{model_name="tiny-llama"} 33.0\n'
+            'jaxkv:compiles_created{model_name="tiny-llama"} 1.7e9\n'
+            'jaxkv:num_requests_running{model_name="tiny-llama"} 2.0\n')
+    assert serve_bench.compiles_from_metrics(page) == 33
+    with pytest.raises(ValueError, match="compiles_total"):
+        serve_bench.compiles_from_metrics("jaxkv:num_requests_running 1.0\n")
