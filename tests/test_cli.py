@@ -502,3 +502,16 @@ def test_serve_bad_flags_exit_before_the_engine_starts(capsys, monkeypatch, flag
     monkeypatch.setattr(jaxkv.engine.async_llm, "AsyncLLM", refuse)
     code, _, err = run(["serve", "tiny-llama", *flags], capsys)
     assert (code, error_line(err, "serve")) == (2, f"jaxkv serve: error: {message}")
+
+
+def test_warmup_defaults_generate_off_serve_on():
+    """``jaxkv serve`` compiles its whole program set before it answers; ``jaxkv generate``
+    runs one known batch, so by default it compiles only what that batch runs."""
+    from jaxkv.entrypoints.engine_args import engine_kwargs
+
+    parser = cli.build_parser()
+    gen = parser.parse_args(["generate"])
+    srv = parser.parse_args(["serve", "tiny-llama"])
+    assert (gen.warmup, srv.warmup) == ("off", "on")
+    assert engine_kwargs(gen)["warmup"] is False and engine_kwargs(srv)["warmup"] is True
+    assert parser.parse_args(["generate", "--warmup", "on"]).warmup == "on"

@@ -91,7 +91,7 @@ def add_parser(sub) -> None:
                    help="beam search with N beams (vLLM's LLM.beam_search) instead of sampling "
                         "(default: off)")
     g = p.add_argument_group("engine")
-    add_engine_args(g)
+    add_engine_args(g, warmup="off")
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
                    help="split the model over N devices; on CPU, N host devices set up here "
                         "(default: 1)")

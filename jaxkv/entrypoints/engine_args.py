@@ -4,8 +4,13 @@ CLI arguments), defined once: same names, defaults and help on both commands."""
 from __future__ import annotations
 
 
-def add_engine_args(g) -> None:
-    """Adds the engine's flags to the argparse group ``g``. What they become: ``engine_kwargs``."""
+def add_engine_args(g, *, warmup: str = "on") -> None:
+    """Adds the engine's flags to the argparse group ``g``. What they become: ``engine_kwargs``.
+
+    ``warmup``: the ``--warmup`` default. ``jaxkv serve`` warms up (requests it cannot foresee
+    must never wait for a compile); ``jaxkv generate`` runs one known batch and exits, so it
+    compiles only what that batch runs, on first use (4 prompts: 8 programs, not the whole
+    set's 55; the persistent cache makes a second run compile nothing either way)."""
     from jaxkv.entrypoints.cli import (
         ATTENTION_BACKENDS,
         KV_CACHE_DTYPES,
@@ -33,9 +38,9 @@ def add_engine_args(g) -> None:
                    help="most tokens per step (default: 2048, or --max-num-seqs when larger)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
                    default="auto", help="attention implementation (default: auto)")
-    g.add_argument("--warmup", choices=("on", "off"), default="on",
+    g.add_argument("--warmup", choices=("on", "off"), default=warmup,
                    help="compile every program the engine can run at load, so nothing compiles "
-                        "while it works; off compiles each on first use (default: on)")
+                        f"while it works; off compiles each on first use (default: {warmup})")
     g.add_argument("--compile-cache", default=None, metavar="DIR|off",
                    help="jax's persistent compilation cache, so a restart reads its programs back "
                         "(default: $JAXKV_COMPILE_CACHE, else ~/.cache/jaxkv/xla; off: not used)")
