@@ -6,7 +6,7 @@
 A drafted request runs ``propose_ngram`` over its whole token history after every step, so
 its cost grows with the context. The baseline is the straightforward numpy search (every
 window of n tokens compared with the last n, for n from max down to min), which jaxkv used
-until session 11; jaxkv's proposer compares every token with the last one once and extends
+until 2026-11-30; jaxkv's proposer compares every token with the last one once and extends
 only those candidates backwards. Both must return the same drafts (checked on every input).
 Random tokens from a large vocabulary (few candidates) and a small one (many), n-grams 5..1,
 k = 4; median of 7 repeats of 50 calls. Writes JSON, and with ``--plot`` a PNG next to it

@@ -401,7 +401,7 @@ def print_report(payload: dict) -> None:
         print(bc.table([ld["kv_size_compare"]], list(ld["kv_size_compare"]), "decode step vs KV-cache size"))
     if summary:
         print(bc.table(summary, list(summary[0]), "jaxkv / naive JAX baseline"))
-    print(bc.table(payload["targets"], ["target", "measured", "met"], "targets (issue 7, this CPU)"))
+    print(bc.table(payload["targets"], ["target", "measured", "met"], "targets (this CPU)"))
 
 
 def targets(payload: dict) -> list[dict]:

@@ -39,7 +39,7 @@ __all__ = [
     "load_hf_weights", "DEFAULT_TP_RULES", "IF_DIVISIBLE", "make_tp_mesh", "shard_state",
 ]
 
-# Checkpoints, tokenizer and the name/path loader (issue 5 part B).
+# Checkpoints, tokenizer and the name/path loader.
 from jaxkv.models.registry import BUILTIN_NAMES, load_model, load_model_config  # noqa: E402
 from jaxkv.models.tokenizer import Tokenizer  # noqa: E402
 

@@ -37,7 +37,7 @@ worker; a worker also ends itself when its parent or the executor's socket goes 
 Serialisation: pickle (protocol 5). msgspec would need typed schemas for every boundary object
 (``SchedulerOutput`` holds ``SamplingParams``, sets, nested dataclasses; rpcs carry arbitrary
 values and functions); ``benchmarks/executor_hop.py`` measures both on a batch-64 decode
-``SchedulerOutput`` (see benchmarks/RESULTS.md, session 15).
+``SchedulerOutput`` (see benchmarks/RESULTS.md, "The process hop").
 """
 
 from __future__ import annotations

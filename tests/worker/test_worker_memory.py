@@ -1,4 +1,4 @@
-"""Worker start-up (issue 23): the front end reads a named model's config only, the worker
+"""Worker start-up: the front end reads a named model's config only, the worker
 loads the weights, and each worker reports the bytes it has for KV: the configured budget on
 CPU, ``bytes_limit x gpu_memory_utilization - weights - the largest step's temp`` on a
 device with memory stats (faked here), from which the engine core sizes ``num_blocks``."""
