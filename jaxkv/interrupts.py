@@ -35,7 +35,11 @@ class DeferredInterrupt:
         self._installed = (threading.current_thread() is threading.main_thread()
                            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
         if self._installed:
-            signal.signal(signal.SIGINT, self._handler)
+            try:
+                signal.signal(signal.SIGINT, self._handler)
+            except BaseException:   # an interrupt landing here: no __exit__ would undo it
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise
         return self
 
     def __exit__(self, *exc_info) -> None:

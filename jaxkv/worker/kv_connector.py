@@ -73,6 +73,7 @@ class PagedKVCaches:
         # committed, which differs between the warm-up's arrays (fresh buffers, gathered
         # pages) and a load's (the step's outputs, pages put from the host), and every load
         # compiled the scatter again.
+        self.read_fn, self.write_fn = read, write   # unjitted (a compile for another device)
         self._read = jax.jit(read, in_shardings=((pages,) * n, ids), out_shardings=(pages,) * n)
         self._write = jax.jit(write, in_shardings=((pages,) * n, ids, (pages,) * n),
                               out_shardings=(pages,) * n, donate_argnums=0)

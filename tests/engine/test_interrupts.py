@@ -30,6 +30,17 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [np.random.default_rng(i).integers(3, 512, size=n).tolist() for i, n in ((1, 40), (2, 23), (3, 70))]
 
 
+@pytest.fixture(autouse=True)
+def _python_sigint_handler():
+    """Python's own SIGINT handler, as a user's program has it: a test that ran before in
+    this process may have left another one (a library's; never jaxkv's own, checked)."""
+    found = signal.getsignal(signal.SIGINT)
+    assert not isinstance(getattr(found, "__self__", None), DeferredInterrupt), "jaxkv left its handler"
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, found)
+
+
 @pytest.fixture(scope="module")
 def model():
     return small_model("tiny-llama")
