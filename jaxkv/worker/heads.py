@@ -166,11 +166,20 @@ def _append_history(state: SamplingState, slots, positions, tokens, keep) -> Sam
     return dataclasses.replace(state, history=state.history.at[rows, positions].set(tokens, mode="drop"))
 
 
+def first_rows(selected: jax.Array, n: int) -> jax.Array:
+    """selected [P, hidden] -> its first n rows. One row of several goes through an
+    optimization barrier: XLA:GPU in jaxlib 0.10.2 fails to compile a slice of one row fused
+    into the LM head's dot ("Reshape input and output shapes must be the same, got 1x16 ->
+    16x8", deviceless H200; jaxlib 0.12 compiles it). The barrier costs a copy of one row."""
+    rows = selected[:n]
+    return jax.lax.optimization_barrier(rows) if n == 1 and selected.shape[0] > 1 else rows
+
+
 def build_greedy_fn(head: LogitsHead, *, num_rows: int):
     """``greedy(head_params, selected [P, hidden], last_sampled [R]) -> (last_sampled, tokens [S])``."""
 
     def greedy(head_params, selected, last_sampled):
-        logits_t = head.logits(head_params, selected[:num_rows], vocab_major=True)   # [V, S]
+        logits_t = head.logits(head_params, first_rows(selected, num_rows), vocab_major=True)   # [V, S]
         tokens = _replicated(sample_greedy_vocab_major(logits_t), head.mesh)
         rows = min(num_rows, last_sampled.shape[0])
         return jax.lax.dynamic_update_slice(last_sampled, tokens[:rows], (0,)), tokens
@@ -185,7 +194,7 @@ def build_sample_fn(head: LogitsHead, *, num_rows: int, num_logprobs: int, logpr
 
     def sample_rows(head_params, selected, state, last_sampled, packed):
         x = unpack_record(packed, spec, SampleInputs)
-        logits = head.logits(head_params, selected[:num_rows])                       # [S, V]
+        logits = head.logits(head_params, first_rows(selected, num_rows))                  # [S, V]
         rows = SamplingRows(state=state, slots=x.slots, num_output_tokens=x.num_output_tokens,
                             num_history_tokens=x.num_history_tokens, num_logprobs=x.num_logprobs,
                             prior_drafts=jnp.zeros((num_rows, 0), jnp.int32))
@@ -212,7 +221,7 @@ def build_verify_fn(head: LogitsHead, *, num_positions: int, num_drafts: int, nu
 
     def verify(head_params, selected, state, last_sampled, packed):
         x = unpack_record(packed, spec, VerifyInputs)
-        logits = head.logits(head_params, selected[:num_positions])                  # [P, V]
+        logits = head.logits(head_params, first_rows(selected, num_positions))            # [P, V]
         rows = SamplingRows(state=state, slots=x.slots, num_output_tokens=x.num_output_tokens,
                             num_history_tokens=x.num_history_tokens, num_logprobs=x.num_logprobs,
                             prior_drafts=x.prior_drafts)

@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 
-from jaxkv.worker.program_set import FORWARD, VERIFY, num_programs
+from jaxkv.worker.program_set import FORWARD, GREEDY, SAMPLE, VERIFY, ProgramKey, num_programs
 
 from tests.gpu_aot.helpers import compile_forward, compile_program, pallas_runner
 
@@ -62,3 +62,19 @@ def test_runner_binding_is_not_changed(h200):
     before = dataclasses.asdict(runner.binding)
     compile_forward(runner, h200, 4)
     assert dataclasses.asdict(runner.binding) == before and runner.binding.interpret
+
+
+@pytest.mark.parametrize("kind", [GREEDY, SAMPLE])
+def test_one_row_heads_compile(h200, kind):
+    """The heads of a one-request step take one row of the forward's P: jaxlib 0.10.2's
+    XLA:GPU failed to compile that slice fused into the LM head's dot (heads.first_rows)."""
+    from flax import nnx
+
+    from tests.engine.helpers import make_llm, small_model
+
+    # tiny-llama's own vocabulary and P = 64 (the bug needs both; the small test model's 512
+    # tokens or P = 4 compiled); weights abstract
+    model = nnx.eval_shape(lambda: small_model("tiny-llama", vocab_size=32000, hidden_size=512))
+    runner = make_llm(model, attention_backend="pallas", max_num_seqs=64, max_model_len=256).llm_engine.runner
+    assert runner.buckets.num_sampled == 64 and runner.buckets.seqs[0] == 1
+    compile_program(runner, h200, ProgramKey(kind, 1))
