@@ -48,9 +48,12 @@ def main(argv=None) -> dict:
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                      max_position_embeddings=args.max_model_len, dtype="bfloat16")
     model = nnx.eval_shape(lambda: build_model(cfg, seed=0))
-    engine = LLMEngine.from_config(model, attention_backend="pallas", warmup=False, max_num_seqs=args.max_num_seqs,
+    engine = LLMEngine.from_config(model, attention_backend="pallas", warmup=False, compile_cache=False,
+                                   max_num_seqs=args.max_num_seqs,
                                    max_num_batched_tokens=args.max_num_batched_tokens,
-                                   max_model_len=args.max_model_len, kv_cache_memory_bytes=64 << 20)
+                                   max_model_len=args.max_model_len,
+                                   # one max_model_len request's KV: 8 heads x 128 x K,V x bf16 a layer
+                                   kv_cache_memory_bytes=args.layers * 4096 * args.max_model_len + (16 << 20))
     runner, dev = engine.runner, gpu_aot.aot_device("h200")
     keys = runner.program_keys()
     env = bc.environment()
