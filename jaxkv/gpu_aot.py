@@ -78,25 +78,12 @@ def on_device(tree, device):
     return jax.tree.map(leaf, tree)
 
 
-def _no_persistent_cache():
-    """A context without jax's persistent compilation cache: a compile-only (deviceless)
-    client cannot load a cached executable (jax 0.12 warns "PjRtCompiler must be constructed
-    with a Client" and compiles anyway), and its executables are no use to this machine."""
-    import contextlib
-
-    try:
-        from jax._src import config
-        return config.enable_compilation_cache(False)
-    except (ImportError, AttributeError, TypeError):
-        return contextlib.nullcontext()
-
-
 def aot_compile(jitted, device, *args, **static_kwargs):
     """trace -> lower -> compile with ``device`` as the default device (jax >= 0.11's Pallas
     Triton lowering reads the GPU's compute capability from it)."""
     import jax
 
-    with jax.default_device(device), _no_persistent_cache():
+    with jax.default_device(device):
         return jitted.trace(*on_device(args, device), **static_kwargs).lower().compile()
 
 
@@ -241,7 +228,7 @@ def compile_with_report(jitted, device, *args, **static_kwargs):
     import jax
 
     with tempfile.TemporaryDirectory(prefix="jaxkv-aot-") as dump:
-        with jax.default_device(device), _no_persistent_cache():
+        with jax.default_device(device):
             lowered = jitted.trace(*on_device(args, device), **static_kwargs).lower()
             compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_emitter_re": "ptx"})
         names = {k.name for k in triton_kernels(compiled)}
