@@ -106,7 +106,6 @@ class Server:
 
         return compiles_from_metrics(httpx.get(f"{self.url}/metrics", timeout=10.0).text)
 
-
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGTERM)
@@ -262,15 +261,15 @@ def main(argv=None) -> dict:
         startup_s = time.monotonic() - t0
         try:
             left = lambda: max(1.0, deadline - time.monotonic())   # noqa: E731
-            at_start = server.compiles()
+            at_start = last = server.compiles()
             for rate in rates:   # untimed passes first (same arrivals): host-side warm-up
-                before = server.compiles()
                 for _ in range(args.warm_passes):
                     asyncio.run(run_pass(server.url, args.model, prompts, outs, rate, args.seed, left()))
                 mid = server.compiles()
                 row = asyncio.run(run_pass(server.url, args.model, prompts, outs, rate, args.seed, left()))
+                last, before = server.compiles(), last
                 rows.append({"system": "jaxkv serve", **row, "compiles_warm_passes": mid - before,
-                             "compiles_timed": server.compiles() - mid})
+                             "compiles_timed": last - mid})
         finally:
             server.stop()
     if not args.no_offline:
