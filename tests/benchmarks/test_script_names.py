@@ -20,7 +20,7 @@ def test_no_script_shadows_an_installed_package():
     scripts = {p.stem for p in BENCH.glob("*.py")}
     assert "throughput" in scripts
     installed = set(importlib.metadata.packages_distributions()) | set(sys.stdlib_module_names)
-    assert "transformers" in installed or "json" in installed
+    assert {"numpy", "jax"} <= installed   # the distributions are listed at all
     assert not scripts & installed, sorted(scripts & installed)
 
 
