@@ -206,12 +206,9 @@ def test_allowed_token_ids_and_logit_bias_match_dense(llm, model):
     assert again.outputs[0].token_ids == want
 
 
-_CharTokenizer = mixed_workload.CharTokenizer   # token i decodes to chr(ord("a") + i % 26)
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_stop_strings(model, async_scheduling):
-    llm = make_llm(model, tokenizer=_CharTokenizer(), async_scheduling=async_scheduling)
+    llm = make_llm(model, tokenizer=mixed_workload.CharTokenizer(), async_scheduling=async_scheduling)
     (free,) = llm.generate(["abcdefg"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                            use_tqdm=False)
     text = free.outputs[0].text
@@ -390,7 +387,7 @@ def test_output_kinds(model):
     same result), FINAL_ONLY one output at the end; LLM.generate leaves the caller's params alone."""
     from jaxkv import RequestOutputKind
 
-    llm = make_llm(model, tokenizer=_CharTokenizer())
+    llm = make_llm(model, tokenizer=mixed_workload.CharTokenizer())
     engine = llm.llm_engine
     base = dict(max_tokens=7, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     for kind in RequestOutputKind:
