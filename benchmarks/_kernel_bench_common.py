@@ -26,11 +26,11 @@ import jaxkv.pallas_kernels as pk
 @dataclasses.dataclass
 class Workload:
     name: str
-    kind: str              # "decode" | "mixed"
+    kind: str  # "decode" | "mixed"
     num_seqs: int
-    context: int           # seq_len of every sequence
-    prefill_q: int         # q_len of each prefill chunk (mixed)
-    num_prefill: int       # sequences that are prefill chunks (mixed)
+    context: int  # seq_len of every sequence
+    prefill_q: int  # q_len of each prefill chunk (mixed)
+    num_prefill: int  # sequences that are prefill chunks (mixed)
     num_q_heads: int = 32
     num_kv_heads: int = 8
     head_size: int = 128
@@ -53,9 +53,12 @@ def make_inputs(w: Workload, seed: int = 0):
     dt = pk.resolve_kv_dtype(w.cache_dtype)
     blocks = -(-w.context // w.block_size)
     num_blocks = 1 + w.num_seqs * blocks
-    cache = jax.random.normal(kc, pk.kv_cache_shape(num_blocks, w.block_size, w.num_kv_heads,
-                                                    w.head_size, dt), jnp.bfloat16).astype(dt)
-    tables = (jax.random.permutation(kp, num_blocks - 1)[: w.num_seqs * blocks] + 1)
+    cache = jax.random.normal(
+        kc,
+        pk.kv_cache_shape(num_blocks, w.block_size, w.num_kv_heads, w.head_size, dt),
+        jnp.bfloat16,
+    ).astype(dt)
+    tables = jax.random.permutation(kp, num_blocks - 1)[: w.num_seqs * blocks] + 1
     tables = tables.reshape(w.num_seqs, blocks).astype(jnp.int32)
     q_lens = np.asarray(w.q_lens, np.int32)
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
@@ -85,8 +88,12 @@ def time_fn(fn, *args, repeats: int = 10, warmup: int = 1) -> dict:
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "min_s": min(times), "first_call_s": first,
-            "repeats": repeats}
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "first_call_s": first,
+        "repeats": repeats,
+    }
 
 
 def environment() -> dict:
@@ -103,18 +110,26 @@ def environment() -> dict:
     except AttributeError:
         cores = os.cpu_count()
     return {
-        "python": sys.version.split()[0], "jax": jax.__version__,
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
         "jaxlib": getattr(jax.lib, "__version__", None) or __import__("jaxlib").__version__,
-        "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-        "device_kind": jax.devices()[0].device_kind, "cpu": cpu, "cores": cores,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
+        "cpu": cpu,
+        "cores": cores,
         "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
 
 def out_dir(arg: str | None) -> pathlib.Path:
-    d = pathlib.Path(arg or os.environ.get("OUT") or os.environ.get("JAXKV_BENCH_DIR")
-                     or pathlib.Path(__file__).parent / "results")
+    d = pathlib.Path(
+        arg
+        or os.environ.get("OUT")
+        or os.environ.get("JAXKV_BENCH_DIR")
+        or pathlib.Path(__file__).parent / "results"
+    )
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -124,12 +139,15 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
         if isinstance(v, float):
             return f"{v:.3g}"
         return "" if v is None else str(v)
+
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def write_results(directory: pathlib.Path, stem: str, payload: dict, table: str) -> list[pathlib.Path]:
+def write_results(
+    directory: pathlib.Path, stem: str, payload: dict, table: str
+) -> list[pathlib.Path]:
     js = directory / f"{stem}.json"
     md = directory / f"{stem}.md"
     js.write_text(json.dumps(payload, indent=1, default=str))

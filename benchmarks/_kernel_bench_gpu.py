@@ -29,28 +29,47 @@ from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 import jaxkv.pallas_kernels as pk
 
-from _kernel_bench_common import (Workload, bytes_read, environment, make_inputs, markdown_table,
-                                  out_dir, time_fn, write_results)
+from _kernel_bench_common import (
+    Workload,
+    bytes_read,
+    environment,
+    make_inputs,
+    markdown_table,
+    out_dir,
+    time_fn,
+    write_results,
+)
 
-H = dict(num_q_heads=32, num_kv_heads=8, head_size=128)   # Llama-3-8B attention
-XLA_MAX_BYTES = 2 << 30   # the gather-based XLA backend materialises f32 K/V: skip beyond this
+H = dict(num_q_heads=32, num_kv_heads=8, head_size=128)  # Llama-3-8B attention
+XLA_MAX_BYTES = 2 << 30  # the gather-based XLA backend materialises f32 K/V: skip beyond this
 
 
 def workloads(smoke: bool) -> list[Workload]:
     if smoke:
         s = dict(num_q_heads=8, num_kv_heads=2, head_size=64, block_size=16)
-        return [Workload("decode-b2-c64", "decode", 2, 64, 1, 0, **s),
-                Workload("decode-b2-c64-fp8", "decode", 2, 64, 1, 0, **s, cache_dtype="fp8"),
-                Workload("mixed-1x16+1-c64", "mixed", 2, 64, 16, 1, **s)]
+        return [
+            Workload("decode-b2-c64", "decode", 2, 64, 1, 0, **s),
+            Workload("decode-b2-c64-fp8", "decode", 2, 64, 1, 0, **s, cache_dtype="fp8"),
+            Workload("mixed-1x16+1-c64", "mixed", 2, 64, 16, 1, **s),
+        ]
     w = []
-    for b, c in [(1, 512), (1, 32768), (16, 4096), (64, 4096), (64, 32768), (256, 512),
-                 (256, 4096)]:
+    for b, c in [
+        (1, 512),
+        (1, 32768),
+        (16, 4096),
+        (64, 4096),
+        (64, 32768),
+        (256, 512),
+        (256, 4096),
+    ]:
         w.append(Workload(f"decode-b{b}-c{c}", "decode", b, c, 1, 0, **H))
     for b, c in [(1, 32768), (64, 4096), (256, 4096)]:
         w.append(Workload(f"decode-b{b}-c{c}-fp8", "decode", b, c, 1, 0, **H, cache_dtype="fp8"))
     w.append(Workload("mixed-1x512+63-c4096", "mixed", 64, 4096, 512, 1, **H))
     w.append(Workload("mixed-2x1024+254-c2048", "mixed", 256, 2048, 1024, 2, **H))
-    w.append(Workload("mixed-1x512+63-c4096-fp8", "mixed", 64, 4096, 512, 1, **H, cache_dtype="fp8"))
+    w.append(
+        Workload("mixed-1x512+63-c4096-fp8", "mixed", 64, 4096, 512, 1, **H, cache_dtype="fp8")
+    )
     return w
 
 
@@ -59,20 +78,33 @@ def _jax_builtin_inputs(q, cache, seq_lens, tables, *, sm_scale):
     the table padded to its block multiple."""
     width = -(-tables.shape[1] // 128) * 128 if tables.shape[1] > 16 else 16
     tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
-    return (q * jnp.asarray(sm_scale, q.dtype), jnp.swapaxes(cache[:, 0], 0, 1),
-            jnp.swapaxes(cache[:, 1], 0, 1), tables, seq_lens)
+    return (
+        q * jnp.asarray(sm_scale, q.dtype),
+        jnp.swapaxes(cache[:, 0], 0, 1),
+        jnp.swapaxes(cache[:, 1], 0, 1),
+        tables,
+        seq_lens,
+    )
 
 
 def jax_builtin(q, cache, seq_lens, tables, *, sm_scale, interpret, shapes_only=False):
     """jax's decode kernel on the same data (``shapes_only``: arguments as ShapeDtypeStructs)."""
     inputs = functools.partial(_jax_builtin_inputs, sm_scale=sm_scale)
-    jargs = jax.eval_shape(inputs, q, cache, seq_lens, tables) if shapes_only else \
-        inputs(q, cache, seq_lens, tables)
+    jargs = (
+        jax.eval_shape(inputs, q, cache, seq_lens, tables)
+        if shapes_only
+        else inputs(q, cache, seq_lens, tables)
+    )
     width = jargs[3].shape[1]
     k_splits = 16 if width >= 16 else 1
-    fn = jax.jit(functools.partial(jax_paged.paged_attention, k_splits=k_splits,
-                                   pages_per_compute_block=min(8, width // k_splits),
-                                   interpret=interpret))
+    fn = jax.jit(
+        functools.partial(
+            jax_paged.paged_attention,
+            k_splits=k_splits,
+            pages_per_compute_block=min(8, width // k_splits),
+            interpret=interpret,
+        )
+    )
     return fn, jargs
 
 
@@ -82,14 +114,23 @@ def functions(w: Workload, *, interpret: bool, shapes_only: bool = False) -> dic
     args = jax.eval_shape(functools.partial(make_inputs, w)) if shapes_only else make_inputs(w)
     q, cache, seq_lens, _, tables, _ = args
     scale = 0.5 if w.cache_dtype == "fp8" else None
-    kw = dict(sm_scale=w.head_size ** -0.5, k_scale=scale, v_scale=scale, max_q_len=w.max_q_len)
-    ours = jax.jit(functools.partial(pk.paged_attention, backend="pallas", interpret=interpret, **kw))
+    kw = dict(sm_scale=w.head_size**-0.5, k_scale=scale, v_scale=scale, max_q_len=w.max_q_len)
+    ours = jax.jit(
+        functools.partial(pk.paged_attention, backend="pallas", interpret=interpret, **kw)
+    )
     fns = {"pallas": (ours, args)}
     if bytes_read(w) * 3 <= XLA_MAX_BYTES or interpret:
         fns["xla"] = (jax.jit(functools.partial(pk.paged_attention, backend="xla", **kw)), args)
     if w.kind == "decode" and w.cache_dtype == "bfloat16":
-        fn, jargs = jax_builtin(q, cache, seq_lens, tables, sm_scale=kw["sm_scale"],
-                                interpret=interpret, shapes_only=shapes_only)
+        fn, jargs = jax_builtin(
+            q,
+            cache,
+            seq_lens,
+            tables,
+            sm_scale=kw["sm_scale"],
+            interpret=interpret,
+            shapes_only=shapes_only,
+        )
         if not shapes_only:
             jax.block_until_ready(jargs)
         fns["jax-pallas-paged"] = (fn, jargs)
@@ -104,12 +145,24 @@ def compile_only(w: Workload, device) -> list[dict]:
     for name, (fn, args) in functions(w, interpret=False, shapes_only=True).items():
         t0 = time.perf_counter()
         compiled, kernels = gpu_aot.compile_with_report(fn, device, *args)
-        rows.append({"workload": w.name, "kind": w.kind, "backend": name, "cache_dtype": w.cache_dtype,
-                     "batch": w.num_seqs, "context": w.context, "tokens": int(args[0].shape[0]),
-                     "compile_s": time.perf_counter() - t0,
-                     "temp_MiB": compiled.memory_analysis().temp_size_in_bytes / 2**20,
-                     "kernels": "; ".join(f"{k.name} grid {list(k.grid)} smem {k.shared_mem_bytes} "
-                                          f"regs {k.registers} spills {k.spill_bytes}" for k in kernels)})
+        rows.append(
+            {
+                "workload": w.name,
+                "kind": w.kind,
+                "backend": name,
+                "cache_dtype": w.cache_dtype,
+                "batch": w.num_seqs,
+                "context": w.context,
+                "tokens": int(args[0].shape[0]),
+                "compile_s": time.perf_counter() - t0,
+                "temp_MiB": compiled.memory_analysis().temp_size_in_bytes / 2**20,
+                "kernels": "; ".join(
+                    f"{k.name} grid {list(k.grid)} smem {k.shared_mem_bytes} "
+                    f"regs {k.registers} spills {k.spill_bytes}"
+                    for k in kernels
+                ),
+            }
+        )
     return rows
 
 
@@ -121,17 +174,29 @@ def run(w: Workload, *, repeats: int, interpret: bool) -> list[dict]:
     for name, (fn, a) in fns.items():
         t = time_fn(fn, *a, repeats=repeats)
         outs[name] = fn(*a)
-        rows.append({"workload": w.name, "kind": w.kind, "backend": name,
-                     "cache_dtype": w.cache_dtype, "batch": w.num_seqs, "context": w.context,
-                     "tokens": int(q.shape[0]), "us": t["median_s"] * 1e6,
-                     "min_us": t["min_s"] * 1e6, "GB/s": nbytes / t["median_s"] / 1e9,
-                     "compile+first_s": t["first_call_s"], "bytes": nbytes})
+        rows.append(
+            {
+                "workload": w.name,
+                "kind": w.kind,
+                "backend": name,
+                "cache_dtype": w.cache_dtype,
+                "batch": w.num_seqs,
+                "context": w.context,
+                "tokens": int(q.shape[0]),
+                "us": t["median_s"] * 1e6,
+                "min_us": t["min_s"] * 1e6,
+                "GB/s": nbytes / t["median_s"] / 1e9,
+                "compile+first_s": t["first_call_s"],
+                "bytes": nbytes,
+            }
+        )
     base = rows[0]["us"]
     for r in rows:
         r["x_vs_pallas"] = r["us"] / base
         other = outs[r["backend"]]
-        r["max_abs_diff_vs_pallas"] = float(jnp.max(jnp.abs(
-            other.astype(jnp.float32) - outs["pallas"].astype(jnp.float32))))
+        r["max_abs_diff_vs_pallas"] = float(
+            jnp.max(jnp.abs(other.astype(jnp.float32) - outs["pallas"].astype(jnp.float32)))
+        )
     return rows
 
 
@@ -148,24 +213,50 @@ def view_copy_check(interpret: bool, device=None) -> list[dict]:
     for dtype in ("bfloat16", "fp8"):
         pb = pk.page_bytes(bs, hkv, d, dtype)
         n = (256 << 20) // pb
-        view = functools.partial(pk.kv_cache_view, block_size=bs, num_kv_heads=hkv, head_size=d,
-                                 dtype=dtype)
+        view = functools.partial(
+            pk.kv_cache_view, block_size=bs, num_kv_heads=hkv, head_size=d, dtype=dtype
+        )
         for backend in ("pallas", "xla"):
+
             def step(buf, q, sl, qsl, bt, ns, backend=backend):
-                return pk.paged_attention(q, view(buf), sl, qsl, bt, ns, sm_scale=0.1,
-                                          max_q_len=1, backend=backend,
-                                          interpret=interpret and backend == "pallas")
+                return pk.paged_attention(
+                    q,
+                    view(buf),
+                    sl,
+                    qsl,
+                    bt,
+                    ns,
+                    sm_scale=0.1,
+                    max_q_len=1,
+                    backend=backend,
+                    interpret=interpret and backend == "pallas",
+                )
+
             sds, i32 = jax.ShapeDtypeStruct, jnp.int32
-            args = (sds((n * pb,), jnp.uint8), sds((s, hq, d), jnp.bfloat16), sds((s,), i32),
-                    sds((s + 1,), i32), sds((s, b), i32), sds((), i32))
+            args = (
+                sds((n * pb,), jnp.uint8),
+                sds((s, hq, d), jnp.bfloat16),
+                sds((s,), i32),
+                sds((s + 1,), i32),
+                sds((s, b), i32),
+                sds((), i32),
+            )
             if device is None:
                 mem = jax.jit(step).lower(*args).compile().memory_analysis()
             else:
                 from jaxkv import gpu_aot
+
                 mem = gpu_aot.aot_compile(jax.jit(step), device, *args).memory_analysis()
-            rows.append({"check": "view->attention temp", "backend": backend, "cache_dtype": dtype,
-                         "cache_MiB": n * pb / 2**20, "temp_MiB": mem.temp_size_in_bytes / 2**20,
-                         "copies_cache": mem.temp_size_in_bytes >= 0.5 * n * pb})
+            rows.append(
+                {
+                    "check": "view->attention temp",
+                    "backend": backend,
+                    "cache_dtype": dtype,
+                    "cache_MiB": n * pb / 2**20,
+                    "temp_MiB": mem.temp_size_in_bytes / 2**20,
+                    "copies_cache": mem.temp_size_in_bytes >= 0.5 * n * pb,
+                }
+            )
     return rows
 
 
@@ -175,8 +266,12 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=240.0)
-    p.add_argument("--aot", metavar="TARGET", default=None,
-                   help="compile every workload for this GPU (e.g. h200) without one; nothing is timed")
+    p.add_argument(
+        "--aot",
+        metavar="TARGET",
+        default=None,
+        help="compile every workload for this GPU (e.g. h200) without one; nothing is timed",
+    )
     a = p.parse_args(argv)
     if a.aot:
         return main_aot(a)
@@ -197,21 +292,34 @@ def main(argv=None) -> int:
         except Exception as e:  # keep the table going; the error is part of the record
             rows.append({"workload": w.name, "backend": "ERROR", "error": repr(e)[:300]})
             print(f"# {w.name} failed: {e!r}"[:400], flush=True)
-    cols = ["workload", "backend", "cache_dtype", "tokens", "us", "GB/s", "x_vs_pallas",
-            "max_abs_diff_vs_pallas", "compile+first_s"]
+    cols = [
+        "workload",
+        "backend",
+        "cache_dtype",
+        "tokens",
+        "us",
+        "GB/s",
+        "x_vs_pallas",
+        "max_abs_diff_vs_pallas",
+        "compile+first_s",
+    ]
     table = markdown_table(rows, cols)
     try:
         copies = view_copy_check(interpret)
-        table += "\n\n" + markdown_table(copies, ["check", "backend", "cache_dtype", "cache_MiB",
-                                                     "temp_MiB", "copies_cache"])
+        table += "\n\n" + markdown_table(
+            copies, ["check", "backend", "cache_dtype", "cache_MiB", "temp_MiB", "copies_cache"]
+        )
     except Exception as e:  # a record, not a failure of the benchmark
         copies = [{"check": "view->attention temp", "error": repr(e)[:300]}]
     if skipped:
         table += f"\n\nskipped (time budget): {', '.join(skipped)}"
     print(table)
-    paths = write_results(out_dir(a.out), "kernels_gpu_smoke" if a.smoke else "kernels_gpu",
-                          {"environment": env, "rows": rows, "skipped": skipped,
-                           "view_copy_check": copies}, table)
+    paths = write_results(
+        out_dir(a.out),
+        "kernels_gpu_smoke" if a.smoke else "kernels_gpu",
+        {"environment": env, "rows": rows, "skipped": skipped, "view_copy_check": copies},
+        table,
+    )
     print("wrote", *paths)
     return 0
 
@@ -221,11 +329,13 @@ def main_aot(a) -> int:
     error (a workload that does not compile, a copied cache)."""
     from jaxkv import gpu_aot
 
-    gpu_aot.prepare_environment()   # before jax starts its backends
+    gpu_aot.prepare_environment()  # before jax starts its backends
     device = gpu_aot.aot_device(a.aot)
     env = environment()
     env["aot_target"] = f"{a.aot} ({device.device_kind}, compile only)"
-    print(f"# jaxkv GPU kernels compiled for {device.device_kind} (deviceless, not timed); jax {env['jax']}")
+    print(
+        f"# jaxkv GPU kernels compiled for {device.device_kind} (deviceless, not timed); jax {env['jax']}"
+    )
     rows, start, skipped, failed = [], time.perf_counter(), [], []
     for w in workloads(a.smoke):
         if time.perf_counter() - start > a.budget_s:
@@ -238,22 +348,37 @@ def main_aot(a) -> int:
             failed.append(w.name)
             rows.append({"workload": w.name, "backend": "ERROR", "error": repr(e)[:300]})
             print(f"# {w.name} failed: {e!r}"[:400], flush=True)
-    table = markdown_table(rows, ["workload", "backend", "cache_dtype", "tokens", "temp_MiB",
-                                  "compile_s", "kernels"])
+    table = markdown_table(
+        rows, ["workload", "backend", "cache_dtype", "tokens", "temp_MiB", "compile_s", "kernels"]
+    )
     try:
         copies = view_copy_check(False, device)
-        table += "\n\n" + markdown_table(copies, ["check", "backend", "cache_dtype", "cache_MiB",
-                                                     "temp_MiB", "copies_cache"])
-        failed += [f"view->attention {r['backend']} {r['cache_dtype']}" for r in copies if r["copies_cache"]]
+        table += "\n\n" + markdown_table(
+            copies, ["check", "backend", "cache_dtype", "cache_MiB", "temp_MiB", "copies_cache"]
+        )
+        failed += [
+            f"view->attention {r['backend']} {r['cache_dtype']}"
+            for r in copies
+            if r["copies_cache"]
+        ]
     except Exception as e:
         copies = [{"check": "view->attention temp", "error": repr(e)[:300]}]
         failed.append(f"view->attention: {e!r}"[:300])
     if skipped:
         table += f"\n\nskipped (time budget): {', '.join(skipped)}"
     print(table)
-    paths = write_results(out_dir(a.out), f"kernels_gpu_aot_{a.aot}",
-                          {"environment": env, "rows": rows, "skipped": skipped,
-                           "view_copy_check": copies, "failed": failed}, table)
+    paths = write_results(
+        out_dir(a.out),
+        f"kernels_gpu_aot_{a.aot}",
+        {
+            "environment": env,
+            "rows": rows,
+            "skipped": skipped,
+            "view_copy_check": copies,
+            "failed": failed,
+        },
+        table,
+    )
     print("wrote", *paths)
     if failed:
         print(f"# failed: {failed}", file=sys.stderr)

@@ -45,9 +45,13 @@ def _pass(engine, prompts, max_tokens, tag) -> tuple[float, list[list[int]]]:
 def main(argv=None) -> dict:
     from jaxkv.entrypoints.cli import parse_bytes
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--model-config", default=None, metavar="K=V,...", help="config overrides (random init)")
+    p.add_argument(
+        "--model-config", default=None, metavar="K=V,...", help="config overrides (random init)"
+    )
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt", default="32:256", help="prompt lengths U[lo, hi]")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -56,7 +60,9 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=str(bc.RESULTS_DIR / "async_ab.json"))
-    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)")
+    p.add_argument(
+        "--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)"
+    )
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -65,52 +71,84 @@ def main(argv=None) -> dict:
 
     model, tok = load_model(args.model, args.seed, overrides=_kv_pairs(args.model_config))
     rng = np.random.default_rng(args.seed)
-    prompts = [eh.seeded_tokens(rng, int(rng.integers(lo, hi + 1)), model.config.vocab_size)
-               for _ in range(args.requests)]
+    prompts = [
+        eh.seeded_tokens(rng, int(rng.integers(lo, hi + 1)), model.config.vocab_size)
+        for _ in range(args.requests)
+    ]
     env = bc.environment()
-    workload = dict(model=args.model, requests=args.requests, prompt=f"U[{lo},{hi}]",
-                    max_tokens=args.max_tokens, greedy=True,
-                    max_num_seqs=args.requests, max_num_batched_tokens=args.max_num_batched_tokens)
+    workload = dict(
+        model=args.model,
+        requests=args.requests,
+        prompt=f"U[{lo},{hi}]",
+        max_tokens=args.max_tokens,
+        greedy=True,
+        max_num_seqs=args.requests,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     print("\n".join(bc.header_lines("async scheduling A/B (jaxkv, one process)", env, workload)))
     engines = {}
     for mode in (False, True):
-        engine, _ = eh.build_engine(model, tok, max_num_seqs=args.requests,
-                                    max_num_batched_tokens=args.max_num_batched_tokens,
-                                    kv_cache_memory_bytes=args.kv_cache_memory, seed=args.seed,
-                                    async_scheduling=mode)
+        engine, _ = eh.build_engine(
+            model,
+            tok,
+            max_num_seqs=args.requests,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            seed=args.seed,
+            async_scheduling=mode,
+        )
         engine.runner.warmup(progress=False)
         _pass(engine, prompts, args.max_tokens, f"warm{mode}")
         engines[mode] = engine
     times = {False: [], True: []}
     tokens = {}
     for r in range(args.rounds):
-        for mode in ((False, True) if r % 2 == 0 else (True, False)):
+        for mode in (False, True) if r % 2 == 0 else (True, False):
             elapsed, toks = _pass(engines[mode], prompts, args.max_tokens, f"{r}{mode}")
             times[mode].append(elapsed)
             tokens.setdefault(mode, toks)
-        print(f"round {r}: sync {times[False][-1]:.3f} s, async {times[True][-1]:.3f} s, "
-              f"sync/async {times[False][-1] / times[True][-1]:.3f}", flush=True)
+        print(
+            f"round {r}: sync {times[False][-1]:.3f} s, async {times[True][-1]:.3f} s, "
+            f"sync/async {times[False][-1] / times[True][-1]:.3f}",
+            flush=True,
+        )
     equal = sum(a == b for a, b in zip(tokens[False], tokens[True]))
     paired = [a / b for a, b in zip(times[False], times[True])]
     summary = {
-        "sync_min_s": min(times[False]), "async_min_s": min(times[True]),
-        "sync_median_s": statistics.median(times[False]), "async_median_s": statistics.median(times[True]),
+        "sync_min_s": min(times[False]),
+        "async_min_s": min(times[True]),
+        "sync_median_s": statistics.median(times[False]),
+        "async_median_s": statistics.median(times[True]),
         "sync_over_async_min": min(times[False]) / min(times[True]),
         "sync_over_async_paired_median": statistics.median(paired),
         "greedy_tokens_equal": f"{equal}/{len(prompts)}",
     }
-    print(f"sync min {summary['sync_min_s']:.3f} s / async min {summary['async_min_s']:.3f} s = "
-          f"{summary['sync_over_async_min']:.3f}; paired median {summary['sync_over_async_paired_median']:.3f}; "
-          f"greedy tokens equal {summary['greedy_tokens_equal']}")
-    payload = {"env": env, "workload": workload, "rounds": args.rounds,
-               "times_s": {"sync": times[False], "async": times[True]}, "summary": summary}
+    print(
+        f"sync min {summary['sync_min_s']:.3f} s / async min {summary['async_min_s']:.3f} s = "
+        f"{summary['sync_over_async_min']:.3f}; paired median {summary['sync_over_async_paired_median']:.3f}; "
+        f"greedy tokens equal {summary['greedy_tokens_equal']}"
+    )
+    payload = {
+        "env": env,
+        "workload": workload,
+        "rounds": args.rounds,
+        "times_s": {"sync": times[False], "async": times[True]},
+        "summary": summary,
+    }
     print(f"# wrote {bc.write_json(args.json, payload)}", file=sys.stderr)
     if args.plot:
-        groups = {f"round {r}": {"sync": a, "async": b} for r, (a, b) in enumerate(zip(times[False], times[True]))}
-        groups.update(min={"sync": summary["sync_min_s"], "async": summary["async_min_s"]},
-                      median={"sync": summary["sync_median_s"], "async": summary["async_median_s"]})
+        groups = {
+            f"round {r}": {"sync": a, "async": b}
+            for r, (a, b) in enumerate(zip(times[False], times[True]))
+        }
+        groups.update(
+            min={"sync": summary["sync_min_s"], "async": summary["async_min_s"]},
+            median={"sync": summary["sync_median_s"], "async": summary["async_median_s"]},
+        )
         title = bc.plot_title(f"async scheduling A/B, {args.model}, {args.requests} requests", env)
-        png = bc.plot_bars(pathlib.Path(args.json).with_suffix(".png"), title, groups, "seconds per pass")
+        png = bc.plot_bars(
+            pathlib.Path(args.json).with_suffix(".png"), title, groups, "seconds per pass"
+        )
         if png:
             print(f"# wrote {png}", file=sys.stderr)
     return payload

@@ -54,8 +54,12 @@ CASES = {
 
 def load_old(rev: str):
     """The XLA backend module as of ``rev`` (imported under another name)."""
-    src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:pallas_kernels/xla_backend.py"],
-                         check=True, capture_output=True, text=True).stdout
+    src = subprocess.run(
+        ["git", "-C", ROOT, "show", f"{rev}:pallas_kernels/xla_backend.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     path = os.path.join(tempfile.mkdtemp(), "xla_backend_old.py")
     with open(path, "w") as f:
         f.write(src)
@@ -82,14 +86,26 @@ def make_case(kind: str, rows: int, low: int, high: int):
         q_lens.append(2048 - sum(q_lens))
         kv, tokens, max_q = q_lens, 2048, 2048
     width = max(kv) // 16 + 1
-    b = make_batch(rng, q_lens=q_lens, kv_lens=kv, block_size=16, num_q_heads=8, num_kv_heads=2,
-                   head_size=64, cache_dtype="float32", q_dtype=jnp.float32, num_seq_rows=rows,
-                   num_tokens=tokens, max_blocks=width,
-                   extra_blocks=2000 if sum(kv) < 200_000 else 10, fill=0.0)
+    b = make_batch(
+        rng,
+        q_lens=q_lens,
+        kv_lens=kv,
+        block_size=16,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_size=64,
+        cache_dtype="float32",
+        q_dtype=jnp.float32,
+        num_seq_rows=rows,
+        num_tokens=tokens,
+        max_blocks=width,
+        extra_blocks=2000 if sum(kv) < 200_000 else 10,
+        fill=0.0,
+    )
     args = list(b.attention_args())
     args[1] = typed_to_bytes(args[1])
     if kind == "shared":
-        args[4] = jnp.broadcast_to(args[4][:1], args[4].shape)       # every row reads row 0's pages
+        args[4] = jnp.broadcast_to(args[4][:1], args[4].shape)  # every row reads row 0's pages
     return args, max_q
 
 
@@ -99,8 +115,9 @@ def layered(attention_fn, layers: int, max_q: int):
     import jax
     import jax.numpy as jnp
 
-    attend = functools.partial(attention_fn, sm_scale=0.125, max_q_len=max_q,
-                               kv_dtype=jnp.dtype("float32"))
+    attend = functools.partial(
+        attention_fn, sm_scale=0.125, max_q_len=max_q, kv_dtype=jnp.dtype("float32")
+    )
 
     def run(q, caches, *rest):  # q [T, Hq, D]; each "layer" sees a slightly different q
         out = attend(q, caches[0], *rest)
@@ -112,15 +129,23 @@ def layered(attention_fn, layers: int, max_q: int):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rev", default="HEAD", help="git revision of the old backend (default HEAD)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)}")
-    p.add_argument("--new", default="xla", choices=("xla", "cpu"),
-                   help="this checkout's side: the XLA backend, or the cpu backend (C++ kernel)")
+    p.add_argument(
+        "--new",
+        default="xla",
+        choices=("xla", "cpu"),
+        help="this checkout's side: the XLA backend, or the cpu backend (C++ kernel)",
+    )
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--json", default=str(bc.RESULTS_DIR / "attention_ab.json"))
-    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)")
+    p.add_argument(
+        "--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)"
+    )
     args = p.parse_args(argv)
     import jax
 
@@ -132,22 +157,40 @@ def main(argv=None) -> int:
         from jaxkv.pallas_kernels import cpu_backend
 
         if not cpu_backend.available():
-            p.error(f"--new cpu: the CPU attention kernel is unavailable: {cpu_backend.build_error()}")
+            p.error(
+                f"--new cpu: the CPU attention kernel is unavailable: {cpu_backend.build_error()}"
+            )
         new_fn = cpu_backend.paged_attention_cpu
     env = bc.environment()
-    workload = dict(cases=args.cases, rev=args.rev, new=args.new, layers=args.layers, rounds=args.rounds,
-                    shapes="Hq 8, Hkv 2, D 64, f32, block 16")
-    print("\n".join(bc.header_lines(f"attention A/B: XLA backend at {args.rev} (old) vs this checkout's "
-                                    f"{args.new} backend (new)", env, workload)))
+    workload = dict(
+        cases=args.cases,
+        rev=args.rev,
+        new=args.new,
+        layers=args.layers,
+        rounds=args.rounds,
+        shapes="Hq 8, Hkv 2, D 64, f32, block 16",
+    )
+    print(
+        "\n".join(
+            bc.header_lines(
+                f"attention A/B: XLA backend at {args.rev} (old) vs this checkout's "
+                f"{args.new} backend (new)",
+                env,
+                workload,
+            )
+        )
+    )
     print("| case | old min / median ms | new min / median ms | old / new (min) | max abs diff |")
     print("|---|---|---|---|---|")
     rows = []
     for name in args.cases.split(","):
         inputs, max_q = make_case(*CASES[name])
         inputs = [inputs[0], [inputs[1] + np.uint8(i) * 0 for i in range(args.layers)], *inputs[2:]]
-        fns = {"old": layered(old_mod.paged_attention_xla, args.layers, max_q),
-               "new": layered(new_fn, args.layers, max_q)}
-        outs = {k: np.asarray(f(*inputs)) for k, f in fns.items()}   # compiles
+        fns = {
+            "old": layered(old_mod.paged_attention_xla, args.layers, max_q),
+            "new": layered(new_fn, args.layers, max_q),
+        }
+        outs = {k: np.asarray(f(*inputs)) for k, f in fns.items()}  # compiles
         times = {k: [] for k in fns}
         for _ in range(args.rounds):
             for k, f in fns.items():
@@ -160,16 +203,27 @@ def main(argv=None) -> int:
             r[f"{k}_median_ms"] = 1e3 * float(np.median(times[k]))
         r["speedup"] = r["old_min_ms"] / r["new_min_ms"]
         rows.append(r)
-        print(f"| {name} | {r['old_min_ms']:.2f} / {r['old_median_ms']:.2f} | "
-              f"{r['new_min_ms']:.2f} / {r['new_median_ms']:.2f} | {r['speedup']:.2f}x | "
-              f"{r['diff']:.1e} |", flush=True)
-    print(f"# wrote {bc.write_json(args.json, {'env': env, 'workload': workload, 'rows': rows})}", file=sys.stderr)
+        print(
+            f"| {name} | {r['old_min_ms']:.2f} / {r['old_median_ms']:.2f} | "
+            f"{r['new_min_ms']:.2f} / {r['new_median_ms']:.2f} | {r['speedup']:.2f}x | "
+            f"{r['diff']:.1e} |",
+            flush=True,
+        )
+    print(
+        f"# wrote {bc.write_json(args.json, {'env': env, 'workload': workload, 'rows': rows})}",
+        file=sys.stderr,
+    )
     if args.plot:
-        groups = {r["case"]: {f"old ({args.rev})": r["old_min_ms"], f"new ({args.new})": r["new_min_ms"]}
-                  for r in rows}
-        png = bc.plot_bars(pathlib.Path(args.json).with_suffix(".png"),
-                           bc.plot_title(f"attention A/B, {args.layers} layers", env), groups,
-                           "min ms per call")
+        groups = {
+            r["case"]: {f"old ({args.rev})": r["old_min_ms"], f"new ({args.new})": r["new_min_ms"]}
+            for r in rows
+        }
+        png = bc.plot_bars(
+            pathlib.Path(args.json).with_suffix(".png"),
+            bc.plot_title(f"attention A/B, {args.layers} layers", env),
+            groups,
+            "min ms per call",
+        )
         if png:
             print(f"# wrote {png}", file=sys.stderr)
     return 0

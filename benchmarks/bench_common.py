@@ -32,13 +32,18 @@ RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 # ---- environment ------------------------------------------------------------------------------
 
+
 def environment() -> dict:
     """CPU model, usable cores, load, python/jax/jaxlib/flax/numpy versions, platform, date."""
     import flax
 
     env = _kernel_environment()
-    env.update(flax=flax.__version__, numpy=np.__version__, platform=platform.platform(),
-               cpu_count_os=__import__("os").cpu_count())
+    env.update(
+        flax=flax.__version__,
+        numpy=np.__version__,
+        platform=platform.platform(),
+        cpu_count_os=__import__("os").cpu_count(),
+    )
     return env
 
 
@@ -60,16 +65,23 @@ def header_lines(title: str, env: dict, workload: dict | None = None) -> list[st
 
 # ---- the machine's own limit ------------------------------------------------------------------
 
+
 def matmul_flops(n: int = 2048, repeats: int = 7, dtype=jnp.float32) -> dict:
     """Best-of-``repeats`` FLOP/s of a jitted ``n x n`` fp32 ``jnp.dot`` (2 n^3 FLOPs a call)."""
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (n, n), dtype)
     b = jax.random.normal(kb, (n, n), dtype)
     t = time_fn(jax.jit(jnp.dot), a, b, repeats=repeats)
-    flops = 2.0 * n ** 3
-    return {"n": n, "dtype": jnp.dtype(dtype).name, "repeats": repeats,
-            "best_s": t["min_s"], "median_s": t["median_s"],
-            "flops_per_s": flops / t["min_s"], "flops_per_s_median": flops / t["median_s"]}
+    flops = 2.0 * n**3
+    return {
+        "n": n,
+        "dtype": jnp.dtype(dtype).name,
+        "repeats": repeats,
+        "best_s": t["min_s"],
+        "median_s": t["median_s"],
+        "flops_per_s": flops / t["min_s"],
+        "flops_per_s_median": flops / t["median_s"],
+    }
 
 
 def model_matmul_flops(cfg, rows: int, *, lm_head: bool, repeats: int = 7) -> dict:
@@ -85,9 +97,13 @@ def model_matmul_flops(cfg, rows: int, *, lm_head: bool, repeats: int = 7) -> di
     qd, kd = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes = [(h, qd), (h, kd), (h, kd), (qd, h), (h, inter), (h, inter), (inter, h)]
     keys = iter(jax.random.split(jax.random.key(1), len(shapes) * cfg.num_hidden_layers + 2))
-    layers = [[0.02 * jax.random.normal(next(keys), s, jnp.float32) for s in shapes]
-              for _ in range(cfg.num_hidden_layers)]
-    head = 0.02 * jax.random.normal(next(keys), (h, cfg.vocab_size), jnp.float32) if lm_head else None
+    layers = [
+        [0.02 * jax.random.normal(next(keys), s, jnp.float32) for s in shapes]
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    head = (
+        0.02 * jax.random.normal(next(keys), (h, cfg.vocab_size), jnp.float32) if lm_head else None
+    )
     x = jax.random.normal(next(keys), (rows, h), jnp.float32)
 
     def chain(x, layers, head):
@@ -98,13 +114,25 @@ def model_matmul_flops(cfg, rows: int, *, lm_head: bool, repeats: int = 7) -> di
         return x if head is None else x @ head
 
     t = time_fn(jax.jit(chain), x, layers, head, repeats=repeats)
-    flops = 2.0 * rows * (cfg.num_hidden_layers * sum(a * b for a, b in shapes)
-                          + (h * cfg.vocab_size if lm_head else 0))
-    return {"rows": rows, "lm_head": lm_head, "best_s": t["min_s"],
-            "flops_per_s": flops / t["min_s"], "flops_per_s_median": flops / t["median_s"]}
+    flops = (
+        2.0
+        * rows
+        * (
+            cfg.num_hidden_layers * sum(a * b for a, b in shapes)
+            + (h * cfg.vocab_size if lm_head else 0)
+        )
+    )
+    return {
+        "rows": rows,
+        "lm_head": lm_head,
+        "best_s": t["min_s"],
+        "flops_per_s": flops / t["min_s"],
+        "flops_per_s_median": flops / t["median_s"],
+    }
 
 
 # ---- statistics -------------------------------------------------------------------------------
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolated percentile (numpy's default), None for no values."""
@@ -117,11 +145,16 @@ def summarize(values: Sequence[float]) -> dict:
     vals = [float(v) for v in values if v is not None and not math.isnan(v)]
     if not vals:
         return {"mean": None, "median": None, "p99": None, "n": 0}
-    return {"mean": statistics.fmean(vals), "median": statistics.median(vals),
-            "p99": percentile(vals, 99), "n": len(vals)}
+    return {
+        "mean": statistics.fmean(vals),
+        "median": statistics.median(vals),
+        "p99": percentile(vals, 99),
+        "n": len(vals),
+    }
 
 
 # ---- output -----------------------------------------------------------------------------------
+
 
 def fmt(v, digits: int = 4) -> str:
     if v is None:
@@ -181,8 +214,9 @@ def plot_title(what: str, env: dict) -> str:
     return f"{what}\n{env['cpu']}, {env['cores']} cores"
 
 
-def plot_bars(path: str | pathlib.Path, title: str, groups: dict[str, dict[str, float]],
-              ylabel: str) -> pathlib.Path | None:
+def plot_bars(
+    path: str | pathlib.Path, title: str, groups: dict[str, dict[str, float]], ylabel: str
+) -> pathlib.Path | None:
     """Grouped bar chart ``{group: {series: value}}`` to a PNG; None (and a note) without matplotlib."""
     if not have_matplotlib():
         print(NO_MATPLOTLIB, file=sys.stderr)
@@ -216,8 +250,13 @@ def _finish(plt, fig, ax, title: str, path) -> pathlib.Path:
     return path
 
 
-def plot_lines(path: str | pathlib.Path, title: str, series: dict[str, tuple[list, list]],
-               xlabel: str, ylabel: str) -> pathlib.Path | None:
+def plot_lines(
+    path: str | pathlib.Path,
+    title: str,
+    series: dict[str, tuple[list, list]],
+    xlabel: str,
+    ylabel: str,
+) -> pathlib.Path | None:
     """Line chart ``{label: (xs, ys)}`` (log2 x axis) to a PNG; None (and a note) without matplotlib."""
     if not have_matplotlib():
         print(NO_MATPLOTLIB, file=sys.stderr)

@@ -46,7 +46,7 @@ class CompileCounter:
     def __init__(self):
         import jax.monitoring as monitoring
 
-        self.compiles = 0       # backend compile calls, cache hits included
+        self.compiles = 0  # backend compile calls, cache hits included
         self.seconds = 0.0
         self.cache_hits = 0
 
@@ -63,8 +63,11 @@ class CompileCounter:
         monitoring.register_event_listener(on_event)
 
     def snapshot(self) -> dict:
-        return {"compiles": self.compiles - self.cache_hits, "cache_hits": self.cache_hits,
-                "compile_seconds": round(self.seconds, 2)}
+        return {
+            "compiles": self.compiles - self.cache_hits,
+            "cache_hits": self.cache_hits,
+            "compile_seconds": round(self.seconds, 2),
+        }
 
     def since(self, before: dict) -> dict:
         now = self.snapshot()
@@ -72,6 +75,7 @@ class CompileCounter:
 
 
 # ---- the cases, each in its own process ---------------------------------------------------------
+
 
 def child_generate() -> dict:
     counter = CompileCounter()
@@ -83,8 +87,11 @@ def child_generate() -> dict:
         rc = main(["generate"])
     wall = time.perf_counter() - t0
     text = out.getvalue()
-    tokens = sum(int(line.split("(")[1].split()[0]) for line in text.splitlines()
-                 if line.strip().startswith("(") and "tokens, finish" in line)
+    tokens = sum(
+        int(line.split("(")[1].split()[0])
+        for line in text.splitlines()
+        if line.strip().startswith("(") and "tokens, finish" in line
+    )
     return {"rc": rc, "wall_s": round(wall, 2), "generated_tokens": tokens, **counter.snapshot()}
 
 
@@ -104,9 +111,13 @@ def _params(kind: str, max_tokens: int, seed: int):
     if kind == "logprobs=5":
         return SamplingParams(temperature=0.0, logprobs=5, **common)
     if kind == "penalties":
-        return SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, seed=seed, **common)
+        return SamplingParams(
+            temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, seed=seed, **common
+        )
     if kind == "min_tokens":
-        return SamplingParams(temperature=0.0, min_tokens=max_tokens // 2, **dict(common, ignore_eos=False))
+        return SamplingParams(
+            temperature=0.0, min_tokens=max_tokens // 2, **dict(common, ignore_eos=False)
+        )
     raise ValueError(kind)
 
 
@@ -127,18 +138,29 @@ def child_serving() -> dict:
     for w, size in enumerate(WAVES):
         lens = rng.integers(16, 601, size)
         prompts = [rng.integers(1, 200, n).tolist() for n in lens]
-        params = [_params(SETTINGS[(w + i) % len(SETTINGS)], int(rng.integers(8, 48)), seed=w * 100 + i)
-                  for i in range(size)]
+        params = [
+            _params(SETTINGS[(w + i) % len(SETTINGS)], int(rng.integers(8, 48)), seed=w * 100 + i)
+            for i in range(size)
+        ]
         before = counter.snapshot()
         t1 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        waves.append({"requests": size, "wall_s": round(time.perf_counter() - t1, 2),
-                      "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-                      **counter.since(before)})
+        waves.append(
+            {
+                "requests": size,
+                "wall_s": round(time.perf_counter() - t1, 2),
+                "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                **counter.since(before),
+            }
+        )
     total = counter.snapshot()
     llm.shutdown()
-    return {"start": start, "waves": waves, "total": total,
-            "wall_s": round(time.perf_counter() - t0, 2)}
+    return {
+        "start": start,
+        "waves": waves,
+        "total": total,
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
 
 
 def child_serve() -> dict:
@@ -147,15 +169,26 @@ def child_serve() -> dict:
     sys.path.insert(0, str(HERE))
     import serve as sv
 
-    args = argparse.Namespace(model="smollm2-135m-instruct", max_model_len=1024, kv_cache_memory="256MiB",
-                              max_num_seqs=16, warmup="on", enable_prefix_caching=True,
-                              max_num_batched_tokens=None)
+    args = argparse.Namespace(
+        model="smollm2-135m-instruct",
+        max_model_len=1024,
+        kv_cache_memory="256MiB",
+        max_num_seqs=16,
+        warmup="on",
+        enable_prefix_caching=True,
+        max_num_batched_tokens=None,
+    )
     log = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"jaxkv-compiles-serve-{os.getpid()}.log"
     t0 = time.perf_counter()
     server = sv.Server(args, log, deadline=time.monotonic() + 900)
     healthy = time.perf_counter() - t0
     try:
-        body = {"model": args.model, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+        body = {
+            "model": args.model,
+            "prompt": "The capital of France is",
+            "max_tokens": 16,
+            "temperature": 0,
+        }
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=600)
         r.raise_for_status()
         first = time.perf_counter() - t0
@@ -183,21 +216,34 @@ def isolated_cache_dir(root: pathlib.Path) -> pathlib.Path:
 
 
 def run_child(case: str, timeout: float, cache_root: pathlib.Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               JAXKV_CACHE_DIR=str(cache_root))
-    proc = subprocess.run([sys.executable, __file__, "--child", case], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(ROOT))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        JAXKV_CACHE_DIR=str(cache_root),
+    )
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", case],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=str(ROOT),
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{case} child failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("cases", nargs="*", default=list(CHILDREN), help="generate | serving | serve (default: all)")
+    p.add_argument(
+        "cases", nargs="*", default=list(CHILDREN), help="generate | serving | serve (default: all)"
+    )
     p.add_argument("--child", choices=list(CHILDREN), help=argparse.SUPPRESS)
-    p.add_argument("--runs", type=int, default=2, help="starts per case: cold, then warm (default: 2)")
+    p.add_argument(
+        "--runs", type=int, default=2, help="starts per case: cold, then warm (default: 2)"
+    )
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", type=pathlib.Path, default=None)
     args = p.parse_args(argv)
@@ -213,7 +259,9 @@ def main(argv=None) -> int:
 
     for case in args.cases:
         runs = []
-        cache_root = isolated_cache_dir(pathlib.Path(tempfile.mkdtemp(prefix=f"jaxkv-compiles-{case}-")))
+        cache_root = isolated_cache_dir(
+            pathlib.Path(tempfile.mkdtemp(prefix=f"jaxkv-compiles-{case}-"))
+        )
         for i in range(args.runs):
             res = run_child(case, args.timeout, cache_root)
             runs.append(res)

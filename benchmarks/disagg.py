@@ -44,7 +44,10 @@ HOST = sv.HOST
 
 
 def transfer_flags(role: str) -> tuple:
-    return ("--kv-transfer-config", json.dumps({"kv_connector": "JaxTransferConnector", "kv_role": role}))
+    return (
+        "--kv-transfer-config",
+        json.dumps({"kv_connector": "JaxTransferConnector", "kv_role": role}),
+    )
 
 
 def make_workload(args, vocab: int) -> tuple[list, list, list, dict]:
@@ -59,13 +62,19 @@ def make_workload(args, vocab: int) -> tuple[list, list, list, dict]:
         prompts.append(rng.integers(1, vocab, args.long_prompt).tolist())
         outs.append(args.long_tokens)
         kinds.append("long")
-    desc = {"decoders": f"{args.decoders} x (prompt {args.decode_prompt}, {args.decode_tokens} out), all at t=0",
-            "long": f"{args.long} x (prompt {args.long_prompt}, {args.long_tokens} out), Poisson "
-                    f"{args.long_rate}/s from t={args.long_start}s", "greedy": True, "ignore_eos": True}
+    desc = {
+        "decoders": f"{args.decoders} x (prompt {args.decode_prompt}, {args.decode_tokens} out), all at t=0",
+        "long": f"{args.long} x (prompt {args.long_prompt}, {args.long_tokens} out), Poisson "
+        f"{args.long_rate}/s from t={args.long_start}s",
+        "greedy": True,
+        "ignore_eos": True,
+    }
     return prompts, outs, kinds, desc
 
 
-async def run_pass(url: str, model: str, prompts, outs, kinds, args, timeout_s: float) -> list[dict]:
+async def run_pass(
+    url: str, model: str, prompts, outs, kinds, args, timeout_s: float
+) -> list[dict]:
     import httpx
 
     rng = np.random.default_rng(args.seed + 1)
@@ -74,12 +83,16 @@ async def run_pass(url: str, model: str, prompts, outs, kinds, args, timeout_s: 
         tasks = []
         for p, n, k in zip(prompts, outs, kinds):
             if k == "decode":
-                tasks.append(asyncio.create_task(sv.one_request(http, url, model, p, n, time.perf_counter())))
+                tasks.append(
+                    asyncio.create_task(sv.one_request(http, url, model, p, n, time.perf_counter()))
+                )
         await asyncio.sleep(args.long_start)
         for p, n, k in zip(prompts, outs, kinds):
             if k == "long":
                 await asyncio.sleep(float(rng.exponential(1.0 / args.long_rate)))
-                tasks.append(asyncio.create_task(sv.one_request(http, url, model, p, n, time.perf_counter())))
+                tasks.append(
+                    asyncio.create_task(sv.one_request(http, url, model, p, n, time.perf_counter()))
+                )
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
     order = [k for k in kinds if k == "decode"] + [k for k in kinds if k == "long"]
     for r, k in zip(results, order):
@@ -93,8 +106,15 @@ def summarize(system: str, results: list[dict]) -> list[dict]:
         sub = [r for r in results if r.get("kind") == kind]
         t0 = min((r["sent"] for r in sub if "sent" in r), default=0.0)
         row = sv.summarize_pass(sub, t0, float("nan"))
-        rows.append({"system": system, "class": kind, "completed": row["completed"], "errors": row["errors"],
-                     **{k: v for k, v in row.items() if k.startswith(("ttft", "tpot"))}})
+        rows.append(
+            {
+                "system": system,
+                "class": kind,
+                "completed": row["completed"],
+                "errors": row["errors"],
+                **{k: v for k, v in row.items() if k.startswith(("ttft", "tpot"))},
+            }
+        )
     return rows
 
 
@@ -114,10 +134,29 @@ def proxy(prefill: str, decode: str, deadline: float):
     import httpx
 
     port = sv._free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(sv.ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "jaxkv.entrypoints.cli", "proxy", "--prefill", prefill,
-                             "--decode", decode, "--host", HOST, "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(sv.ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxkv.entrypoints.cli",
+            "proxy",
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://{HOST}:{port}"
     try:
         while True:
@@ -150,8 +189,9 @@ def env_vars(**kv):
 def build_parser() -> argparse.ArgumentParser:
     from jaxkv.entrypoints.cli import parse_bytes
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--quick", action="store_true", help="a smaller workload (CPU, a few minutes)")
     p.add_argument("--decoders", type=int, default=32)
@@ -168,16 +208,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--warmup", choices=("on", "off"), default="on")
     p.add_argument("--warm-passes", type=int, default=1)
-    p.add_argument("--prefill-devices", default=None, help="CUDA_VISIBLE_DEVICES of the prefill instance")
-    p.add_argument("--decode-devices", default=None, help="CUDA_VISIBLE_DEVICES of the decode instance")
+    p.add_argument(
+        "--prefill-devices", default=None, help="CUDA_VISIBLE_DEVICES of the prefill instance"
+    )
+    p.add_argument(
+        "--decode-devices", default=None, help="CUDA_VISIBLE_DEVICES of the decode instance"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", default=None)
     return p
 
 
-QUICK = dict(decoders=8, decode_prompt=32, decode_tokens=64, long=4, long_prompt=384, long_tokens=8,
-             max_model_len=1024, kv_cache_memory=64 << 20, max_num_seqs=16, max_num_batched_tokens=256)
+QUICK = dict(
+    decoders=8,
+    decode_prompt=32,
+    decode_tokens=64,
+    long=4,
+    long_prompt=384,
+    long_tokens=8,
+    max_model_len=1024,
+    kv_cache_memory=64 << 20,
+    max_num_seqs=16,
+    max_num_batched_tokens=256,
+)
 
 
 def main(argv=None) -> dict:
@@ -185,9 +239,9 @@ def main(argv=None) -> dict:
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
-    args.enable_prefix_caching = False   # the warm pass would make the timed prompts cache hits
+    args.enable_prefix_caching = False  # the warm pass would make the timed prompts cache hits
     deadline = time.monotonic() + args.timeout
-    left = lambda: max(1.0, deadline - time.monotonic())   # noqa: E731
+    left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
     from jaxkv.models import load_model_config
 
     cfg, _ = load_model_config(args.model)
@@ -208,27 +262,36 @@ def main(argv=None) -> dict:
         finally:
             server.stop()
         frac = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")
-        with env_vars(XLA_PYTHON_CLIENT_MEM_FRACTION=frac, CUDA_VISIBLE_DEVICES=args.prefill_devices):
+        with env_vars(
+            XLA_PYTHON_CLIENT_MEM_FRACTION=frac, CUDA_VISIBLE_DEVICES=args.prefill_devices
+        ):
             p = sv.Server(args, tmp / "prefill.log", deadline, transfer_flags("kv_producer"))
         try:
-            with env_vars(XLA_PYTHON_CLIENT_MEM_FRACTION=frac, CUDA_VISIBLE_DEVICES=args.decode_devices):
+            with env_vars(
+                XLA_PYTHON_CLIENT_MEM_FRACTION=frac, CUDA_VISIBLE_DEVICES=args.decode_devices
+            ):
                 d = sv.Server(args, tmp / "decode.log", deadline, transfer_flags("kv_consumer"))
             try:
                 with proxy(p.url, d.url, deadline) as url:
                     for _ in range(args.warm_passes):
                         asyncio.run(run_pass(url, args.model, prompts, outs, kinds, args, left()))
                     before = metrics(d.url)
-                    results = asyncio.run(run_pass(url, args.model, prompts, outs, kinds, args, left()))
+                    results = asyncio.run(
+                        run_pass(url, args.model, prompts, outs, kinds, args, left())
+                    )
                     after = metrics(d.url)
                 rows += summarize("P/D (proxy)", results)
                 delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
                 nbytes = delta.get("jaxkv:kv_transfer_bytes_total", 0.0)
                 secs = delta.get("jaxkv:kv_transfer_seconds_total", 0.0)
-                transfer = {"kv_bytes_loaded": nbytes, "pull_seconds_sum": secs,
-                            "kv_mib_per_s": nbytes / secs / 2**20 if secs else None,
-                            "tokens_loaded": delta.get("jaxkv:kv_transfer_external_tokens_total", 0.0),
-                            "failed_loads": delta.get("jaxkv:kv_transfer_failed_loads_total", 0.0),
-                            "decode_prompt_tokens": delta.get("jaxkv:prompt_tokens_total", 0.0)}
+                transfer = {
+                    "kv_bytes_loaded": nbytes,
+                    "pull_seconds_sum": secs,
+                    "kv_mib_per_s": nbytes / secs / 2**20 if secs else None,
+                    "tokens_loaded": delta.get("jaxkv:kv_transfer_external_tokens_total", 0.0),
+                    "failed_loads": delta.get("jaxkv:kv_transfer_failed_loads_total", 0.0),
+                    "decode_prompt_tokens": delta.get("jaxkv:prompt_tokens_total", 0.0),
+                }
             finally:
                 d.stop()
         finally:
@@ -241,11 +304,37 @@ def main(argv=None) -> dict:
             for m in ("ttft_ms_p50", "tpot_ms_p50"):
                 if a.get(m) and b.get(m):
                     ratios[f"{kind} {m} P/D / colocated"] = b[m] / a[m]
-    payload = {"benchmark": "disagg", "environment": env, "workload": desc, "model": args.model,
-               "engine": sv.engine_kwargs(args), "rows": rows, "transfer": transfer, "ratios": ratios}
-    print("\n".join(bc.header_lines("P/D disaggregation (JaxTransferConnector) vs colocated", env, desc)))
-    print(bc.table(rows, ["system", "class", "completed", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99",
-                          "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99"]))
+    payload = {
+        "benchmark": "disagg",
+        "environment": env,
+        "workload": desc,
+        "model": args.model,
+        "engine": sv.engine_kwargs(args),
+        "rows": rows,
+        "transfer": transfer,
+        "ratios": ratios,
+    }
+    print(
+        "\n".join(
+            bc.header_lines("P/D disaggregation (JaxTransferConnector) vs colocated", env, desc)
+        )
+    )
+    print(
+        bc.table(
+            rows,
+            [
+                "system",
+                "class",
+                "completed",
+                "ttft_ms_mean",
+                "ttft_ms_p50",
+                "ttft_ms_p99",
+                "tpot_ms_mean",
+                "tpot_ms_p50",
+                "tpot_ms_p99",
+            ],
+        )
+    )
     print("KV transfer (D, timed pass):", json.dumps(transfer))
     print("ratios:", json.dumps({k: round(v, 3) for k, v in ratios.items()}))
     if args.json:

@@ -36,13 +36,13 @@ def baseline_embed(fwd, prompts: list[list[int]], batch: int, kind: str) -> np.n
     """Static padded batches through the jitted dense forward; [n, hidden] normalised vectors."""
     out = []
     for i in range(0, len(prompts), batch):
-        chunk = prompts[i: i + batch]
+        chunk = prompts[i : i + batch]
         lens = np.array([len(p) for p in chunk])
         width = -(-int(lens.max()) // 64) * 64
-        ids = np.zeros((batch, width), np.int32)   # a short last batch keeps the batch shape
+        ids = np.zeros((batch, width), np.int32)  # a short last batch keeps the batch shape
         for r, p in enumerate(chunk):
             ids[r, : len(p)] = p
-        h = np.asarray(fwd(jnp.asarray(ids)))[: len(chunk)]               # [b, width, hidden]
+        h = np.asarray(fwd(jnp.asarray(ids)))[: len(chunk)]  # [b, width, hidden]
         mask = np.arange(width)[None, :] < lens[:, None]
         if kind == "MEAN":
             v = (h * mask[..., None]).sum(1) / lens[:, None]
@@ -55,7 +55,9 @@ def baseline_embed(fwd, prompts: list[list[int]], batch: int, kind: str) -> np.n
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--model-config", default=None, help="random-init config overrides, k=v,...")
     p.add_argument("--requests", type=int, default=256)
@@ -67,26 +69,47 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--json", default=str(bc.RESULTS_DIR / "embed_throughput.json"))
-    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)")
+    p.add_argument(
+        "--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)"
+    )
     args = p.parse_args(argv)
     env = bc.environment()
-    workload = dict(model=args.model, dtype="float32", requests=args.requests,
-                    prompt_len=f"U[{args.min_len}, {args.max_len}]", pooling=args.pooling, normalize=True,
-                    baseline=f"dense forward, static batches of {args.batch} padded to 64",
-                    max_num_batched_tokens=args.max_num_batched_tokens, rounds=args.rounds)
-    print("\n".join(bc.header_lines("Embedding throughput: jaxkv LLM.encode vs padded dense batches",
-                                    env, workload)))
-    model, tok = load_model(args.model, args.seed, max_pos=args.max_len + 1,
-                            overrides=_kv_pairs(args.model_config))
-    llm = LLM(model, tokenizer=tok, kv_cache_memory_bytes=512 << 20,
-              max_num_seqs=min(64, args.max_num_batched_tokens),
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=min(model.config.max_position_embeddings, max(512, args.max_len + 1)))
+    workload = dict(
+        model=args.model,
+        dtype="float32",
+        requests=args.requests,
+        prompt_len=f"U[{args.min_len}, {args.max_len}]",
+        pooling=args.pooling,
+        normalize=True,
+        baseline=f"dense forward, static batches of {args.batch} padded to 64",
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        rounds=args.rounds,
+    )
+    print(
+        "\n".join(
+            bc.header_lines(
+                "Embedding throughput: jaxkv LLM.encode vs padded dense batches", env, workload
+            )
+        )
+    )
+    model, tok = load_model(
+        args.model, args.seed, max_pos=args.max_len + 1, overrides=_kv_pairs(args.model_config)
+    )
+    llm = LLM(
+        model,
+        tokenizer=tok,
+        kv_cache_memory_bytes=512 << 20,
+        max_num_seqs=min(64, args.max_num_batched_tokens),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=min(model.config.max_position_embeddings, max(512, args.max_len + 1)),
+    )
     fwd = jax.jit(lambda ids: dense_hidden(model, ids))
     rng = np.random.default_rng(args.seed)
     vocab = llm.llm_engine.model_config.vocab_size
-    prompts = [rng.integers(1, vocab, int(rng.integers(args.min_len, args.max_len + 1))).tolist()
-               for _ in range(args.requests)]
+    prompts = [
+        rng.integers(1, vocab, int(rng.integers(args.min_len, args.max_len + 1))).tolist()
+        for _ in range(args.requests)
+    ]
     params = PoolingParams(pooling_type=args.pooling)
     tokens = sum(map(len, prompts))
 
@@ -97,7 +120,7 @@ def main(argv=None) -> dict:
     def run_baseline():
         return baseline_embed(fwd, prompts, args.batch, args.pooling)
 
-    ours, theirs = run_jaxkv(), run_baseline()          # untimed: every compile
+    ours, theirs = run_jaxkv(), run_baseline()  # untimed: every compile
     diff = float(np.abs(ours - theirs).max())
     if diff > 1e-4:
         raise AssertionError(f"jaxkv and the dense baseline disagree by {diff}")
@@ -110,23 +133,54 @@ def main(argv=None) -> dict:
     rows = []
     for name in ("jaxkv", "baseline"):
         best = min(times[name])
-        rows.append({"system": name, "best_s": best, "median_s": float(np.median(times[name])),
-                     "prompts_per_s": args.requests / best, "tokens_per_s": tokens / best})
+        rows.append(
+            {
+                "system": name,
+                "best_s": best,
+                "median_s": float(np.median(times[name])),
+                "prompts_per_s": args.requests / best,
+                "tokens_per_s": tokens / best,
+            }
+        )
     ratio = min(times["baseline"]) / min(times["jaxkv"])
-    padded = sum(-(-max(map(len, prompts[i: i + args.batch])) // 64) * 64 * args.batch
-                 for i in range(0, len(prompts), args.batch))
-    print(bc.table(rows, ["system", "best_s", "median_s", "prompts_per_s", "tokens_per_s"],
-                   f"{args.requests} prompts, {tokens} tokens (baseline computes {padded} padded positions)"))
-    print(f"jaxkv / baseline (best of {args.rounds}): {ratio:.2f}x; max |difference| of the vectors {diff:.2e}")
+    padded = sum(
+        -(-max(map(len, prompts[i : i + args.batch])) // 64) * 64 * args.batch
+        for i in range(0, len(prompts), args.batch)
+    )
+    print(
+        bc.table(
+            rows,
+            ["system", "best_s", "median_s", "prompts_per_s", "tokens_per_s"],
+            f"{args.requests} prompts, {tokens} tokens (baseline computes {padded} padded positions)",
+        )
+    )
+    print(
+        f"jaxkv / baseline (best of {args.rounds}): {ratio:.2f}x; max |difference| of the vectors {diff:.2e}"
+    )
     print("CPU figures come from few noisy cores: compare the ratio within this run only.")
-    payload = {"env": env, "workload": workload, "rows": rows, "times": times, "ratio": ratio,
-               "max_abs_diff": diff, "tokens": tokens, "baseline_padded_positions": padded,
-               "stats": llm.llm_engine.get_stats()}
+    payload = {
+        "env": env,
+        "workload": workload,
+        "rows": rows,
+        "times": times,
+        "ratio": ratio,
+        "max_abs_diff": diff,
+        "tokens": tokens,
+        "baseline_padded_positions": padded,
+        "stats": llm.llm_engine.get_stats(),
+    }
     print(f"# wrote {bc.write_json(args.json, payload)}", file=sys.stderr)
     if args.plot:
-        png = bc.plot_bars(pathlib.Path(args.json).with_suffix(".png"), bc.plot_title("embeddings", env),
-                           {f"{args.requests} prompts, {args.pooling}": {r["system"]: r["prompts_per_s"] for r in rows}},
-                           "prompts / s (best pass)")
+        png = bc.plot_bars(
+            pathlib.Path(args.json).with_suffix(".png"),
+            bc.plot_title("embeddings", env),
+            {
+                f"{args.requests} prompts, {args.pooling}": {
+                    r["system"]: r["prompts_per_s"] for r in rows
+                }
+            },
+            "prompts / s (best pass)",
+        )
         if png:
             print(f"# wrote {png}", file=sys.stderr)
     return payload

@@ -67,6 +67,7 @@ class StepTimer:
             out = fn(*args)
             self._cur["device_s"] = self._cur.get("device_s", 0.0) + time.perf_counter() - t0
             return out
+
         return wrapper
 
     def _timed(self, fn, key):
@@ -78,6 +79,7 @@ class StepTimer:
                 self._cur["num_reqs"] = len(out.num_scheduled_tokens)
                 self._cur["num_tokens"] = out.total_num_scheduled_tokens
             return out
+
         return wrapper
 
     def step(self):
@@ -85,11 +87,18 @@ class StepTimer:
         compiles, t0 = self._runner.num_compiles, time.perf_counter()
         outs = self.engine.step()
         c = self._cur
-        self.records.append(StepRecord(
-            step_s=time.perf_counter() - t0, schedule_s=c.get("schedule_s", 0.0),
-            execute_s=c.get("execute_s", 0.0), update_s=c.get("update_s", 0.0),
-            device_s=c.get("device_s", 0.0), num_reqs=c.get("num_reqs", 0),
-            num_tokens=c.get("num_tokens", 0), compiled=self._runner.num_compiles != compiles))
+        self.records.append(
+            StepRecord(
+                step_s=time.perf_counter() - t0,
+                schedule_s=c.get("schedule_s", 0.0),
+                execute_s=c.get("execute_s", 0.0),
+                update_s=c.get("update_s", 0.0),
+                device_s=c.get("device_s", 0.0),
+                num_reqs=c.get("num_reqs", 0),
+                num_tokens=c.get("num_tokens", 0),
+                compiled=self._runner.num_compiles != compiles,
+            )
+        )
         return outs
 
 
@@ -101,8 +110,12 @@ def build_engine(model, tokenizer, **kwargs) -> tuple[LLMEngine, StepTimer]:
 
 def greedy(max_tokens: int) -> SamplingParams:
     # FINAL_ONLY: the harness reads finished outputs only, as LLM.generate does
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                          output_kind=RequestOutputKind.FINAL_ONLY)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
 
 
 def _drain(engine: LLMEngine, timer: StepTimer, prompts, max_tokens) -> dict:
@@ -122,14 +135,21 @@ def _drain(engine: LLMEngine, timer: StepTimer, prompts, max_tokens) -> dict:
 
 
 def _snapshot(engine: LLMEngine) -> dict:
-    return dict(generated=engine.num_generated_tokens, scheduled=engine.num_prompt_tokens_computed,
-                prefix_hit=engine.prefix_hit_tokens, preemptions=engine.scheduler.num_preemptions,
-                compiles=engine.runner.num_compiles, compile_s=engine.runner.compile_seconds,
-                draft=engine.runner.num_draft_tokens, accepted=engine.runner.num_accepted_tokens)
+    return dict(
+        generated=engine.num_generated_tokens,
+        scheduled=engine.num_prompt_tokens_computed,
+        prefix_hit=engine.prefix_hit_tokens,
+        preemptions=engine.scheduler.num_preemptions,
+        compiles=engine.runner.num_compiles,
+        compile_s=engine.runner.compile_seconds,
+        draft=engine.runner.num_draft_tokens,
+        accepted=engine.runner.num_accepted_tokens,
+    )
 
 
-def run_workload(engine: LLMEngine, timer: StepTimer, prompts, max_tokens, *,
-                 warm_pass: bool = True) -> dict:
+def run_workload(
+    engine: LLMEngine, timer: StepTimer, prompts, max_tokens, *, warm_pass: bool = True
+) -> dict:
     """Untimed warm pass (same requests: same step shapes, so the timed pass compiles nothing),
     prefix cache reset, then the timed pass. All requests arrive at t0 (offline)."""
     warm = None
@@ -137,8 +157,11 @@ def run_workload(engine: LLMEngine, timer: StepTimer, prompts, max_tokens, *,
         s0, t0 = _snapshot(engine), time.perf_counter()
         _drain(engine, timer, prompts, max_tokens)
         s1 = _snapshot(engine)
-        warm = {"seconds": time.perf_counter() - t0, "compiles": s1["compiles"] - s0["compiles"],
-                "compile_s": s1["compile_s"] - s0["compile_s"]}
+        warm = {
+            "seconds": time.perf_counter() - t0,
+            "compiles": s1["compiles"] - s0["compiles"],
+            "compile_s": s1["compile_s"] - s0["compile_s"],
+        }
         if not engine.scheduler.reset_prefix_cache():
             raise RuntimeError("could not reset the prefix cache after the warm pass")
     engine.peak_kv_cache_usage = 0.0
@@ -157,14 +180,22 @@ def run_workload(engine: LLMEngine, timer: StepTimer, prompts, max_tokens, *,
         tpot.append(m.decode_time / (n - 1) if n > 1 and m.decode_time is not None else None)
     delta = {k: s1[k] - s0[k] for k in s0}
     return {
-        "elapsed_s": elapsed, "tokens": [o.outputs[0].token_ids for o in outs],
+        "elapsed_s": elapsed,
+        "tokens": [o.outputs[0].token_ids for o in outs],
         "cached_tokens": [o.num_cached_tokens for o in outs],
-        "ttft_s": ttft, "tpot_s": tpot, "records": list(timer.records),
-        "generated_tokens": delta["generated"], "scheduled_tokens": delta["scheduled"],
-        "prefix_hit_tokens": delta["prefix_hit"], "preemptions": delta["preemptions"],
-        "compiles": delta["compiles"], "compile_s": delta["compile_s"],
-        "spec_draft_tokens": delta["draft"], "spec_accepted_tokens": delta["accepted"],
-        "peak_kv_usage": engine.peak_kv_cache_usage, "warm_pass": warm,
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "records": list(timer.records),
+        "generated_tokens": delta["generated"],
+        "scheduled_tokens": delta["scheduled"],
+        "prefix_hit_tokens": delta["prefix_hit"],
+        "preemptions": delta["preemptions"],
+        "compiles": delta["compiles"],
+        "compile_s": delta["compile_s"],
+        "spec_draft_tokens": delta["draft"],
+        "spec_accepted_tokens": delta["accepted"],
+        "peak_kv_usage": engine.peak_kv_cache_usage,
+        "warm_pass": warm,
     }
 
 
@@ -179,7 +210,8 @@ def host_breakdown(records: list[StepRecord], *, batch: int | None = None) -> di
     dev = sum(r.device_s for r in rs)
     prep = sum(r.execute_s - r.device_s for r in rs)
     return {
-        "steps": len(rs), "step_ms_median": 1e3 * statistics.median(r.step_s for r in rs),
+        "steps": len(rs),
+        "step_ms_median": 1e3 * statistics.median(r.step_s for r in rs),
         "host_pct": 100.0 * (step - dev) / step,
         "schedule_pct": 100.0 * sum(r.schedule_s for r in rs) / step,
         "prepare_pct": 100.0 * prep / step,
@@ -188,8 +220,9 @@ def host_breakdown(records: list[StepRecord], *, batch: int | None = None) -> di
     }
 
 
-def decode_step_times(engine: LLMEngine, timer: StepTimer, prompts: list[list[int]], steps: int,
-                      max_tokens: int) -> dict:
+def decode_step_times(
+    engine: LLMEngine, timer: StepTimer, prompts: list[list[int]], steps: int, max_tokens: int
+) -> dict:
     """Median time of ``steps`` pure-decode steps with every request of ``prompts`` running
     (steps that compiled are skipped); the requests are aborted once measured."""
     timer.records.clear()
@@ -206,14 +239,17 @@ def decode_step_times(engine: LLMEngine, timer: StepTimer, prompts: list[list[in
             good.append(r)
     if live:
         engine.abort_request(sorted(live))
-        while engine.has_unfinished_requests():   # lets the runner forget the aborted rows
+        while engine.has_unfinished_requests():  # lets the runner forget the aborted rows
             timer.step()
     if not good:
         return {"steps": 0, "step_ms_median": None}
-    return {"steps": len(good), "step_ms_median": 1e3 * statistics.median(r.step_s for r in good),
-            "step_ms_min": 1e3 * min(r.step_s for r in good),
-            "device_ms_median": 1e3 * statistics.median(r.device_s for r in good),
-            "compiled_steps": sum(r.compiled for r in timer.records)}
+    return {
+        "steps": len(good),
+        "step_ms_median": 1e3 * statistics.median(r.step_s for r in good),
+        "step_ms_min": 1e3 * min(r.step_s for r in good),
+        "device_ms_median": 1e3 * statistics.median(r.device_s for r in good),
+        "compiled_steps": sum(r.compiled for r in timer.records),
+    }
 
 
 def seeded_tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:

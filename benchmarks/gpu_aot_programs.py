@@ -22,13 +22,15 @@ import os
 import sys
 import time
 
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")   # before jax starts its backends
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # before jax starts its backends
 
 import bench_common as bc  # noqa: E402
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -44,27 +46,51 @@ def main(argv=None) -> dict:
     from jaxkv.engine import LLMEngine
     from jaxkv.models import build_model, get_config
 
-    cfg = get_config("tiny-llama", num_hidden_layers=args.layers, hidden_size=4096, intermediate_size=14336,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                     max_position_embeddings=args.max_model_len, dtype="bfloat16")
+    cfg = get_config(
+        "tiny-llama",
+        num_hidden_layers=args.layers,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=args.max_model_len,
+        dtype="bfloat16",
+    )
     model = nnx.eval_shape(lambda: build_model(cfg, seed=0))
-    engine = LLMEngine.from_config(model, attention_backend="pallas", warmup=False, compile_cache=False,
-                                   max_num_seqs=args.max_num_seqs,
-                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                   max_model_len=args.max_model_len,
-                                   # one max_model_len request's KV: 8 heads x 128 x K,V x bf16 a layer
-                                   kv_cache_memory_bytes=args.layers * 4096 * args.max_model_len + (16 << 20))
+    engine = LLMEngine.from_config(
+        model,
+        attention_backend="pallas",
+        warmup=False,
+        compile_cache=False,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        # one max_model_len request's KV: 8 heads x 128 x K,V x bf16 a layer
+        kv_cache_memory_bytes=args.layers * 4096 * args.max_model_len + (16 << 20),
+    )
     runner, dev = engine.runner, gpu_aot.aot_device("h200")
     keys = runner.program_keys()
     env = bc.environment()
-    workload = dict(model=f"Llama-3-8B-sized ({args.layers} layers, bf16, abstract weights)",
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=args.max_model_len, target="H200 (deviceless)", workers=args.workers,
-                    programs=len(keys), token_buckets=list(runner.buckets.tokens),
-                    seq_buckets=list(runner.buckets.seqs))
-    print("\n".join(bc.header_lines("warm-up's programs compiled for an H200, deviceless", env, workload)),
-          flush=True)
-    jax.config.update("jax_enable_compilation_cache", False)   # compile-only: nothing to read back
+    workload = dict(
+        model=f"Llama-3-8B-sized ({args.layers} layers, bf16, abstract weights)",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        target="H200 (deviceless)",
+        workers=args.workers,
+        programs=len(keys),
+        token_buckets=list(runner.buckets.tokens),
+        seq_buckets=list(runner.buckets.seqs),
+    )
+    print(
+        "\n".join(
+            bc.header_lines("warm-up's programs compiled for an H200, deviceless", env, workload)
+        ),
+        flush=True,
+    )
+    jax.config.update("jax_enable_compilation_cache", False)  # compile-only: nothing to read back
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -81,12 +107,19 @@ def main(argv=None) -> dict:
     by_kind = collections.defaultdict(float)
     for name, s in seconds.items():
         by_kind[name.split("[")[0]] += s
-    summary = {"programs": len(keys), "wall_s": round(wall, 1), "compile_s_sum": round(sum(seconds.values()), 1),
-               "by_kind_s": {k: round(v, 1) for k, v in by_kind.items()},
-               "slowest": max(seconds, key=seconds.get), "slowest_s": round(max(seconds.values()), 1)}
+    summary = {
+        "programs": len(keys),
+        "wall_s": round(wall, 1),
+        "compile_s_sum": round(sum(seconds.values()), 1),
+        "by_kind_s": {k: round(v, 1) for k, v in by_kind.items()},
+        "slowest": max(seconds, key=seconds.get),
+        "slowest_s": round(max(seconds.values()), 1),
+    }
     print(bc.table([summary], list(summary), "summary"))
-    bc.write_json(args.json, {"environment": env, "workload": workload, "summary": summary,
-                              "per_program_s": seconds})
+    bc.write_json(
+        args.json,
+        {"environment": env, "workload": workload, "summary": summary, "per_program_s": seconds},
+    )
     return summary
 
 

@@ -56,8 +56,9 @@ def pull_once(agent, peer: dict, uuid: int, rows: int) -> float:
     import jax
     import jax.numpy as jnp
 
-    spec = jax.ShapeDtypeStruct((rows, PAGE), jnp.uint8,
-                                sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    spec = jax.ShapeDtypeStruct(
+        (rows, PAGE), jnp.uint8, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    )
     t0 = time.perf_counter()
     agent.start_pull(peer, uuid, [spec], deadline_s=120)
     while True:
@@ -87,28 +88,53 @@ def main() -> None:
     from jaxkv.distributed.kv_transfer.transfer_agent import TransferAgent
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, __file__, "--child", "--repeats", str(args.repeats),
-                             "--sizes-mib", *map(str, args.sizes_mib)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            "--repeats",
+            str(args.repeats),
+            "--sizes-mib",
+            *map(str, args.sizes_mib),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         peer = json.loads(proc.stdout.readline())
         agent = TransferAgent()
         warmup_s = pull_once(agent, peer, WARMUP_UUID, 1)
         rows = []
         for s in args.sizes_mib:
-            times = [pull_once(agent, peer, uuid_of(s, r), (s << 20) // PAGE)
-                     for r in range(args.repeats)]
+            times = [
+                pull_once(agent, peer, uuid_of(s, r), (s << 20) // PAGE)
+                for r in range(args.repeats)
+            ]
             best, med = min(times), statistics.median(times)
-            rows.append({"size_mib": s, "best_ms": best * 1e3, "median_ms": med * 1e3,
-                         "best_MiB_per_s": s / best, "median_MiB_per_s": s / med})
+            rows.append(
+                {
+                    "size_mib": s,
+                    "best_ms": best * 1e3,
+                    "median_ms": med * 1e3,
+                    "best_MiB_per_s": s / best,
+                    "median_MiB_per_s": s / med,
+                }
+            )
         agent.close()
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
     e = environment()
-    workload = {"page_bytes": PAGE, "repeats": args.repeats, "processes": 2,
-                "transport": "jax.experimental.transfer over 127.0.0.1",
-                "warmup_pull_ms": round(warmup_s * 1e3, 2)}
+    workload = {
+        "page_bytes": PAGE,
+        "repeats": args.repeats,
+        "processes": 2,
+        "transport": "jax.experimental.transfer over 127.0.0.1",
+        "warmup_pull_ms": round(warmup_s * 1e3, 2),
+    }
     print("\n".join(header_lines("TransferAgent pull, two processes on loopback", e, workload)))
     print(table(rows, ["size_mib", "best_ms", "median_ms", "best_MiB_per_s", "median_MiB_per_s"]))
     if args.json:

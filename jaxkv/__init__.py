@@ -17,9 +17,14 @@ import os as _os
 # next to this package's, so this package's search path also covers the checkout's root.
 # (The checkout's ``tests`` package would resolve as ``jaxkv.tests`` too; nothing imports it so.)
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "models")) and all(
-        _os.path.isfile(_os.path.join(_root, d, "__init__.py")) for d in ("models", "pallas_kernels")) \
-        and _os.path.isfile(_os.path.join(_root, "pyproject.toml")):
+if (
+    not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "models"))
+    and all(
+        _os.path.isfile(_os.path.join(_root, d, "__init__.py"))
+        for d in ("models", "pallas_kernels")
+    )
+    and _os.path.isfile(_os.path.join(_root, "pyproject.toml"))
+):
     __path__.append(_root)  # noqa: F821 (a package's __path__)
 del _root
 
@@ -41,7 +46,11 @@ from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
 # The engine imports jax; it loads on first use of these names, so that the host core
 # (``import jaxkv.core``), which has no jax import, can be used without loading jax.
-_LAZY = {"LLM": "jaxkv.entrypoints.llm", "LLMEngine": "jaxkv.engine", "EngineConfig": "jaxkv.engine_config"}
+_LAZY = {
+    "LLM": "jaxkv.entrypoints.llm",
+    "LLMEngine": "jaxkv.engine",
+    "EngineConfig": "jaxkv.engine_config",
+}
 
 
 def __getattr__(name: str):
@@ -57,9 +66,25 @@ def __dir__():
 
 
 __all__ = [
-    "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-    "RequestMetrics", "Logprob", "RequestOutputKind", "BeamSearchParams", "BeamSearchOutput",
-    "BeamSearchSequence", "PoolingParams", "PoolerConfig", "PoolingOutput", "PoolingRequestOutput",
-    "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput",
+    "LLM",
+    "LLMEngine",
+    "EngineConfig",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "Logprob",
+    "RequestOutputKind",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+    "PoolingParams",
+    "PoolerConfig",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
+    "ScoringOutput",
+    "ScoringRequestOutput",
 ]
 __version__ = "0.1.0"

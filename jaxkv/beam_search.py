@@ -32,7 +32,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-EosIds = int | Collection[int] | None   # one EOS id, several (Llama 3), or none
+EosIds = int | Collection[int] | None  # one EOS id, several (Llama 3), or none
 
 
 def _eos_set(eos_token_id: EosIds) -> frozenset[int]:
@@ -75,7 +75,11 @@ class BeamSearchParams:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("temperature", "length_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -90,8 +94,8 @@ class BeamSearchSequence:
     logprobs: list[PositionLogprobs]
     cum_logprob: float = 0.0
     text: str | None = None
-    finish_reason: str | None = None   # "stop" (EOS) | "length" (max_tokens or max_model_len)
-    stop_reason: int | None = None     # the EOS id when finish_reason is "stop"
+    finish_reason: str | None = None  # "stop" (EOS) | "length" (max_tokens or max_model_len)
+    stop_reason: int | None = None  # the EOS id when finish_reason is "stop"
 
 
 @dataclasses.dataclass
@@ -101,8 +105,9 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def beam_search_score(tokens: Sequence[int], cum_logprob: float, eos_token_id: EosIds,
-                      length_penalty: float) -> float:
+def beam_search_score(
+    tokens: Sequence[int], cum_logprob: float, eos_token_id: EosIds, length_penalty: float
+) -> float:
     """``cum_logprob / length ** length_penalty``; ``length`` is ``len(tokens)`` (prompt
     included), less one when the last token is an EOS id (``eos_token_id``: one or several)."""
     length = len(tokens) - (1 if tokens and tokens[-1] in _eos_set(eos_token_id) else 0)
@@ -114,8 +119,12 @@ def beam_search_score(tokens: Sequence[int], cum_logprob: float, eos_token_id: E
 ExpandFn = Callable[[list[list[int]]], list[PositionLogprobs | None]]
 
 
-def run_beam_search(prompts: Sequence[Sequence[int]], params: BeamSearchParams, expand: ExpandFn,
-                    eos_token_id: EosIds) -> list[BeamSearchOutput]:
+def run_beam_search(
+    prompts: Sequence[Sequence[int]],
+    params: BeamSearchParams,
+    expand: ExpandFn,
+    eos_token_id: EosIds,
+) -> list[BeamSearchOutput]:
     """The search itself, over an ``expand`` function (the engine's, or a test's);
     ``eos_token_id``: the EOS id, or all of them (each completes a hypothesis)."""
     eos_ids = _eos_set(eos_token_id)
@@ -133,13 +142,16 @@ def run_beam_search(prompts: Sequence[Sequence[int]], params: BeamSearchParams, 
         cands = expand([b.tokens for _, b in flat])
         grown: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         for (i, beam), lps in zip(flat, cands):
-            if lps is None:              # no room left in max_model_len: complete as it is
+            if lps is None:  # no room left in max_model_len: complete as it is
                 beam.finish_reason = "length"
                 done[i].append(beam)
                 continue
             for tok, lp in lps.items():
-                new = BeamSearchSequence(tokens=beam.tokens + [tok], logprobs=beam.logprobs + [lps],
-                                         cum_logprob=beam.cum_logprob + lp.logprob)
+                new = BeamSearchSequence(
+                    tokens=beam.tokens + [tok],
+                    logprobs=beam.logprobs + [lps],
+                    cum_logprob=beam.cum_logprob + lp.logprob,
+                )
                 if not ignore_eos and tok in eos_ids:
                     new.finish_reason, new.stop_reason = "stop", tok
                     done[i].append(new)

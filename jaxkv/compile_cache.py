@@ -68,7 +68,7 @@ def enable(setting: bool | str | os.PathLike | None = True) -> Path | None:
     if jax.config.jax_compilation_cache_dir != str(path):
         path.mkdir(parents=True, exist_ok=True)
         cc.set_cache_dir(str(path))
-        cc.reset_cache()   # a cache jax had already set up (or found off) is looked up again
+        cc.reset_cache()  # a cache jax had already set up (or found off) is looked up again
     return path
 
 

@@ -15,8 +15,14 @@ class IncrementalDetokenizer:
     character split across tokens is only emitted once complete).
     """
 
-    def __init__(self, tokenizer, *, stop: list[str], include_stop_str_in_output: bool,
-                 skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        stop: list[str],
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.include_stop = include_stop_str_in_output

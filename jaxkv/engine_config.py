@@ -33,7 +33,7 @@ class EngineConfig:
     The KV-cache plan is not here: the engine core builds it from the workers' reports."""
 
     model_name: str
-    model: str | None   # what a worker loads (a name or path); None: a model built in process
+    model: str | None  # what a worker loads (a name or path); None: a model built in process
     dtype: str
     max_model_len: int
     max_num_seqs: int
@@ -45,12 +45,14 @@ class EngineConfig:
     warmup: bool
     scheduler_config: SchedulerConfig
     speculative_config: SpeculativeConfig | None = None
-    logprobs_mode: str = "raw_logprobs"   # vLLM's: what sampled tokens' logprobs are computed from
-    tensor_parallel_size: int = 1         # devices the model and KV heads are split over
-    pooler_config: PoolerConfig = PoolerConfig()   # how LLM.embed pools (vLLM's PoolerConfig)
-    runner: str = "auto"                  # vLLM's: "generate" / "pooling" take one kind of request
-    max_logprobs: int = 20                # vLLM's: most logprobs a request may ask for (-1: vocab)
-    eos_token_ids: tuple[int, ...] = ()   # the tokenizer's EOS then the model config's; [0] is primary
+    logprobs_mode: str = "raw_logprobs"  # vLLM's: what sampled tokens' logprobs are computed from
+    tensor_parallel_size: int = 1  # devices the model and KV heads are split over
+    pooler_config: PoolerConfig = PoolerConfig()  # how LLM.embed pools (vLLM's PoolerConfig)
+    runner: str = "auto"  # vLLM's: "generate" / "pooling" take one kind of request
+    max_logprobs: int = 20  # vLLM's: most logprobs a request may ask for (-1: vocab)
+    eos_token_ids: tuple[
+        int, ...
+    ] = ()  # the tokenizer's EOS then the model config's; [0] is primary
     # the KV budget of each worker (Worker.determine_available_memory)
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -61,11 +63,13 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
-    master_port: int = 0       # 0: a free port (one node only)
-    headless: bool = False     # this node only runs workers (node_rank > 0)
-    devices_per_worker: int = 1   # "mp": devices of each worker process (CPU host devices; GPUs per process)
-    kv_transfer_config: object = None   # a KVTransferConfig: the KV connector (P/D disaggregation)
-    compile_cache_dir: str | None = None   # jax's persistent compilation cache (None: left alone)
+    master_port: int = 0  # 0: a free port (one node only)
+    headless: bool = False  # this node only runs workers (node_rank > 0)
+    devices_per_worker: int = (
+        1  # "mp": devices of each worker process (CPU host devices; GPUs per process)
+    )
+    kv_transfer_config: object = None  # a KVTransferConfig: the KV connector (P/D disaggregation)
+    compile_cache_dir: str | None = None  # jax's persistent compilation cache (None: left alone)
 
 
 def _compile_cache_dir(setting) -> str | None:
@@ -81,7 +85,7 @@ def _positive(name, value):
 
 
 def _check_bool(name, value):
-    if not isinstance(value, bool):   # "no" and 0 / 1 would be taken for their truth value
+    if not isinstance(value, bool):  # "no" and 0 / 1 would be taken for their truth value
         raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
 
 
@@ -95,16 +99,32 @@ def _checked_model(model):
     naming the argument for anything that is neither a name / path nor an NNX model."""
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
-    if isinstance(model, str) or (hasattr(model, "config") and hasattr(model, "kv_layer_infos")
-                                  and not isinstance(model, (bytes, numbers.Number))):
+    if isinstance(model, str) or (
+        hasattr(model, "config")
+        and hasattr(model, "kv_layer_infos")
+        and not isinstance(model, (bytes, numbers.Number))
+    ):
         return model
-    raise TypeError(f"model must be a model name, a path or an NNX model (with .config and "
-                    f".kv_layer_infos()), got {model!r}")
+    raise TypeError(
+        f"model must be a model name, a path or an NNX model (with .config and "
+        f".kv_layer_infos()), got {model!r}"
+    )
 
 
-def _check_argument_types(*, flags: dict, warmup, max_logprobs, seed, dtype, gpu_memory_utilization,
-                          num_gpu_blocks_override, kv_cache_memory_bytes, attention_backend,
-                          tokenizer, pipeline_parallel_size) -> None:
+def _check_argument_types(
+    *,
+    flags: dict,
+    warmup,
+    max_logprobs,
+    seed,
+    dtype,
+    gpu_memory_utilization,
+    num_gpu_blocks_override,
+    kv_cache_memory_bytes,
+    attention_backend,
+    tokenizer,
+    pipeline_parallel_size,
+) -> None:
     """The checks of ``resolve_engine_config``'s arguments that need no model: each wrong
     type or value a TypeError / ValueError naming the argument (bool flags must be bools:
     ``"no"`` is truthy; ``warmup=1`` would compare equal to True)."""
@@ -113,71 +133,121 @@ def _check_argument_types(*, flags: dict, warmup, max_logprobs, seed, dtype, gpu
     for name, value in flags.items():
         _check_bool(name, value)
     if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
-        raise ValueError(f"max_logprobs must be an int >= 0, or -1 (the vocabulary size), got {max_logprobs!r}")
+        raise ValueError(
+            f"max_logprobs must be an int >= 0, or -1 (the vocabulary size), got {max_logprobs!r}"
+        )
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
-    if not -(2**63) <= seed < 2**63:   # the model's random init takes a C long
+    if not -(2**63) <= seed < 2**63:  # the model's random init takes a C long
         raise ValueError(f"seed must be in [-2**63, 2**63), got {seed}")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if (isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, numbers.Real)
-            or not 0.0 < gpu_memory_utilization <= 1.0):   # NaN fails the range too
-        raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}")
+    if (
+        isinstance(gpu_memory_utilization, bool)
+        or not isinstance(gpu_memory_utilization, numbers.Real)
+        or not 0.0 < gpu_memory_utilization <= 1.0
+    ):  # NaN fails the range too
+        raise ValueError(
+            f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}"
+        )
     _check_optional_int("num_gpu_blocks_override", num_gpu_blocks_override)
     _check_optional_int("kv_cache_memory_bytes", kv_cache_memory_bytes)
     if not isinstance(attention_backend, str) or attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
-    if tokenizer is not None and not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
-        raise TypeError(f"tokenizer must have encode() and decode() (or be None), got {tokenizer!r}")
-    if type(pipeline_parallel_size) is not int or pipeline_parallel_size != 1:   # 1: as vLLM scripts pass it
-        raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size!r}: pipeline "
-                         f"parallelism is not implemented (README, 'Not here (yet)')")
+    if tokenizer is not None and not (
+        hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")
+    ):
+        raise TypeError(
+            f"tokenizer must have encode() and decode() (or be None), got {tokenizer!r}"
+        )
+    if (
+        type(pipeline_parallel_size) is not int or pipeline_parallel_size != 1
+    ):  # 1: as vLLM scripts pass it
+        raise ValueError(
+            f"pipeline_parallel_size={pipeline_parallel_size!r}: pipeline "
+            f"parallelism is not implemented (README, 'Not here (yet)')"
+        )
 
 
-def check_executor_args(backend, model, *, nnodes, node_rank, master_addr, master_port, headless,
-                        tensor_parallel_size, devices_per_worker: int = 1, engine: bool = True) -> None:
+def check_executor_args(
+    backend,
+    model,
+    *,
+    nnodes,
+    node_rank,
+    master_addr,
+    master_port,
+    headless,
+    tensor_parallel_size,
+    devices_per_worker: int = 1,
+    engine: bool = True,
+) -> None:
     """vLLM's executor and multi-node arguments: each wrong one a ValueError / TypeError
     naming it. ``engine``: the arguments build an engine (node 0); False for a headless
     node's launcher (``jaxkv generate --headless``, ``run_headless``), which builds none."""
     if backend not in EXECUTOR_BACKEND_NAMES:
-        raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKEND_NAMES}, got {backend!r}")
-    _positive("tensor_parallel_size", tensor_parallel_size)   # the engine's own message for it
-    for name, value in (("nnodes", nnodes), ("node_rank", node_rank), ("master_port", master_port),
-                        ("devices_per_worker", devices_per_worker)):
+        raise ValueError(
+            f"distributed_executor_backend must be one of {EXECUTOR_BACKEND_NAMES}, got {backend!r}"
+        )
+    _positive("tensor_parallel_size", tensor_parallel_size)  # the engine's own message for it
+    for name, value in (
+        ("nnodes", nnodes),
+        ("node_rank", node_rank),
+        ("master_port", master_port),
+        ("devices_per_worker", devices_per_worker),
+    ):
         if type(value) is not int:
             raise TypeError(f"{name} must be an int, got {value!r}")
     _check_bool("headless", headless)
     if nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise ValueError(f"node_rank must be in [0, nnodes): got node_rank={node_rank}, nnodes={nnodes}")
+        raise ValueError(
+            f"node_rank must be in [0, nnodes): got node_rank={node_rank}, nnodes={nnodes}"
+        )
     if not 0 <= master_port < 65536:
         raise ValueError(f"master_port must be in [0, 65536), got {master_port}")
     if not isinstance(master_addr, str) or not master_addr:
         raise TypeError(f"master_addr must be a host name or address, got {master_addr!r}")
     if backend == "uni" and (nnodes > 1 or headless):
-        raise ValueError(f"nnodes={nnodes} / headless={headless} need distributed_executor_backend='mp'")
+        raise ValueError(
+            f"nnodes={nnodes} / headless={headless} need distributed_executor_backend='mp'"
+        )
     if devices_per_worker < 1 or (backend == "uni" and devices_per_worker != 1):
-        raise ValueError(f"devices_per_worker={devices_per_worker}: must be >= 1, and 1 unless "
-                         f"distributed_executor_backend='mp' (the in-process worker uses "
-                         f"tensor_parallel_size devices)")
+        raise ValueError(
+            f"devices_per_worker={devices_per_worker}: must be >= 1, and 1 unless "
+            f"distributed_executor_backend='mp' (the in-process worker uses "
+            f"tensor_parallel_size devices)"
+        )
     if headless and node_rank == 0:
-        raise ValueError("headless is for the nodes that only run workers (node_rank >= 1); node 0 "
-                         "runs the engine: got headless=True, node_rank=0")
+        raise ValueError(
+            "headless is for the nodes that only run workers (node_rank >= 1); node 0 "
+            "runs the engine: got headless=True, node_rank=0"
+        )
     if node_rank > 0 and not headless:
-        raise ValueError(f"node_rank={node_rank} runs only this node's workers, the engine runs on "
-                         f"node 0: pass headless=True there")
+        raise ValueError(
+            f"node_rank={node_rank} runs only this node's workers, the engine runs on "
+            f"node 0: pass headless=True there"
+        )
     if backend == "mp":
         if engine and not isinstance(model, str):
-            raise ValueError("distributed_executor_backend='mp' loads the model in each worker process: "
-                             "pass a model name or path, not a built model")
+            raise ValueError(
+                "distributed_executor_backend='mp' loads the model in each worker process: "
+                "pass a model name or path, not a built model"
+            )
         if tensor_parallel_size % (nnodes * devices_per_worker):
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide evenly over "
-                             f"nnodes={nnodes} x devices_per_worker={devices_per_worker}")
-        if nnodes > 1 and not 0 < master_port < 65535:   # the control socket is master_port + 1
-            raise ValueError(f"nnodes > 1 needs an explicit master_port below 65535 (every node must "
-                             f"agree on it; the next port is the control socket), got {master_port}")
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} must divide evenly over "
+                f"nnodes={nnodes} x devices_per_worker={devices_per_worker}"
+            )
+        if nnodes > 1 and not 0 < master_port < 65535:  # the control socket is master_port + 1
+            raise ValueError(
+                f"nnodes > 1 needs an explicit master_port below 65535 (every node must "
+                f"agree on it; the next port is the control socket), got {master_port}"
+            )
     if engine and headless:
-        raise ValueError("headless=True builds no engine: a headless node runs only its workers "
-                         "(jaxkv.executor.multiproc.run_headless, or jaxkv generate --headless)")
+        raise ValueError(
+            "headless=True builds no engine: a headless node runs only its workers "
+            "(jaxkv.executor.multiproc.run_headless, or jaxkv generate --headless)"
+        )
 
 
 def resolve_engine_config(
@@ -301,21 +371,42 @@ def resolve_engine_config(
     already built NNX model (then ``tokenizer`` may be given). Flags (``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``async_scheduling``, ``verbose``) must be real bools.
     """
-    from jaxkv.models.registry import load_model_config  # the engine depends on models, never the reverse
+    from jaxkv.models.registry import (
+        load_model_config,
+    )  # the engine depends on models, never the reverse
 
     _check_argument_types(
-        flags=dict(enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-                   async_scheduling=async_scheduling, verbose=verbose),
-        warmup=warmup, max_logprobs=max_logprobs, seed=seed, dtype=dtype,
-        gpu_memory_utilization=gpu_memory_utilization, num_gpu_blocks_override=num_gpu_blocks_override,
-        kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
-        tokenizer=tokenizer, pipeline_parallel_size=pipeline_parallel_size)
+        flags=dict(
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            async_scheduling=async_scheduling,
+            verbose=verbose,
+        ),
+        warmup=warmup,
+        max_logprobs=max_logprobs,
+        seed=seed,
+        dtype=dtype,
+        gpu_memory_utilization=gpu_memory_utilization,
+        num_gpu_blocks_override=num_gpu_blocks_override,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        attention_backend=attention_backend,
+        tokenizer=tokenizer,
+        pipeline_parallel_size=pipeline_parallel_size,
+    )
     model = _checked_model(model)
-    check_executor_args(distributed_executor_backend, model, nnodes=nnodes, node_rank=node_rank,
-                        master_addr=master_addr, master_port=master_port, headless=headless,
-                        tensor_parallel_size=tensor_parallel_size, devices_per_worker=devices_per_worker)
-    if distributed_executor_backend != "mp":   # "mp": the devices are the worker processes'
-        check_device_count(tensor_parallel_size)   # ValueError saying how to get more devices
+    check_executor_args(
+        distributed_executor_backend,
+        model,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        headless=headless,
+        tensor_parallel_size=tensor_parallel_size,
+        devices_per_worker=devices_per_worker,
+    )
+    if distributed_executor_backend != "mp":  # "mp": the devices are the worker processes'
+        check_device_count(tensor_parallel_size)  # ValueError saying how to get more devices
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     from jaxkv.distributed.kv_transfer.config import KVTransferConfig  # noqa: PLC0415
@@ -331,10 +422,12 @@ def resolve_engine_config(
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     speculative_config = SpeculativeConfig.from_value(speculative_config)
     if speculative_config is not None and async_scheduling:
-        raise ValueError("speculative_config does not work with async_scheduling (the drafts "
-                         "come from the tokens the host has; turn one of them off)")
+        raise ValueError(
+            "speculative_config does not work with async_scheduling (the drafts "
+            "come from the tokens the host has; turn one of them off)"
+        )
 
-    if isinstance(model, str):   # config and tokenizer only: the workers load the weights sharded
+    if isinstance(model, str):  # config and tokenizer only: the workers load the weights sharded
         loaded, (model_config, tok) = None, load_model_config(model, dtype=dtype)
         name = model
     else:
@@ -350,38 +443,69 @@ def resolve_engine_config(
         max_model_len = model_config.max_position_embeddings
     _positive("max_model_len", max_model_len)
     if max_model_len > model_config.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                         f"max_position_embeddings={model_config.max_position_embeddings}")
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's "
+            f"max_position_embeddings={model_config.max_position_embeddings}"
+        )
     if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(2048, max_num_seqs) if enable_chunked_prefill else max(max_model_len, max_num_seqs)
+        max_num_batched_tokens = (
+            max(2048, max_num_seqs) if enable_chunked_prefill else max(max_model_len, max_num_seqs)
+        )
     _positive("max_num_batched_tokens", max_num_batched_tokens)
     if max_num_batched_tokens < max_num_seqs:
-        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= "
-                         f"max_num_seqs={max_num_seqs} (every running request needs a token a step)")
+        raise ValueError(
+            f"max_num_batched_tokens={max_num_batched_tokens} must be >= "
+            f"max_num_seqs={max_num_seqs} (every running request needs a token a step)"
+        )
     cache_dtype = model_config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
 
-    eos_ids = merge_eos_token_ids(getattr(tokenizer, "eos_token_id", None), model_config.eos_token_id)
+    eos_ids = merge_eos_token_ids(
+        getattr(tokenizer, "eos_token_id", None), model_config.eos_token_id
+    )
     eos = eos_ids[0] if eos_ids else None
     sched = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
         enable_chunked_prefill=enable_chunked_prefill,
-        long_prefill_token_threshold=long_prefill_token_threshold, policy=scheduling_policy,
-        eos_token_id=eos, async_scheduling=async_scheduling)
-    config = EngineConfig(model_name=name, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                          cache_dtype=cache_dtype, attention_backend=attention_backend, seed=seed,
-                          warmup=warmup, scheduler_config=sched,
-                          speculative_config=speculative_config,
-                          logprobs_mode=logprobs_mode, tensor_parallel_size=tensor_parallel_size,
-                          pooler_config=pooler_config, runner=runner, max_logprobs=max_logprobs,
-                          eos_token_ids=eos_ids, model=model if isinstance(model, str) else None,
-                          dtype=dtype, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                          gpu_memory_utilization=gpu_memory_utilization,
-                          num_gpu_blocks_override=num_gpu_blocks_override, verbose=verbose,
-                          distributed_executor_backend=distributed_executor_backend, nnodes=nnodes,
-                          node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-                          headless=headless, devices_per_worker=devices_per_worker,
-                          kv_transfer_config=kv_transfer_config,
-                          compile_cache_dir=_compile_cache_dir(compile_cache))
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        policy=scheduling_policy,
+        eos_token_id=eos,
+        async_scheduling=async_scheduling,
+    )
+    config = EngineConfig(
+        model_name=name,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        cache_dtype=cache_dtype,
+        attention_backend=attention_backend,
+        seed=seed,
+        warmup=warmup,
+        scheduler_config=sched,
+        speculative_config=speculative_config,
+        logprobs_mode=logprobs_mode,
+        tensor_parallel_size=tensor_parallel_size,
+        pooler_config=pooler_config,
+        runner=runner,
+        max_logprobs=max_logprobs,
+        eos_token_ids=eos_ids,
+        model=model if isinstance(model, str) else None,
+        dtype=dtype,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        gpu_memory_utilization=gpu_memory_utilization,
+        num_gpu_blocks_override=num_gpu_blocks_override,
+        verbose=verbose,
+        distributed_executor_backend=distributed_executor_backend,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        headless=headless,
+        devices_per_worker=devices_per_worker,
+        kv_transfer_config=kv_transfer_config,
+        compile_cache_dir=_compile_cache_dir(compile_cache),
+    )
     return loaded, model_config, tokenizer, config

@@ -35,8 +35,10 @@ def install_hint() -> str:
     import jaxlib
 
     v = jaxlib.__version__
-    return (f'pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}" "nvidia-cuda-nvcc-cu12>=12.8" '
-            "(and set JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 before jax starts)")
+    return (
+        f'pip install "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}" "nvidia-cuda-nvcc-cu12>=12.8" '
+        "(and set JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 before jax starts)"
+    )
 
 
 def target_config(target: str = "h200") -> str:
@@ -51,8 +53,9 @@ def aot_device(target: str = "h200"):
     from jax.experimental import topologies
 
     try:
-        topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
-                                            topology="1x1x1")
+        topo = topologies.get_topology_desc(
+            platform="cuda", target_config=target_config(target), topology="1x1x1"
+        )
     except (NotImplementedError, RuntimeError, ValueError) as e:
         raise RuntimeError(f"no compile-only CUDA device ({e}); {install_hint()}") from e
     return topo.devices[0]
@@ -87,7 +90,9 @@ def aot_compile(jitted, device, *args, **static_kwargs):
         return jitted.trace(*on_device(args, device), **static_kwargs).lower().compile()
 
 
-def compile_runner_program(runner, device, key, *, num_blocks: int | None = None, report: bool = False):
+def compile_runner_program(
+    runner, device, key, *, num_blocks: int | None = None, report: bool = False
+):
     """The runner's program ``key`` (a ``jaxkv.worker.program_set.ProgramKey``, e.g. the
     forward of a token bucket) compiled for ``device`` with the Pallas kernels lowered for the
     GPU (not interpreted): the same builder the engine's warm-up uses.
@@ -103,7 +108,9 @@ def compile_runner_program(runner, device, key, *, num_blocks: int | None = None
     binding = dataclasses.replace(runner.binding, backend="pallas", interpret=False)
     buffers = runner.buffers
     if num_blocks is not None:
-        buffers = tuple(jax.ShapeDtypeStruct((num_blocks * runner.page_bytes,), np.uint8) for _ in buffers)
+        buffers = tuple(
+            jax.ShapeDtypeStruct((num_blocks * runner.page_bytes,), np.uint8) for _ in buffers
+        )
     program = build_program(runner, key, binding=binding, buffers=buffers)
     jitted = jax.jit(program.fn, donate_argnums=program.donate_argnums)
     if report:
@@ -111,9 +118,17 @@ def compile_runner_program(runner, device, key, *, num_blocks: int | None = None
     return aot_compile(jitted, device, *program.abstract_args())
 
 
-def gpu_step_report(model_config, *, target: str = "h200", kv_cache_memory_bytes: int,
-                    max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                    block_size: int = 16, kv_cache_dtype: str = "auto") -> str:
+def gpu_step_report(
+    model_config,
+    *,
+    target: str = "h200",
+    kv_cache_memory_bytes: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    block_size: int = 16,
+    kv_cache_dtype: str = "auto",
+) -> str:
     """What the forward of a decode step of ``max_num_seqs`` rows and of a full mixed step
     would take on the GPU ``target``: each one's temp memory and KV aliasing, and each Triton
     kernel's grid,
@@ -127,32 +142,50 @@ def gpu_step_report(model_config, *, target: str = "h200", kv_cache_memory_bytes
     from jaxkv.worker.program_set import FORWARD, ProgramKey
 
     cache_dtype = model_config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    plan = build_plan(layer_infos(model_config), block_size=block_size, cache_dtype=cache_dtype,
-                      kv_cache_memory_bytes=kv_cache_memory_bytes, max_model_len=max_model_len,
-                      max_num_batched_tokens=max_num_batched_tokens)
-    model = nnx.eval_shape(lambda: build_model(model_config, seed=0))
-    engine = LLMEngine.from_config(   # a tiny real cache: the compile uses the plan's size
-        model, attention_backend="pallas", warmup=False, block_size=block_size,
-        kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+    plan = build_plan(
+        layer_infos(model_config),
+        block_size=block_size,
+        cache_dtype=cache_dtype,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
-        num_gpu_blocks_override=-(-max_model_len // block_size) * 2 + 2)
+    )
+    model = nnx.eval_shape(lambda: build_model(model_config, seed=0))
+    engine = LLMEngine.from_config(  # a tiny real cache: the compile uses the plan's size
+        model,
+        attention_backend="pallas",
+        warmup=False,
+        block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_gpu_blocks_override=-(-max_model_len // block_size) * 2 + 2,
+    )
     runner, dev = engine.runner, aot_device(target)
     limit = shared_memory_limit(target)
-    lines = [f"{target.upper()} (deviceless compile, no autotuning): {model_config.num_hidden_layers} "
-             f"layers, hidden {model_config.hidden_size}, {plan.num_blocks} KV blocks of {block_size} "
-             f"tokens ({kv_cache_memory_bytes / 2**30:.2f} GiB, {cache_dtype})"]
+    lines = [
+        f"{target.upper()} (deviceless compile, no autotuning): {model_config.num_hidden_layers} "
+        f"layers, hidden {model_config.hidden_size}, {plan.num_blocks} KV blocks of {block_size} "
+        f"tokens ({kv_cache_memory_bytes / 2**30:.2f} GiB, {cache_dtype})"
+    ]
     S = runner.buckets.seqs[-1]
     for label, T in (("decode", S), ("mixed", runner.buckets.tokens[-1])):
-        compiled, kernels = compile_runner_program(runner, dev, ProgramKey(FORWARD, T),
-                                                   num_blocks=plan.num_blocks, report=True)
+        compiled, kernels = compile_runner_program(
+            runner, dev, ProgramKey(FORWARD, T), num_blocks=plan.num_blocks, report=True
+        )
         ma = compiled.memory_analysis()
-        lines.append(f"  {label} step (T={T}, S={S}): temp {ma.temp_size_in_bytes / 2**20:.1f} MiB, "
-                     f"arguments {ma.argument_size_in_bytes / 2**30:.2f} GiB, aliased "
-                     f"{ma.alias_size_in_bytes / 2**30:.2f} GiB")
+        lines.append(
+            f"  {label} step (T={T}, S={S}): temp {ma.temp_size_in_bytes / 2**20:.1f} MiB, "
+            f"arguments {ma.argument_size_in_bytes / 2**30:.2f} GiB, aliased "
+            f"{ma.alias_size_in_bytes / 2**30:.2f} GiB"
+        )
         for k in kernels:
-            lines.append(f"    {k.name}: grid {list(k.grid)}, {k.threads[0]} threads, shared "
-                         f"{k.shared_mem_bytes} B (limit {limit}), {k.registers} registers, "
-                         f"spills {k.spill_bytes} B")
+            lines.append(
+                f"    {k.name}: grid {list(k.grid)}, {k.threads[0]} threads, shared "
+                f"{k.shared_mem_bytes} B (limit {limit}), {k.registers} registers, "
+                f"spills {k.spill_bytes} B"
+            )
     return "\n".join(lines)
 
 
@@ -164,7 +197,7 @@ class TritonKernel:
     grid: tuple[int, int, int]
     num_warps: int
     num_stages: int | None
-    shared_mem_bytes: int | None   # None: not in the backend config of this jax version
+    shared_mem_bytes: int | None  # None: not in the backend config of this jax version
 
 
 def triton_kernels(compiled) -> list[TritonKernel]:
@@ -179,12 +212,21 @@ def triton_kernels(compiled) -> list[TritonKernel]:
         conf = {}
         for key, value in re.findall(r'"?(\w+)"?\s*[:=]\s*"?([\w.\-]+)"?', cfg.group(1)):
             conf.setdefault(key, value)
-        out.append(TritonKernel(
-            name=str(conf.get("name", "?")),
-            grid=(int(conf.get("grid_x", 1)), int(conf.get("grid_y", 1)), int(conf.get("grid_z", 1))),
-            num_warps=int(conf.get("num_warps", 0)),
-            num_stages=int(conf["num_stages"]) if "num_stages" in conf else None,
-            shared_mem_bytes=int(conf["shared_mem_bytes"]) if "shared_mem_bytes" in conf else None))
+        out.append(
+            TritonKernel(
+                name=str(conf.get("name", "?")),
+                grid=(
+                    int(conf.get("grid_x", 1)),
+                    int(conf.get("grid_y", 1)),
+                    int(conf.get("grid_z", 1)),
+                ),
+                num_warps=int(conf.get("num_warps", 0)),
+                num_stages=int(conf["num_stages"]) if "num_stages" in conf else None,
+                shared_mem_bytes=int(conf["shared_mem_bytes"])
+                if "shared_mem_bytes" in conf
+                else None,
+            )
+        )
     return out
 
 
@@ -198,7 +240,7 @@ class KernelLaunch:
     threads: tuple[int, ...]
     shared_mem_bytes: int
     registers: int | None = None
-    spill_bytes: int | None = None   # spill stores + loads; 0: no spill
+    spill_bytes: int | None = None  # spill stores + loads; 0: no spill
 
 
 def ptxas_path() -> str | None:
@@ -230,32 +272,51 @@ def compile_with_report(jitted, device, *args, **static_kwargs):
     with tempfile.TemporaryDirectory(prefix="jaxkv-aot-") as dump:
         with jax.default_device(device):
             lowered = jitted.trace(*on_device(args, device), **static_kwargs).lower()
-            compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_emitter_re": "ptx"})
+            compiled = lowered.compile(
+                compiler_options={"xla_dump_to": dump, "xla_dump_emitter_re": "ptx"}
+            )
         names = {k.name for k in triton_kernels(compiled)}
         dump_dir = pathlib.Path(dump)
         launches: dict[str, KernelLaunch] = {}
-        line_re = re.compile(r"\] (\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+shared_memory: (\d+) bytes")
+        line_re = re.compile(
+            r"\] (\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+shared_memory: (\d+) bytes"
+        )
         for f in dump_dir.glob("*thunk_sequence*.txt"):
             for m in line_re.finditer(f.read_text()):
                 if m.group(1) in names and m.group(1) not in launches:
                     launches[m.group(1)] = KernelLaunch(
-                        m.group(1), tuple(int(x) for x in m.group(2).split(",")),
-                        tuple(int(x) for x in m.group(3).split(",")), int(m.group(4)))
+                        m.group(1),
+                        tuple(int(x) for x in m.group(2).split(",")),
+                        tuple(int(x) for x in m.group(3).split(",")),
+                        int(m.group(4)),
+                    )
         ptxas = ptxas_path()
         for ptx in dump_dir.glob("*.ptx") if ptxas else ():
             text = ptx.read_text()
             found = [n for n in launches if f".entry {n}(" in text]
             if not found:
                 continue
-            res = subprocess.run([ptxas, "-arch=sm_90a", "-v", "--warn-on-spills", str(ptx),
-                                  "-o", os.devnull], capture_output=True, text=True, check=False)
+            res = subprocess.run(
+                [ptxas, "-arch=sm_90a", "-v", "--warn-on-spills", str(ptx), "-o", os.devnull],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             info = res.stderr + res.stdout
             for name in found:
-                regs = re.search(rf"Function properties for {re.escape(name)}\n.*?Used (\d+) registers",
-                                 info, re.S)
-                spills = re.search(rf"Function properties for {re.escape(name)}\n\s*\d+ bytes stack frame, "
-                                   r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+                regs = re.search(
+                    rf"Function properties for {re.escape(name)}\n.*?Used (\d+) registers",
+                    info,
+                    re.S,
+                )
+                spills = re.search(
+                    rf"Function properties for {re.escape(name)}\n\s*\d+ bytes stack frame, "
+                    r"(\d+) bytes spill stores, (\d+) bytes spill loads",
+                    info,
+                )
                 launches[name] = dataclasses.replace(
-                    launches[name], registers=int(regs.group(1)) if regs else None,
-                    spill_bytes=int(spills.group(1)) + int(spills.group(2)) if spills else None)
+                    launches[name],
+                    registers=int(regs.group(1)) if regs else None,
+                    spill_bytes=int(spills.group(1)) + int(spills.group(2)) if spills else None,
+                )
     return compiled, sorted(launches.values(), key=lambda k: k.name)

@@ -23,19 +23,20 @@ from jaxkv.sampling_params import RequestOutputKind, SamplingParams, resolve_log
 
 #: What a pooling request's core ``Request`` carries: one greedy step's worth (the worker
 #: returns its hidden states and never a token), output only when it finishes.
-POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                  output_kind=RequestOutputKind.FINAL_ONLY)
+POOLING_SAMPLING = SamplingParams(
+    max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+)
 
 
 @dataclasses.dataclass
 class ProcessedRequest:
     """A validated request as the front end registers it and the core queues it."""
 
-    prompt: str | None               # the text, when the prompt was one
-    prompt_token_ids: list[int]      # after truncation
-    params: SamplingParams           # resolved (pooling requests: POOLING_SAMPLING)
-    core_requests: list[Request]     # one per completion (n > 1: ids "i_<request_id>")
-    pooling_params: PoolingParams | None = None   # resolved; None for generation
+    prompt: str | None  # the text, when the prompt was one
+    prompt_token_ids: list[int]  # after truncation
+    params: SamplingParams  # resolved (pooling requests: POOLING_SAMPLING)
+    core_requests: list[Request]  # one per completion (n > 1: ids "i_<request_id>")
+    pooling_params: PoolingParams | None = None  # resolved; None for generation
 
 
 class InputProcessor:
@@ -68,30 +69,41 @@ class InputProcessor:
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+                raise ValueError(
+                    f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
+                )
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
-                    f"model {self.config.model_name!r} has no tokenizer: pass token-id lists, not strings")
+                    f"model {self.config.model_name!r} has no tokenizer: pass token-id lists, not strings"
+                )
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
             ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
             if bad:
                 raise TypeError(f"prompt token ids must be ints, got {bad[:3]!r}")
-            return None, [int(t) for t in ids]   # numpy integers too
-        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+            return None, [int(t) for t in ids]  # numpy integers too
+        raise TypeError(
+            f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
 
-    def check_args(self, request_id, params, priority, cache_salt) -> SamplingParams | PoolingParams:
+    def check_args(
+        self, request_id, params, priority, cache_salt
+    ) -> SamplingParams | PoolingParams:
         """The request's arguments' types (and the engine's ``runner``); ``params`` (None:
         ``SamplingParams()``)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, (SamplingParams, PoolingParams)):
-            raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
+            raise TypeError(
+                f"params must be SamplingParams or PoolingParams, got {type(params).__name__}"
+            )
         refused = {"pooling": SamplingParams, "generate": PoolingParams}.get(self.config.runner)
         if refused is not None and isinstance(params, refused):
-            raise ValueError(f"this engine was built with runner={self.config.runner!r}: it takes no "
-                             f"{refused.__name__} requests (runner='auto' takes both)")
+            raise ValueError(
+                f"this engine was built with runner={self.config.runner!r}: it takes no "
+                f"{refused.__name__} requests (runner='auto' takes both)"
+            )
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {request_id!r}")
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -100,8 +112,15 @@ class InputProcessor:
             raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
         return params
 
-    def process(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None, *,
-                priority: int = 0, cache_salt: str | None = None) -> ProcessedRequest:
+    def process(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams | PoolingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> ProcessedRequest:
         """Tokenises and validates one request and builds its core requests (``n > 1``: one
         per completion, ids ``f"{i}_{request_id}"`` and seeds ``seed + i``, as vLLM fans them
         out). ValueError / TypeError naming the field otherwise; nothing is registered."""
@@ -109,27 +128,45 @@ class InputProcessor:
         text, ids = self.tokenize(prompt)
         if isinstance(params, PoolingParams):
             ids, pp = self.process_pooling(request_id, ids, params)
-            core = Request(request_id, ids, POOLING_SAMPLING, priority=priority, cache_salt=cache_salt,
-                           pooling_params=pp)
+            core = Request(
+                request_id,
+                ids,
+                POOLING_SAMPLING,
+                priority=priority,
+                cache_salt=cache_salt,
+                pooling_params=pp,
+            )
             return ProcessedRequest(text, ids, POOLING_SAMPLING, [core], pp)
         ids, params = self.process_generation(request_id, ids, params)
         n = params.n
         requests = []
         for i in range(n):
             child_params = params
-            if n > 1:   # seed + i taken mod 2**64 (the sampler's key is), so it stays in range
+            if n > 1:  # seed + i taken mod 2**64 (the sampler's key is), so it stays in range
                 child_params = dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else (params.seed + i) % (1 << 64))
-            requests.append(Request(request_id if n == 1 else f"{i}_{request_id}", ids, child_params,
-                                    eos_token_id=self.eos_token_id, priority=priority, cache_salt=cache_salt))
+                    params, n=1, seed=None if params.seed is None else (params.seed + i) % (1 << 64)
+                )
+            requests.append(
+                Request(
+                    request_id if n == 1 else f"{i}_{request_id}",
+                    ids,
+                    child_params,
+                    eos_token_id=self.eos_token_id,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+            )
         return ProcessedRequest(text, ids, params, requests)
 
-    def process_generation(self, request_id: str, ids: list[int], params: SamplingParams
-                           ) -> tuple[list[int], SamplingParams]:
+    def process_generation(
+        self, request_id: str, ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], SamplingParams]:
         """The prompt (truncated, checked) and the parameters as the core takes them (logprob
         counts resolved, bad words encoded, extra EOS ids as stop ids: a copy); ValueError
         naming the field otherwise."""
-        ids = self.checked_prompt(request_id, ids, params.truncate_prompt_tokens, self.config.max_model_len)
+        ids = self.checked_prompt(
+            request_id, ids, params.truncate_prompt_tokens, self.config.max_model_len
+        )
         # Everything the step would only fail on is refused here (SamplingParams has already
         # bounded each id and top_k by int32, so no numpy conversion can overflow later).
         self.check_vocab(request_id, "logit_bias", params.logit_bias or ())
@@ -137,38 +174,49 @@ class InputProcessor:
         self.check_vocab(request_id, "stop_token_ids", params.stop_token_ids)
         vocab = self.model_config.vocab_size
         if params.top_k > vocab:
-            raise ValueError(f"request {request_id!r}: top_k={params.top_k} is larger than the "
-                             f"vocabulary size {vocab}")
-        try:   # logprobs=-1 -> vocab_size, then vLLM's max_logprobs cap
-            params = resolve_logprobs(params, vocab_size=vocab, max_logprobs=self.config.max_logprobs)
+            raise ValueError(
+                f"request {request_id!r}: top_k={params.top_k} is larger than the "
+                f"vocabulary size {vocab}"
+            )
+        try:  # logprobs=-1 -> vocab_size, then vLLM's max_logprobs cap
+            params = resolve_logprobs(
+                params, vocab_size=vocab, max_logprobs=self.config.max_logprobs
+            )
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
         if params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings {params.stop} need a tokenizer")
         params = self.with_bad_words_ids(request_id, params)
-        params = with_eos_stop_ids(params, self.config.eos_token_ids[1:])   # every EOS id stops
+        params = with_eos_stop_ids(params, self.config.eos_token_ids[1:])  # every EOS id stops
         return ids, params
 
-    def process_pooling(self, request_id: str, ids: list[int], params: PoolingParams
-                        ) -> tuple[list[int], PoolingParams]:
+    def process_pooling(
+        self, request_id: str, ids: list[int], params: PoolingParams
+    ) -> tuple[list[int], PoolingParams]:
         """The prompt and the pooling parameters resolved with the engine's defaults."""
         pp = params.resolved(self.config.pooler_config, self.model_config.hidden_size)
         # The scheduler runs at most max_model_len - 1 positions, so a pooling prompt (whose
         # positions must all run) has one token less room than a generation prompt.
-        return self.checked_prompt(request_id, ids, pp.truncate_prompt_tokens, self.config.max_model_len - 1), pp
+        return self.checked_prompt(
+            request_id, ids, pp.truncate_prompt_tokens, self.config.max_model_len - 1
+        ), pp
 
-    def checked_prompt(self, request_id: str, ids: list[int], truncate: int | None, longest: int) -> list[int]:
+    def checked_prompt(
+        self, request_id: str, ids: list[int], truncate: int | None, longest: int
+    ) -> list[int]:
         """The prompt after ``truncate_prompt_tokens`` (vLLM's left truncation: the last k
         tokens, -1: ``max_model_len - 1``); ValueError when it is empty, has ids outside the
         vocabulary or is longer than ``longest``."""
         if truncate is not None:
-            ids = ids[-(self.config.max_model_len - 1 if truncate == -1 else truncate):]
+            ids = ids[-(self.config.max_model_len - 1 if truncate == -1 else truncate) :]
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         self.check_vocab(request_id, "the prompt", ids)
         if len(ids) > longest:
-            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens is longer than {longest} "
-                             f"(max_model_len={self.config.max_model_len})")
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens is longer than {longest} "
+                f"(max_model_len={self.config.max_model_len})"
+            )
         return ids
 
     def check_vocab(self, request_id: str, what: str, token_ids) -> None:
@@ -176,8 +224,10 @@ class InputProcessor:
         vocab = self.model_config.vocab_size
         outside = sorted({t for t in token_ids if not 0 <= t < vocab})
         if outside:
-            raise ValueError(f"request {request_id!r}: {what} has token ids {outside[:5]} outside "
-                             f"the vocabulary [0, {vocab})")
+            raise ValueError(
+                f"request {request_id!r}: {what} has token ids {outside[:5]} outside "
+                f"the vocabulary [0, {vocab})"
+            )
 
     def with_bad_words_ids(self, request_id: str, params: SamplingParams) -> SamplingParams:
         """``params`` with ``bad_words`` encoded and appended to ``bad_words_token_ids`` (a copy:
@@ -190,12 +240,16 @@ class InputProcessor:
         words = list(params.bad_words_token_ids or [])
         if params.bad_words:
             if self.tokenizer is None:
-                raise ValueError(f"request {request_id!r}: bad_words {params.bad_words} need a tokenizer")
+                raise ValueError(
+                    f"request {request_id!r}: bad_words {params.bad_words} need a tokenizer"
+                )
             for word in params.bad_words:
                 plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
                 spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
                 if not plain:
-                    raise ValueError(f"request {request_id!r}: bad word {word!r} encodes to no tokens")
+                    raise ValueError(
+                        f"request {request_id!r}: bad word {word!r} encodes to no tokens"
+                    )
                 words.append(list(plain))
                 if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                     words.append(list(spaced))

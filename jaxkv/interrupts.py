@@ -32,12 +32,14 @@ class DeferredInterrupt:
 
     def __enter__(self) -> "DeferredInterrupt":
         self.pending = False
-        self._installed = (threading.current_thread() is threading.main_thread()
-                           and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        self._installed = (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
         if self._installed:
             try:
                 signal.signal(signal.SIGINT, self._handler)
-            except BaseException:   # an interrupt landing here: no __exit__ would undo it
+            except BaseException:  # an interrupt landing here: no __exit__ would undo it
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 raise
         return self

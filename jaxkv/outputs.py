@@ -114,8 +114,12 @@ class EmbeddingRequestOutput:
         data = out.outputs.data
         if getattr(data, "ndim", 1) != 1:
             raise ValueError(f"an embedding is one vector, got data of shape {data.shape}")
-        return cls(out.request_id, EmbeddingOutput([float(v) for v in data]),
-                   out.prompt_token_ids, out.finished)
+        return cls(
+            out.request_id,
+            EmbeddingOutput([float(v) for v in data]),
+            out.prompt_token_ids,
+            out.finished,
+        )
 
 
 @dataclasses.dataclass

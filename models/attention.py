@@ -21,14 +21,18 @@ from jaxkv.models.sharding import TP_AXIS
 from jaxkv.pallas_kernels import AttentionMetadata, kv_cache_byte_view, paged_attention, write_kv
 
 
-def attend_paged(q: jax.Array,             # [T, Hq, D]
-                 k: jax.Array,             # [T, Hkv, D]
-                 v: jax.Array,             # [T, Hkv, D]
-                 buffer: jax.Array,        # [N * page_bytes] uint8: the layer's KV tensor
-                 md: AttentionMetadata,    # the layer's KV-cache group
-                 binding: KVCacheBinding,
-                 *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                 ) -> tuple[jax.Array, jax.Array]:  # o [T, Hq, D], the new buffer
+def attend_paged(
+    q: jax.Array,  # [T, Hq, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    buffer: jax.Array,  # [N * page_bytes] uint8: the layer's KV tensor
+    md: AttentionMetadata,  # the layer's KV-cache group
+    binding: KVCacheBinding,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> tuple[jax.Array, jax.Array]:  # o [T, Hq, D], the new buffer
     """One attention layer's paged step: write this step's K/V at ``md.slot_mapping``, then
     attend over the cache (causal within the step, plus ``sliding_window`` / ``soft_cap``).
 
@@ -41,32 +45,65 @@ def attend_paged(q: jax.Array,             # [T, Hq, D]
     by KV heads over the mesh's ``"tp"`` axis, and each device attends with its own heads
     over its own shard (``shard_map``; no communication: GQA groups never cross devices).
     """
-    attend = functools.partial(_attend_local, binding=binding, sm_scale=sm_scale,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+    attend = functools.partial(
+        _attend_local,
+        binding=binding,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     if binding.mesh is None:
         return attend(q, k, v, buffer, md)
     heads = PartitionSpec(None, TP_AXIS, None)
-    return jax.shard_map(attend, mesh=binding.mesh,
-                         in_specs=(heads, heads, heads, PartitionSpec(TP_AXIS), PartitionSpec()),
-                         out_specs=(heads, PartitionSpec(TP_AXIS)), check_vma=False,
-                         )(q, k, v, buffer, md)
+    return jax.shard_map(
+        attend,
+        mesh=binding.mesh,
+        in_specs=(heads, heads, heads, PartitionSpec(TP_AXIS), PartitionSpec()),
+        out_specs=(heads, PartitionSpec(TP_AXIS)),
+        check_vma=False,
+    )(q, k, v, buffer, md)
 
 
 def _attend_local(q, k, v, buffer, md, *, binding, sm_scale, sliding_window, soft_cap):
     """``attend_paged`` on one device: q [T, Hq, D], k / v [T, Hkv, D], buffer its own pages."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    buffer = write_kv(buffer, k, v, md.slot_mapping, block_size=binding.block_size,
-                      dtype=binding.cache_dtype, k_scale=binding.k_scale, v_scale=binding.v_scale,
-                      backend="cpu" if binding.cpu_kernels else "xla")
+    buffer = write_kv(
+        buffer,
+        k,
+        v,
+        md.slot_mapping,
+        block_size=binding.block_size,
+        dtype=binding.cache_dtype,
+        k_scale=binding.k_scale,
+        v_scale=binding.v_scale,
+        backend="cpu" if binding.cpu_kernels else "xla",
+    )
     # The byte view (a reshape): backends bitcast only what they read, so no whole-cache
     # conversion (a full copy on XLA:CPU) ever happens.
-    pages = kv_cache_byte_view(buffer, block_size=binding.block_size, num_kv_heads=num_kv_heads,
-                               head_size=head_dim, dtype=binding.cache_dtype)
-    o = paged_attention(q, pages, md.seq_lens, md.query_start_loc, md.block_tables, md.num_seqs,
-                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                        k_scale=binding.k_scale, v_scale=binding.v_scale,
-                        max_q_len=md.max_q_len or None, backend=binding.backend,
-                        interpret=binding.interpret, kv_dtype=binding.cache_dtype)
+    pages = kv_cache_byte_view(
+        buffer,
+        block_size=binding.block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_dim,
+        dtype=binding.cache_dtype,
+    )
+    o = paged_attention(
+        q,
+        pages,
+        md.seq_lens,
+        md.query_start_loc,
+        md.block_tables,
+        md.num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=binding.k_scale,
+        v_scale=binding.v_scale,
+        max_q_len=md.max_q_len or None,
+        backend=binding.backend,
+        interpret=binding.interpret,
+        kv_dtype=binding.cache_dtype,
+    )
     return o, buffer
 
 
@@ -81,24 +118,35 @@ class Attention(nnx.Module):
         self.sliding_window = c.layer_window(layer_idx)
         self.soft_cap = c.attn_logit_softcapping
         self.sm_scale = c.sm_scale
-        self.inv_freq = tuple(float(f) for f in rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+        self.inv_freq = tuple(
+            float(f) for f in rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        )
         self.max_positions = c.max_position_embeddings  # RoPE tables cover [0, max_positions)
         dt = c.dtype
         h, d = c.hidden_size, c.head_dim
-        self.q_proj = linear(h, self.num_heads * d, use_bias=c.attention_bias, param_dtype=dt, rngs=rngs)
-        self.k_proj = linear(h, self.num_kv_heads * d, use_bias=c.attention_bias, param_dtype=dt, rngs=rngs)
-        self.v_proj = linear(h, self.num_kv_heads * d, use_bias=c.attention_bias, param_dtype=dt, rngs=rngs)
-        self.o_proj = linear(self.num_heads * d, h, use_bias=c.attention_out_bias, param_dtype=dt,
-                             rngs=rngs)
+        self.q_proj = linear(
+            h, self.num_heads * d, use_bias=c.attention_bias, param_dtype=dt, rngs=rngs
+        )
+        self.k_proj = linear(
+            h, self.num_kv_heads * d, use_bias=c.attention_bias, param_dtype=dt, rngs=rngs
+        )
+        self.v_proj = linear(
+            h, self.num_kv_heads * d, use_bias=c.attention_bias, param_dtype=dt, rngs=rngs
+        )
+        self.o_proj = linear(
+            self.num_heads * d, h, use_bias=c.attention_out_bias, param_dtype=dt, rngs=rngs
+        )
         if c.qk_norm:
             self.q_norm = RMSNorm(d, eps=c.rms_norm_eps, param_dtype=dt)
             self.k_norm = RMSNorm(d, eps=c.rms_norm_eps, param_dtype=dt)
         else:
             self.q_norm = self.k_norm = None
 
-    def project(self, x: jax.Array,          # [..., T, hidden]
-                positions: jax.Array,        # [..., T] int32
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:  # q [..., T, Hq, D], k/v [..., T, Hkv, D]
+    def project(
+        self,
+        x: jax.Array,  # [..., T, hidden]
+        positions: jax.Array,  # [..., T] int32
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # q [..., T, Hq, D], k/v [..., T, Hkv, D]
         """q, k, v for tokens at ``positions``: projections, q/k norm (Qwen3), then RoPE."""
         lead = x.shape[:-1]
         q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
@@ -108,20 +156,33 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = np.asarray(self.inv_freq, np.float32)  # static tuple keeps the module hashable
         cos_sin = rope_cos_sin(positions, inv_freq, self.max_positions, q.dtype)  # once for q and k
-        return (apply_rope(q, positions, inv_freq, cos_sin=cos_sin),
-                apply_rope(k, positions, inv_freq, cos_sin=cos_sin), v)
+        return (
+            apply_rope(q, positions, inv_freq, cos_sin=cos_sin),
+            apply_rope(k, positions, inv_freq, cos_sin=cos_sin),
+            v,
+        )
 
     def output(self, o: jax.Array) -> jax.Array:  # [..., T, Hq, D] -> [..., T, hidden]
         return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.head_dim))
 
-    def paged_attend(self, q: jax.Array,       # [T, Hq, D]
-                     k: jax.Array,             # [T, Hkv, D]
-                     v: jax.Array,             # [T, Hkv, D]
-                     buffer: jax.Array,        # [N * page_bytes] uint8, this layer's KV tensor
-                     md: AttentionMetadata,    # this layer's KV-cache group
-                     binding: KVCacheBinding,
-                     ) -> tuple[jax.Array, jax.Array]:  # o [T, Hq, D], new buffer
+    def paged_attend(
+        self,
+        q: jax.Array,  # [T, Hq, D]
+        k: jax.Array,  # [T, Hkv, D]
+        v: jax.Array,  # [T, Hkv, D]
+        buffer: jax.Array,  # [N * page_bytes] uint8, this layer's KV tensor
+        md: AttentionMetadata,  # this layer's KV-cache group
+        binding: KVCacheBinding,
+    ) -> tuple[jax.Array, jax.Array]:  # o [T, Hq, D], new buffer
         """Writes this step's K/V at ``md.slot_mapping``, then attends over the paged cache."""
-        return attend_paged(q, k, v, buffer, md, binding, sm_scale=self.sm_scale,
-                            sliding_window=self.sliding_window, soft_cap=self.soft_cap)
-
+        return attend_paged(
+            q,
+            k,
+            v,
+            buffer,
+            md,
+            binding,
+            sm_scale=self.sm_scale,
+            sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
+        )

@@ -14,8 +14,15 @@ from jaxkv.models.transformer import CausalLM
 MODEL_CLASSES: dict[str, type[CausalLM]] = {"llama": LlamaForCausalLM, "gemma2": Gemma2ForCausalLM}
 
 
-def build_model(config: ModelConfig, *, rngs: nnx.Rngs | None = None, seed: int = 0,
-                abstract: bool = False, mesh=None, rules=None) -> CausalLM:
+def build_model(
+    config: ModelConfig,
+    *,
+    rngs: nnx.Rngs | None = None,
+    seed: int = 0,
+    abstract: bool = False,
+    mesh=None,
+    rules=None,
+) -> CausalLM:
     """Random init (normal, std 1/sqrt(fan_in); norms at identity) from ``rngs`` or ``seed``.
 
     Same config and seed -> bit-identical weights. ``abstract=True`` allocates nothing
@@ -45,6 +52,8 @@ def _build_sharded(cls, config: ModelConfig, seed: int, mesh, rules) -> CausalLM
     def init():
         return nnx.split(cls(config, rngs=nnx.Rngs(params=seed)))[1]
 
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(params=seed))))
+    graphdef, abstract_state = nnx.split(
+        nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(params=seed)))
+    )
     state = jax.jit(init, out_shardings=state_shardings(abstract_state, mesh, rules))()
     return nnx.merge(graphdef, state)

@@ -40,21 +40,25 @@ class RopeScaling:
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"unsupported rope_scaling type {self.rope_type!r}; "
-                             f"supported: {ROPE_TYPES}")
+            raise ValueError(
+                f"unsupported rope_scaling type {self.rope_type!r}; supported: {ROPE_TYPES}"
+            )
         if self.factor <= 0:
             raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError(f"llama3 rope_scaling needs high_freq_factor > low_freq_factor, got "
-                             f"{self.high_freq_factor} <= {self.low_freq_factor}")
+            raise ValueError(
+                f"llama3 rope_scaling needs high_freq_factor > low_freq_factor, got "
+                f"{self.high_freq_factor} <= {self.low_freq_factor}"
+            )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RopeScaling:
         """From an HF ``rope_scaling`` / ``rope_parameters`` dict ("type" is the old key name)."""
         rope_type = d.get("rope_type", d.get("type", "default"))
         if rope_type not in ROPE_TYPES:
-            raise ValueError(f"unsupported rope_scaling type {rope_type!r} in {dict(d)}; "
-                             f"supported: {ROPE_TYPES}")
+            raise ValueError(
+                f"unsupported rope_scaling type {rope_type!r} in {dict(d)}; supported: {ROPE_TYPES}"
+            )
         kw: dict[str, Any] = {"rope_type": rope_type}
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             if d.get(name) is not None:
@@ -62,8 +66,16 @@ class RopeScaling:
         if d.get("original_max_position_embeddings") is not None:
             kw["original_max_position_embeddings"] = int(d["original_max_position_embeddings"])
         if rope_type == "llama3":
-            missing = [n for n in ("factor", "low_freq_factor", "high_freq_factor",
-                                   "original_max_position_embeddings") if d.get(n) is None]
+            missing = [
+                n
+                for n in (
+                    "factor",
+                    "low_freq_factor",
+                    "high_freq_factor",
+                    "original_max_position_embeddings",
+                )
+                if d.get(n) is None
+            ]
             if missing:
                 raise ValueError(f"llama3 rope_scaling is missing {missing}: {dict(d)}")
         return cls(**kw)
@@ -109,32 +121,50 @@ class ModelConfig:
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings"):
+            raise ValueError(
+                f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError(f"rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps}, "
-                             f"{self.rope_theta}")
+            raise ValueError(
+                f"rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps}, "
+                f"{self.rope_theta}"
+            )
         if isinstance(self.rope_scaling, Mapping):
             set_("rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise ValueError(f"rope_scaling must be a RopeScaling, a dict or None, got {self.rope_scaling!r}")
+            raise ValueError(
+                f"rope_scaling must be a RopeScaling, a dict or None, got {self.rope_scaling!r}"
+            )
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
-                                                or self.sliding_window <= 0):
-            raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window <= 0
+        ):
+            raise ValueError(
+                f"sliding_window must be a positive int or None, got {self.sliding_window!r}"
+            )
         if isinstance(self.eos_token_id, list):
             set_("eos_token_id", tuple(self.eos_token_id))
         self._init_layer_types()
@@ -167,8 +197,10 @@ class ModelConfig:
             if self.qk_norm:
                 raise ValueError("gemma2 has no q/k norm (qk_norm=True is a Gemma 3 feature)")
         elif self.attn_logit_softcapping is not None or self.final_logit_softcapping is not None:
-            raise ValueError(f"soft-capping is a gemma2 feature; architecture={self.architecture!r} got "
-                             f"attn={self.attn_logit_softcapping}, final={self.final_logit_softcapping}")
+            raise ValueError(
+                f"soft-capping is a gemma2 feature; architecture={self.architecture!r} got "
+                f"attn={self.attn_logit_softcapping}, final={self.final_logit_softcapping}"
+            )
 
     # ---- derived per-layer facts -------------------------------------------------------------
     def layer_window(self, i: int) -> int | None:
@@ -178,7 +210,9 @@ class ModelConfig:
     @property
     def sm_scale(self) -> float:
         """Softmax scale: query_pre_attn_scalar ** -0.5 when set (Gemma 2), else head_dim ** -0.5."""
-        base = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+        base = (
+            self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+        )
         return float(base) ** -0.5
 
     @classmethod
@@ -187,7 +221,9 @@ class ModelConfig:
 
         Raises ValueError naming any model_type or field value this package does not support.
         """
-        from jaxkv.models.hf_config import config_from_hf  # local: keeps the mapping in its own file
+        from jaxkv.models.hf_config import (
+            config_from_hf,
+        )  # local: keeps the mapping in its own file
 
         return config_from_hf(d, dtype=dtype)
 
@@ -254,8 +290,10 @@ class KVCacheBinding:
         for name, group, tensor in self.layers:
             if name == layer_name:
                 return group, tensor
-        raise KeyError(f"layer {layer_name!r} is not in the KV-cache binding "
-                       f"(bound: {[n for n, _, _ in self.layers]})")
+        raise KeyError(
+            f"layer {layer_name!r} is not in the KV-cache binding "
+            f"(bound: {[n for n, _, _ in self.layers]})"
+        )
 
 
 def layer_name(i: int) -> str:
@@ -265,17 +303,42 @@ def layer_name(i: int) -> str:
 
 _TINY = {
     "tiny-llama": dict(
-        architecture="llama", vocab_size=32000, hidden_size=512, intermediate_size=1408,
-        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+        architecture="llama",
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "tiny-hybrid": dict(
-        architecture="gemma2", vocab_size=32000, hidden_size=512, intermediate_size=1408,
-        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
-        tie_word_embeddings=True, sliding_window=128, attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0, query_pre_attn_scalar=64.0, hidden_act="gelu_pytorch_tanh",
-        bos_token_id=2, eos_token_id=1),
+        architecture="gemma2",
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        sliding_window=128,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=64.0,
+        hidden_act="gelu_pytorch_tanh",
+        bos_token_id=2,
+        eos_token_id=1,
+    ),
 }
 
 

@@ -16,17 +16,41 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2")
 
 # HF defaults that differ by model_type (PretrainedConfig subclasses' __init__ defaults).
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(hidden_act="silu", tie_word_embeddings=False, rms_norm_eps=1e-6,
-                  max_position_embeddings=2048),
-    "mistral": dict(hidden_act="silu", tie_word_embeddings=False, rms_norm_eps=1e-6,
-                    max_position_embeddings=4096 * 32, sliding_window=4096),
-    "qwen2": dict(hidden_act="silu", tie_word_embeddings=False, rms_norm_eps=1e-6,
-                  max_position_embeddings=32768),
-    "qwen3": dict(hidden_act="silu", tie_word_embeddings=False, rms_norm_eps=1e-6,
-                  max_position_embeddings=32768),
-    "gemma2": dict(hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True, rms_norm_eps=1e-6,
-                   max_position_embeddings=8192, sliding_window=4096, query_pre_attn_scalar=256,
-                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "llama": dict(
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+    ),
+    "mistral": dict(
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096 * 32,
+        sliding_window=4096,
+    ),
+    "qwen2": dict(
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+    ),
+    "qwen3": dict(
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+    ),
+    "gemma2": dict(
+        hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=8192,
+        sliding_window=4096,
+        query_pre_attn_scalar=256,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    ),
 }
 
 
@@ -45,14 +69,20 @@ def _rope(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         theta = params.get("rope_theta", theta)
         scaling = params
     if d.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"unsupported partial_rotary_factor={d['partial_rotary_factor']} (only 1.0)")
+        raise ValueError(
+            f"unsupported partial_rotary_factor={d['partial_rotary_factor']} (only 1.0)"
+        )
     if scaling is None:
         return float(theta if theta is not None else 10000.0), None
     rs = RopeScaling.from_dict(scaling)  # raises on "yarn", "dynamic", "longrope", ...
-    return float(theta if theta is not None else 10000.0), (None if rs.rope_type == "default" else rs)
+    return float(theta if theta is not None else 10000.0), (
+        None if rs.rope_type == "default" else rs
+    )
 
 
-def _sliding(d: Mapping[str, Any], model_type: str, n: int) -> tuple[int | None, tuple[str, ...] | None]:
+def _sliding(
+    d: Mapping[str, Any], model_type: str, n: int
+) -> tuple[int | None, tuple[str, ...] | None]:
     """(sliding_window, layer_types) following each HF config class's convention."""
     window = d.get("sliding_window", _DEFAULTS[model_type].get("sliding_window"))
     explicit = d.get("layer_types")
@@ -68,7 +98,9 @@ def _sliding(d: Mapping[str, Any], model_type: str, n: int) -> tuple[int | None,
     if explicit is not None:
         explicit = tuple(explicit)
         if window is None:  # HF drops the window when unused; every layer is then full attention
-            explicit = tuple("full_attention" for _ in explicit) if model_type != "gemma2" else explicit
+            explicit = (
+                tuple("full_attention" for _ in explicit) if model_type != "gemma2" else explicit
+            )
     return (int(window) if window is not None else None), explicit
 
 
@@ -76,24 +108,38 @@ def config_from_hf(d: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
     """See ``ModelConfig.from_hf_config``."""
     model_type = d.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
-    _require(d, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-             "num_attention_heads")
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+        )
+    _require(
+        d,
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    )
     defaults = _DEFAULTS[model_type]
     if d.get("quantization_config") is not None:
-        raise ValueError(f"unsupported quantization_config {d['quantization_config']!r} "
-                         "(load an unquantized checkpoint)")
+        raise ValueError(
+            f"unsupported quantization_config {d['quantization_config']!r} "
+            "(load an unquantized checkpoint)"
+        )
     if d.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias=True (gate/up/down projections have no bias)")
     act = d.get("hidden_activation") if model_type == "gemma2" else None
     act = act or d.get("hidden_act") or defaults["hidden_act"]
     if act not in HIDDEN_ACTS:
-        raise ValueError(f"unsupported hidden_act {act!r} for model_type {model_type!r}; "
-                         f"supported: {HIDDEN_ACTS}")
+        raise ValueError(
+            f"unsupported hidden_act {act!r} for model_type {model_type!r}; "
+            f"supported: {HIDDEN_ACTS}"
+        )
     expected_act = defaults["hidden_act"]
     if act != expected_act:
-        raise ValueError(f"unsupported hidden_act {act!r} for model_type {model_type!r} "
-                         f"(its architecture uses {expected_act!r})")
+        raise ValueError(
+            f"unsupported hidden_act {act!r} for model_type {model_type!r} "
+            f"(its architecture uses {expected_act!r})"
+        )
 
     n = int(d["num_hidden_layers"])
     heads = int(d["num_attention_heads"])
@@ -108,17 +154,29 @@ def config_from_hf(d: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
 
     kw: dict[str, Any] = dict(
         architecture="gemma2" if model_type == "gemma2" else "llama",
-        vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]), num_hidden_layers=n,
-        num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim), rms_norm_eps=float(d.get("rms_norm_eps", defaults["rms_norm_eps"])),
-        rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=int(d.get("max_position_embeddings",
-                                          defaults["max_position_embeddings"])),
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(d.get("rms_norm_eps", defaults["rms_norm_eps"])),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(
+            d.get("max_position_embeddings", defaults["max_position_embeddings"])
+        ),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", defaults["tie_word_embeddings"])),
-        attention_bias=bias, attention_out_bias=out_bias, qk_norm=model_type == "qwen3",
-        sliding_window=window, layer_types=layer_types, hidden_act=act, dtype=dtype,
-        bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+        attention_bias=bias,
+        attention_out_bias=out_bias,
+        qk_norm=model_type == "qwen3",
+        sliding_window=window,
+        layer_types=layer_types,
+        hidden_act=act,
+        dtype=dtype,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=d.get("eos_token_id"),
     )
     if model_type == "gemma2":
         for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):

@@ -26,19 +26,26 @@ class Gemma2DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs):
         c = config
         self.self_attn = Attention(c, layer_idx, rngs=rngs)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, act=c.hidden_act,
-                            param_dtype=c.dtype, rngs=rngs)
-        norm = lambda: RMSNorm(c.hidden_size, eps=c.rms_norm_eps, unit_offset=True,  # noqa: E731
-                               param_dtype=c.dtype)
+        self.mlp = GatedMLP(
+            c.hidden_size, c.intermediate_size, act=c.hidden_act, param_dtype=c.dtype, rngs=rngs
+        )
+        norm = lambda: RMSNorm(
+            c.hidden_size,
+            eps=c.rms_norm_eps,
+            unit_offset=True,  # noqa: E731
+            param_dtype=c.dtype,
+        )
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
         self.post_feedforward_layernorm = norm()
 
-    def __call__(self, h: jax.Array,        # [..., T, hidden]
-                 positions: jax.Array,      # [..., T] int32
-                 attend: Callable,          # (q, k, v) -> (o [..., T, Hq, D], aux)
-                 ) -> tuple[jax.Array, object]:  # [..., T, hidden], aux
+    def __call__(
+        self,
+        h: jax.Array,  # [..., T, hidden]
+        positions: jax.Array,  # [..., T] int32
+        attend: Callable,  # (q, k, v) -> (o [..., T, Hq, D], aux)
+    ) -> tuple[jax.Array, object]:  # [..., T, hidden], aux
         q, k, v = self.self_attn.project(self.input_layernorm(h), positions)
         o, aux = attend(q, k, v)
         h = h + self.post_attention_layernorm(self.self_attn.output(o))

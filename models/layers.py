@@ -56,17 +56,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     wavelen = 2 * math.pi / inv
     scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
     smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def rope_cos_sin(positions: jax.Array,  # [..., T] int32, in [0, max_positions)
-                 inv_freq: np.ndarray,  # [D/2] float32
-                 max_positions: int,
-                 dtype,
-                 ) -> tuple[jax.Array, jax.Array]:  # cos, sin [..., T, 1, D] dtype
+def rope_cos_sin(
+    positions: jax.Array,  # [..., T] int32, in [0, max_positions)
+    inv_freq: np.ndarray,  # [D/2] float32
+    max_positions: int,
+    dtype,
+) -> tuple[jax.Array, jax.Array]:  # cos, sin [..., T, 1, D] dtype
     """RoPE's cos and sin by angle addition from two small tables, no transcendental at run time.
 
     Position p = a * B + b (B a power of two near sqrt(max_positions)):
@@ -85,25 +87,32 @@ def rope_cos_sin(positions: jax.Array,  # [..., T] int32, in [0, max_positions)
     rows = -(-max_positions // block)
     f = np.asarray(inv_freq, np.float64)[None, :]
     hi = (np.arange(rows, dtype=np.float64) * block)[:, None] * f  # [rows, D/2]
-    lo = np.arange(block, dtype=np.float64)[:, None] * f             # [block, D/2]
+    lo = np.arange(block, dtype=np.float64)[:, None] * f  # [block, D/2]
     p = jnp.clip(positions.astype(jnp.int32), 0, rows * block - 1)
     a, b = p // block, p % block
 
     def take(table, idx):  # [n, D/2] float64 -> [..., T, D/2] float32
         return jnp.take(jnp.asarray(table.astype(np.float32)), idx, axis=0, mode="clip")
 
-    ca, sa, cb, sb = take(np.cos(hi), a), take(np.sin(hi), a), take(np.cos(lo), b), take(np.sin(lo), b)
-    cos, sin = ca * cb - sa * sb, sa * cb + ca * sb                    # [..., T, D/2] float32
+    ca, sa, cb, sb = (
+        take(np.cos(hi), a),
+        take(np.sin(hi), a),
+        take(np.cos(lo), b),
+        take(np.sin(lo), b),
+    )
+    cos, sin = ca * cb - sa * sb, sa * cb + ca * sb  # [..., T, D/2] float32
     cos = jnp.concatenate([cos, cos], axis=-1)[..., None, :].astype(dtype)  # [..., T, 1, D]
     sin = jnp.concatenate([sin, sin], axis=-1)[..., None, :].astype(dtype)
     return cos, sin
 
 
-def apply_rope(x: jax.Array,          # [..., T, H, D]
-               positions: jax.Array,  # [..., T] int32
-               inv_freq: np.ndarray,  # [D/2] float32
-               *, cos_sin: tuple[jax.Array, jax.Array] | None = None,  # [..., T, 1, D] each
-               ) -> jax.Array:        # [..., T, H, D] x.dtype
+def apply_rope(
+    x: jax.Array,  # [..., T, H, D]
+    positions: jax.Array,  # [..., T] int32
+    inv_freq: np.ndarray,  # [D/2] float32
+    *,
+    cos_sin: tuple[jax.Array, jax.Array] | None = None,  # [..., T, 1, D] each
+) -> jax.Array:  # [..., T, H, D] x.dtype
     """Rotary embedding, HF "rotate_half" layout: pairs are (i, i + D/2), not interleaved.
 
     ``cos_sin`` (from ``rope_cos_sin``) replaces the direct ``jnp.cos`` / ``jnp.sin`` of
@@ -111,7 +120,7 @@ def apply_rope(x: jax.Array,          # [..., T, H, D]
     """
     if cos_sin is None:
         freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, D/2]
-        emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]              # [..., T, 1, D]
+        emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]  # [..., T, 1, D]
         cos_sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
     cos, sin = cos_sin
     half = x.shape[-1] // 2
@@ -129,6 +138,7 @@ def normal_init(std: float):
     values came out one ulp off the eager init (measured, jax 0.10.2 CPU). Eagerly the barrier
     is an identity.
     """
+
     def init(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
         x = jax.lax.optimization_barrier(jax.random.normal(key, shape, dtype))
         return x * jnp.array(std, dtype)
@@ -136,12 +146,26 @@ def normal_init(std: float):
     return init
 
 
-def linear(in_features: int, out_features: int, *, use_bias: bool, param_dtype,
-           rngs: nnx.Rngs, std: float | None = None) -> nnx.Linear:
+def linear(
+    in_features: int,
+    out_features: int,
+    *,
+    use_bias: bool,
+    param_dtype,
+    rngs: nnx.Rngs,
+    std: float | None = None,
+) -> nnx.Linear:
     """``nnx.Linear`` with kernel ``[in, out]`` ~ N(0, std^2), std = 1/sqrt(in) by default."""
-    std = in_features ** -0.5 if std is None else std
-    return nnx.Linear(in_features, out_features, use_bias=use_bias, param_dtype=param_dtype,
-                      dtype=param_dtype, kernel_init=normal_init(std), rngs=rngs)
+    std = in_features**-0.5 if std is None else std
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=use_bias,
+        param_dtype=param_dtype,
+        dtype=param_dtype,
+        kernel_init=normal_init(std),
+        rngs=rngs,
+    )
 
 
 _ACTIVATIONS = {
@@ -155,9 +179,15 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, hidden: int, intermediate: int, *, act: str, param_dtype, rngs: nnx.Rngs):
         self.act = act
-        self.gate_proj = linear(hidden, intermediate, use_bias=False, param_dtype=param_dtype, rngs=rngs)
-        self.up_proj = linear(hidden, intermediate, use_bias=False, param_dtype=param_dtype, rngs=rngs)
-        self.down_proj = linear(intermediate, hidden, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = linear(
+            hidden, intermediate, use_bias=False, param_dtype=param_dtype, rngs=rngs
+        )
+        self.up_proj = linear(
+            hidden, intermediate, use_bias=False, param_dtype=param_dtype, rngs=rngs
+        )
+        self.down_proj = linear(
+            intermediate, hidden, use_bias=False, param_dtype=param_dtype, rngs=rngs
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., hidden] -> [..., hidden]
         return self.down_proj(_ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))

@@ -22,15 +22,20 @@ class LlamaDecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs):
         c = config
         self.self_attn = Attention(c, layer_idx, rngs=rngs)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, act=c.hidden_act,
-                            param_dtype=c.dtype, rngs=rngs)
+        self.mlp = GatedMLP(
+            c.hidden_size, c.intermediate_size, act=c.hidden_act, param_dtype=c.dtype, rngs=rngs
+        )
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=c.dtype)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=c.dtype)
+        self.post_attention_layernorm = RMSNorm(
+            c.hidden_size, eps=c.rms_norm_eps, param_dtype=c.dtype
+        )
 
-    def __call__(self, h: jax.Array,        # [..., T, hidden]
-                 positions: jax.Array,      # [..., T] int32
-                 attend: Callable,          # (q, k, v) -> (o [..., T, Hq, D], aux)
-                 ) -> tuple[jax.Array, object]:  # [..., T, hidden], aux
+    def __call__(
+        self,
+        h: jax.Array,  # [..., T, hidden]
+        positions: jax.Array,  # [..., T] int32
+        attend: Callable,  # (q, k, v) -> (o [..., T, Hq, D], aux)
+    ) -> tuple[jax.Array, object]:  # [..., T, hidden], aux
         q, k, v = self.self_attn.project(self.input_layernorm(h), positions)
         o, aux = attend(q, k, v)
         h = h + self.self_attn.output(o)

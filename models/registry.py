@@ -56,8 +56,9 @@ def _smollm2_converted(dtype: str) -> Path:
     return cache_dir() / f"{SMOLLM2_NAME}-{dtype}"
 
 
-def load_model_config(name_or_path: str | os.PathLike, *, dtype: str = "float32",
-                      use_cache: bool = True) -> tuple[ModelConfig, Tokenizer | None]:
+def load_model_config(
+    name_or_path: str | os.PathLike, *, dtype: str = "float32", use_cache: bool = True
+) -> tuple[ModelConfig, Tokenizer | None]:
     """``(config, tokenizer)`` of what ``load_model`` would load, reading no weights.
 
     Built-in random-init names: ``get_config``. An HF directory: ``config.json`` (+
@@ -81,7 +82,9 @@ def load_model_config(name_or_path: str | os.PathLike, *, dtype: str = "float32"
         return _gguf_config(smollm2_gguf_path(), dtype)
     path = _checkpoint_path(name)
     if path.is_dir():
-        return ModelConfig.from_hf_config(read_config(path), dtype=dtype), Tokenizer.from_hf_dir(path)
+        return ModelConfig.from_hf_config(read_config(path), dtype=dtype), Tokenizer.from_hf_dir(
+            path
+        )
     return _gguf_config(path, dtype)
 
 
@@ -90,8 +93,9 @@ def _gguf_config(path: Path, dtype: str) -> tuple[ModelConfig, Tokenizer | None]
         return ModelConfig.from_hf_config(source.hf_config, dtype=dtype), source.tokenizer()
 
 
-def _from_checkpoint(hf_config: dict, tensors: CheckpointTensors, dtype: str, seed: int, mesh,
-                     rules) -> tuple[nnx.Module, ModelConfig]:
+def _from_checkpoint(
+    hf_config: dict, tensors: CheckpointTensors, dtype: str, seed: int, mesh, rules
+) -> tuple[nnx.Module, ModelConfig]:
     """The model of ``hf_config`` with every parameter created from ``tensors``: built
     abstractly (``nnx.eval_shape``, no random init), shapes checked, then each parameter
     read, cast and placed (on ``mesh``: shard by shard)."""
@@ -99,8 +103,10 @@ def _from_checkpoint(hf_config: dict, tensors: CheckpointTensors, dtype: str, se
     abstract = build_model(config, seed=seed, abstract=True)
     check_hf_shapes(abstract, tensors.shapes())
     graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
-    if jax.tree_util.tree_leaves(rest):   # variables no checkpoint holds: from the seeded init
-        graphdef, _, rest = nnx.split(build_model(config, seed=seed, mesh=mesh, rules=rules), nnx.Param, ...)
+    if jax.tree_util.tree_leaves(rest):  # variables no checkpoint holds: from the seeded init
+        graphdef, _, rest = nnx.split(
+            build_model(config, seed=seed, mesh=mesh, rules=rules), nnx.Param, ...
+        )
     params = hf_params(abstract, tensors, mesh=mesh, rules=rules)
     return nnx.merge(graphdef, params, rest), config
 
@@ -111,7 +117,9 @@ def _load_gguf(path: Path, dtype: str, seed: int, mesh, rules):
         return model, config, source.tokenizer()
 
 
-def _write_converted(target: Path, model: nnx.Module, config: ModelConfig, tokenizer: Tokenizer) -> None:
+def _write_converted(
+    target: Path, model: nnx.Module, config: ModelConfig, tokenizer: Tokenizer
+) -> None:
     """Orbax params + tokenizer files, written under a temporary name then renamed into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
@@ -127,7 +135,11 @@ def _load_smollm2(dtype: str, seed: int, use_cache: bool, mesh, rules):
     converted = _smollm2_converted(dtype)
     if use_cache and (converted / "params").is_dir():
         config = read_saved_config(converted)
-        return restore_params(config, converted, mesh=mesh, rules=rules), config, Tokenizer.from_hf_dir(converted)
+        return (
+            restore_params(config, converted, mesh=mesh, rules=rules),
+            config,
+            Tokenizer.from_hf_dir(converted),
+        )
     model, config, tokenizer = _load_gguf(smollm2_gguf_path(), dtype, seed, mesh, rules)
     # Several processes (a mesh over hosts) would each write a copy: only a lone process does.
     if use_cache and jax.process_count() == 1:
@@ -135,9 +147,15 @@ def _load_smollm2(dtype: str, seed: int, use_cache: bool, mesh, rules):
     return model, config, tokenizer
 
 
-def load_model(name_or_path: str | os.PathLike, *, dtype: str = "float32", seed: int = 0,
-               mesh=None, rules=None,
-               use_cache: bool = True) -> tuple[nnx.Module, ModelConfig, Tokenizer | None]:
+def load_model(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    mesh=None,
+    rules=None,
+    use_cache: bool = True,
+) -> tuple[nnx.Module, ModelConfig, Tokenizer | None]:
     """Loads a model by built-in name or local path.
 
     Checkpoints are never randomly initialised: the model is built abstractly

@@ -52,10 +52,14 @@ def check_device_count(size: int, devices=None) -> list:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
     devices = list(jax.devices() if devices is None else devices)
     if size > len(devices):
-        hint = ("; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax "
-                "starts" if devices and devices[0].platform == "cpu" else "")
-        raise ValueError(f"tensor_parallel_size={size} needs {size} devices, jax sees "
-                         f"{len(devices)}{hint}")
+        hint = (
+            "; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts"
+            if devices and devices[0].platform == "cpu"
+            else ""
+        )
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} devices, jax sees {len(devices)}{hint}"
+        )
     return devices[:size]
 
 
@@ -70,7 +74,7 @@ def param_name(path) -> str:
     parts = []
     for key in path:
         name = getattr(key, "key", getattr(key, "name", getattr(key, "idx", None)))
-        if name != "value":   # nnx.Variable's own leaf
+        if name != "value":  # nnx.Variable's own leaf
             parts.append(str(name))
     return ".".join(parts)
 
@@ -79,8 +83,10 @@ def _match(name: str, ndim: int, rules) -> tuple[PartitionSpec, bool]:
     for pattern, spec, *flags in rules:
         if re.search(pattern, name):
             if len(spec) != ndim:
-                raise ValueError(f"tensor-parallel rule {pattern!r} gives {spec} for {name!r}, "
-                                 f"which has {ndim} axes")
+                raise ValueError(
+                    f"tensor-parallel rule {pattern!r} gives {spec} for {name!r}, "
+                    f"which has {ndim} axes"
+                )
             return PartitionSpec(*spec), IF_DIVISIBLE in flags
     return PartitionSpec(), False
 
@@ -100,7 +106,9 @@ def model_rules(model) -> tuple:
     return DEFAULT_TP_RULES if rules is None else rules
 
 
-def param_sharding(name: str, shape: tuple[int, ...], mesh: Mesh, rules=DEFAULT_TP_RULES) -> NamedSharding:
+def param_sharding(
+    name: str, shape: tuple[int, ...], mesh: Mesh, rules=DEFAULT_TP_RULES
+) -> NamedSharding:
     """Where parameter ``name`` of ``shape`` lives on ``mesh``: its rule's spec, or replicated.
 
     Raises ValueError naming the parameter when a split axis does not divide by the ``"tp"``
@@ -114,8 +122,9 @@ def param_sharding(name: str, shape: tuple[int, ...], mesh: Mesh, rules=DEFAULT_
         if part is not None and shape[axis] % size:
             if optional:
                 return NamedSharding(mesh, PartitionSpec())
-            raise ValueError(f"tensor_parallel_size={size} does not divide axis {axis} of "
-                             f"{name} {list(shape)}")
+            raise ValueError(
+                f"tensor_parallel_size={size} does not divide axis {axis} of {name} {list(shape)}"
+            )
     return NamedSharding(mesh, spec)
 
 
@@ -125,7 +134,8 @@ def state_shardings(state, mesh: Mesh, rules=None):
     ``out_shardings`` of a jitted init, or the shardings of abstract step arguments."""
     rules = DEFAULT_TP_RULES if rules is None else rules
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: param_sharding(param_name(path), tuple(x.shape), mesh, rules), state)
+        lambda path, x: param_sharding(param_name(path), tuple(x.shape), mesh, rules), state
+    )
 
 
 def shard_state(state, mesh: Mesh, rules=None):

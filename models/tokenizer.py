@@ -42,7 +42,9 @@ class Tokenizer:
 
     def __post_init__(self):
         if not isinstance(self.backend, tokenizers.Tokenizer):
-            raise TypeError(f"backend must be a tokenizers.Tokenizer, got {type(self.backend).__name__}")
+            raise TypeError(
+                f"backend must be a tokenizers.Tokenizer, got {type(self.backend).__name__}"
+            )
         n = self.backend.get_vocab_size(with_added_tokens=True)
         for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
             value = getattr(self, field)
@@ -126,7 +128,13 @@ class Tokenizer:
         """Loads a ``tokenizer.json``."""
         if not Path(path).is_file():
             raise ValueError(f"tokenizer file {str(path)!r} does not exist")
-        return cls(tokenizers.Tokenizer.from_file(str(path)), bos_token_id, eos_token_id, pad_token_id, chat_template)
+        return cls(
+            tokenizers.Tokenizer.from_file(str(path)),
+            bos_token_id,
+            eos_token_id,
+            pad_token_id,
+            chat_template,
+        )
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer | None":
@@ -140,7 +148,10 @@ class Tokenizer:
             return None
         backend = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
         tok_cfg = _read_json(root / "tokenizer_config.json")
-        model_cfg = {**_read_json(root / "config.json"), **_read_json(root / "generation_config.json")}
+        model_cfg = {
+            **_read_json(root / "config.json"),
+            **_read_json(root / "generation_config.json"),
+        }
 
         def special_id(name: str) -> int | None:
             token = tok_cfg.get(f"{name}_token")

@@ -27,11 +27,22 @@ class DecoderStack(nnx.Module):
     def __init__(self, config: ModelConfig, layer_cls: type, *, embed_std: float, rngs: nnx.Rngs):
         h = config.hidden_size
         self.embed_tokens = nnx.Embed(
-            config.vocab_size, h, dtype=config.dtype, param_dtype=config.dtype,
-            embedding_init=normal_init(embed_std), rngs=rngs)
-        self.layers = nnx.List([layer_cls(config, i, rngs=rngs) for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(h, eps=config.rms_norm_eps, unit_offset=config.architecture == "gemma2",
-                            param_dtype=config.dtype)
+            config.vocab_size,
+            h,
+            dtype=config.dtype,
+            param_dtype=config.dtype,
+            embedding_init=normal_init(embed_std),
+            rngs=rngs,
+        )
+        self.layers = nnx.List(
+            [layer_cls(config, i, rngs=rngs) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(
+            h,
+            eps=config.rms_norm_eps,
+            unit_offset=config.architecture == "gemma2",
+            param_dtype=config.dtype,
+        )
 
 
 class LMHead(nnx.Module):
@@ -44,8 +55,8 @@ class LMHead(nnx.Module):
 
     def __init__(self, hidden: int, vocab: int, *, param_dtype, rngs: nnx.Rngs):
         # The values ``linear(hidden, vocab)`` draws ([in, out] ~ N(0, 1/hidden)), transposed.
-        kernel = normal_init(hidden ** -0.5)(rngs.params(), (hidden, vocab), param_dtype)
-        self.weight = nnx.Param(kernel.T)   # [V, hidden]
+        kernel = normal_init(hidden**-0.5)(rngs.params(), (hidden, vocab), param_dtype)
+        self.weight = nnx.Param(kernel.T)  # [V, hidden]
 
 
 class CausalLM(nnx.Module):
@@ -59,27 +70,32 @@ class CausalLM(nnx.Module):
         # Random init: layer 0 sees embeddings of std 1/sqrt(hidden) after any input scaling.
         # (With Gemma's sqrt(hidden) scaling and tied embeddings a larger std makes each token's
         # own logit dominate, and the random model just repeats its input.)
-        embed_std = config.hidden_size ** -0.5 / (config.hidden_size ** 0.5 if self.embed_scale else 1.0)
+        embed_std = config.hidden_size**-0.5 / (
+            config.hidden_size**0.5 if self.embed_scale else 1.0
+        )
         self.model = DecoderStack(config, self.layer_cls, embed_std=embed_std, rngs=rngs)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = LMHead(config.hidden_size, config.vocab_size, param_dtype=config.dtype,
-                                  rngs=rngs)
+            self.lm_head = LMHead(
+                config.hidden_size, config.vocab_size, param_dtype=config.dtype, rngs=rngs
+            )
 
     def embed(self, input_ids: jax.Array) -> jax.Array:  # [...] int32 -> [..., hidden]
         h = self.model.embed_tokens(input_ids)
         if self.embed_scale:  # HF rounds the normalizer to the activation dtype first
-            h = h * jnp.asarray(self.config.hidden_size ** 0.5, dtype=h.dtype)
+            h = h * jnp.asarray(self.config.hidden_size**0.5, dtype=h.dtype)
         return h
 
     # ---- paged forward -----------------------------------------------------------------------
-    def __call__(self, input_ids: jax.Array,     # [T] int32
-                 positions: jax.Array,           # [T] int32
-                 kv_buffers: tuple[jax.Array, ...],  # per KV tensor: [N * page_bytes] uint8
-                 attn_metadata: tuple[AttentionMetadata, ...],  # per KV-cache group
-                 binding: KVCacheBinding,
-                 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # hidden [T, hidden] (final-normed), buffers
+    def __call__(
+        self,
+        input_ids: jax.Array,  # [T] int32
+        positions: jax.Array,  # [T] int32
+        kv_buffers: tuple[jax.Array, ...],  # per KV tensor: [N * page_bytes] uint8
+        attn_metadata: tuple[AttentionMetadata, ...],  # per KV-cache group
+        binding: KVCacheBinding,
+    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:  # hidden [T, hidden] (final-normed), buffers
         """One paged step: layer i writes/reads ``kv_buffers[tensor]`` with ``attn_metadata[group]``
         where ``(group, tensor) = binding.lookup(f"model.layers.{i}.self_attn")``.
 
@@ -90,23 +106,34 @@ class CausalLM(nnx.Module):
         for i, layer in enumerate(self.model.layers):
             group, tensor = binding.lookup(layer_name(i))
             if group >= len(attn_metadata) or tensor >= len(buffers):
-                raise ValueError(f"{layer_name(i)} is bound to group {group}, tensor {tensor} but the "
-                                 f"step has {len(attn_metadata)} groups and {len(buffers)} buffers")
-            attend = functools.partial(layer.self_attn.paged_attend, buffer=buffers[tensor],
-                                       md=attn_metadata[group], binding=binding)
+                raise ValueError(
+                    f"{layer_name(i)} is bound to group {group}, tensor {tensor} but the "
+                    f"step has {len(attn_metadata)} groups and {len(buffers)} buffers"
+                )
+            attend = functools.partial(
+                layer.self_attn.paged_attend,
+                buffer=buffers[tensor],
+                md=attn_metadata[group],
+                binding=binding,
+            )
             h, buffers[tensor] = layer(h, positions, attend)
         return self.model.norm(h), tuple(buffers)
 
-    def compute_logits(self, hidden: jax.Array,  # [..., hidden] final-normed ([R, hidden] if vocab_major)
-                       *, vocab_major: bool = False,
-                       ) -> jax.Array:               # [..., V] f32, or [V, R] f32 when vocab_major
+    def compute_logits(
+        self,
+        hidden: jax.Array,  # [..., hidden] final-normed ([R, hidden] if vocab_major)
+        *,
+        vocab_major: bool = False,
+    ) -> jax.Array:  # [..., V] f32, or [V, R] f32 when vocab_major
         """LM head (the tied embedding when ``tie_word_embeddings``), then the final soft-cap.
 
         ``vocab_major=True`` returns the logits transposed, ``[V, R]`` (``W @ h^T``): the faster
         GEMM orientation on XLA:CPU for a decode step's few rows; the greedy sampler takes its
         argmax over axis 0.
         """
-        w = (self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head.weight)[...]
+        w = (self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head.weight)[
+            ...
+        ]
         hidden = hidden.astype(w.dtype)
         if vocab_major:
             if hidden.ndim != 2:
@@ -123,5 +150,7 @@ class CausalLM(nnx.Module):
     def kv_layer_infos(self) -> dict[str, LayerKVInfo]:
         """Per attention layer: KV heads, head size, sliding window (the engine builds specs)."""
         c = self.config
-        return {layer_name(i): LayerKVInfo(c.num_key_value_heads, c.head_dim, c.layer_window(i))
-                for i in range(c.num_hidden_layers)}
+        return {
+            layer_name(i): LayerKVInfo(c.num_key_value_heads, c.head_dim, c.layer_window(i))
+            for i in range(c.num_hidden_layers)
+        }

@@ -41,7 +41,8 @@ def _hf_layout(model: CausalLM) -> dict[str, tuple[tuple, tuple[int, ...], bool]
 
 def _skippable(name: str, model: CausalLM) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (
-        name == "lm_head.weight" and model.config.tie_word_embeddings)
+        name == "lm_head.weight" and model.config.tie_word_embeddings
+    )
 
 
 def check_hf_shapes(model: CausalLM, shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -51,8 +52,11 @@ def check_hf_shapes(model: CausalLM, shapes: Mapping[str, tuple[int, ...]]) -> N
     layout = _hf_layout(model)
     missing = sorted(set(layout) - set(shapes))
     unexpected = sorted(n for n in shapes if n not in layout and not _skippable(n, model))
-    mismatched = [f"{n}: got {tuple(shapes[n])}, expected {layout[n][1]}"
-                  for n in sorted(set(layout) & set(shapes)) if tuple(shapes[n]) != layout[n][1]]
+    mismatched = [
+        f"{n}: got {tuple(shapes[n])}, expected {layout[n][1]}"
+        for n in sorted(set(layout) & set(shapes))
+        if tuple(shapes[n]) != layout[n][1]
+    ]
     problems = []
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {missing}")
@@ -61,9 +65,11 @@ def check_hf_shapes(model: CausalLM, shapes: Mapping[str, tuple[int, ...]]) -> N
     if mismatched:
         problems.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
     if problems:
-        raise ValueError(f"cannot load HF weights into {type(model).__name__} "
-                         f"({model.config.architecture}, {model.config.num_hidden_layers} layers): "
-                         + "; ".join(problems))
+        raise ValueError(
+            f"cannot load HF weights into {type(model).__name__} "
+            f"({model.config.architecture}, {model.config.num_hidden_layers} layers): "
+            + "; ".join(problems)
+        )
 
 
 def load_hf_weights(model: CausalLM, tensors: Mapping[str, np.ndarray]) -> CausalLM:
@@ -93,7 +99,8 @@ def hf_params(model: CausalLM, tensors: CheckpointTensors, *, mesh=None, rules=N
     rules = model_rules(model) if rules is None else rules
     updates = []
     for name, (path, hf_shape, transposed) in _hf_layout(model).items():
-        def host(index, name=name, transposed=transposed):   # index into the model's layout
+
+        def host(index, name=name, transposed=transposed):  # index into the model's layout
             if index is not None and transposed:
                 index = tuple(index)[::-1]
             arr = tensors.read(name, index)

@@ -15,17 +15,24 @@ BACKENDS = ("reference", "xla", "cpu", "pallas")
 
 
 def paged_attention(
-    q: jax.Array,                # [T, Hq, D]
-    kv_cache: jax.Array,         # [N, 2, Hkv, bs, D] cache dtype (kv_cache_view)
-    seq_lens: jax.Array,         # [S] int32, KV length including this step's tokens; 0 = padding
+    q: jax.Array,  # [T, Hq, D]
+    kv_cache: jax.Array,  # [N, 2, Hkv, bs, D] cache dtype (kv_cache_view)
+    seq_lens: jax.Array,  # [S] int32, KV length including this step's tokens; 0 = padding
     query_start_loc: jax.Array,  # [S + 1] int32
-    block_tables: jax.Array,     # [S, B] int32 (B may be a bucket narrower than the max)
-    num_seqs: jax.Array,         # [] int32
-    *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-    k_scale=None, v_scale=None, max_q_len: int | None = None, backend: str = "xla",
-    interpret: bool = False, kv_dtype=None,
+    block_tables: jax.Array,  # [S, B] int32 (B may be a bucket narrower than the max)
+    num_seqs: jax.Array,  # [] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale=None,
+    v_scale=None,
+    max_q_len: int | None = None,
+    backend: str = "xla",
+    interpret: bool = False,
+    kv_dtype=None,
     lowering: str | None = None,
-) -> jax.Array:                  # [T, Hq, D] q.dtype
+) -> jax.Array:  # [T, Hq, D] q.dtype
     """Ragged paged attention over a packed batch of prefill chunks and decodes.
 
     Sequence i owns query rows ``[query_start_loc[i], query_start_loc[i+1])``: the LAST q_len_i
@@ -61,24 +68,60 @@ def paged_attention(
     if kv_dtype is not None:
         kv_bytes, kv_dtype = kv_cache, resolve_kv_dtype(kv_dtype)
         kv_cache = typed_view_of_bytes(kv_bytes, kv_dtype, abstract=True)
-    validate_attention_args(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs,
-                            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                            k_scale=k_scale, v_scale=v_scale, max_q_len=max_q_len,
-                            interpret=interpret)
+    validate_attention_args(
+        q,
+        kv_cache,
+        seq_lens,
+        query_start_loc,
+        block_tables,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        max_q_len=max_q_len,
+        interpret=interpret,
+    )
     if max_q_len == 0:  # AttentionMetadata.max_q_len's "unknown"
         max_q_len = None
-    kw = dict(sm_scale=float(sm_scale), sliding_window=sliding_window,
-              soft_cap=None if soft_cap is None else float(soft_cap), k_scale=k_scale, v_scale=v_scale)
+    kw = dict(
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
     if backend in ("xla", "cpu"):
         fn = paged_attention_xla if backend == "xla" else paged_attention_cpu
-        return fn(q, kv_cache if kv_bytes is None else kv_bytes, seq_lens, query_start_loc,
-                  block_tables, num_seqs, max_q_len=max_q_len, kv_dtype=kv_dtype, **kw)
+        return fn(
+            q,
+            kv_cache if kv_bytes is None else kv_bytes,
+            seq_lens,
+            query_start_loc,
+            block_tables,
+            num_seqs,
+            max_q_len=max_q_len,
+            kv_dtype=kv_dtype,
+            **kw,
+        )
     if kv_bytes is not None:
         kv_cache = typed_view_of_bytes(kv_bytes, kv_dtype)
     if backend == "reference":
-        return paged_attention_reference(q, kv_cache, seq_lens, query_start_loc, block_tables,
-                                         num_seqs, **kw)  # validates again: cheap, shapes only
+        return paged_attention_reference(
+            q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs, **kw
+        )  # validates again: cheap, shapes only
     from jaxkv.pallas_kernels.pallas_attention import paged_attention_pallas  # noqa: PLC0415
-    return paged_attention_pallas(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs,
-                                  max_q_len=max_q_len, interpret=interpret, lowering=lowering,
-                                  **kw)
+
+    return paged_attention_pallas(
+        q,
+        kv_cache,
+        seq_lens,
+        query_start_loc,
+        block_tables,
+        num_seqs,
+        max_q_len=max_q_len,
+        interpret=interpret,
+        lowering=lowering,
+        **kw,
+    )

@@ -40,16 +40,29 @@ import numpy as np
 from jaxkv.pallas_kernels import xla_backend
 
 #: C++ sources, built into one library; custom-call target -> exported handler symbol.
-SOURCES = tuple(pathlib.Path(__file__).parent / "cpu_kernels" / n for n in ("paged_attention.cc", "kv_write.cc"))
+SOURCES = tuple(
+    pathlib.Path(__file__).parent / "cpu_kernels" / n for n in ("paged_attention.cc", "kv_write.cc")
+)
 TARGET = "jaxkv_paged_attention_cpu"
 WRITE_TARGET = "jaxkv_write_kv_cpu"
 ZERO_TARGET = "jaxkv_zero_pages_cpu"
-HANDLERS = {TARGET: "JaxkvPagedAttentionCpu", WRITE_TARGET: "JaxkvWriteKvCpu",
-            ZERO_TARGET: "JaxkvZeroPagesCpu"}
+HANDLERS = {
+    TARGET: "JaxkvPagedAttentionCpu",
+    WRITE_TARGET: "JaxkvWriteKvCpu",
+    ZERO_TARGET: "JaxkvZeroPagesCpu",
+}
 #: Flags of every build, then the first of ARCH_FLAGS the compiler accepts: -march=native (GCC,
 #: Clang on x86), -mcpu=native (AArch64 compilers that reject -march=native), none (portable,
 #: slower); then -fopenmp-simd when accepted (it only enables ``#pragma omp simd``).
-FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC", "-pthread")
+FLAGS = (
+    "-O3",
+    "-ffast-math",
+    "-fno-finite-math-only",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+)
 ARCH_FLAGS = (("-march=native",), ("-mcpu=native",), ())
 SIMD_FLAGS = (("-fopenmp-simd",), ())
 #: Cache storage dtypes of the kernel (its ``storage`` attribute).
@@ -58,7 +71,9 @@ MAX_HEAD_SIZE, MAX_GROUP, MAX_BLOCK_SIZE = 256, 16, 256
 
 
 def _cache_dir() -> pathlib.Path:
-    root = os.environ.get("JAXKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxkv")
+    root = os.environ.get("JAXKV_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxkv"
+    )
     return pathlib.Path(root) / "cpu_kernels"
 
 
@@ -101,8 +116,12 @@ def _compile(cxx: str, include: str, out: pathlib.Path) -> tuple[tuple[str, ...]
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            res = subprocess.run([cxx, *flags, f"-I{include}", *map(str, SOURCES), "-o", tmp],
-                                 capture_output=True, text=True, timeout=300)
+            res = subprocess.run(
+                [cxx, *flags, f"-I{include}", *map(str, SOURCES), "-o", tmp],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
         except (OSError, subprocess.SubprocessError) as e:
             os.unlink(tmp)
             return None, str(e)
@@ -124,13 +143,26 @@ def _build() -> tuple[str | None, str | None]:
         return None, "no C++ compiler found ($CXX, c++, g++, clang++)"
     include = jax.ffi.include_dir()
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout.splitlines()[:1]
+        version = subprocess.run(
+            [cxx, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout.splitlines()[:1]
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cxx} --version failed: {e}"
-    key = hashlib.sha256("\n".join([
-        *(src.read_text() for src in SOURCES), cxx, *version, repr(_flag_candidates()), jax.__version__,
-        _jaxlib_version(), include, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\n".join(
+            [
+                *(src.read_text() for src in SOURCES),
+                cxx,
+                *version,
+                repr(_flag_candidates()),
+                jax.__version__,
+                _jaxlib_version(),
+                include,
+                platform.machine(),
+                _cpu_flags(),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     out = _cache_dir() / f"jaxkv_cpu_{key}.so"
     if not out.exists():
         try:
@@ -143,8 +175,9 @@ def _build() -> tuple[str | None, str | None]:
     try:
         lib = ctypes.CDLL(str(out))
         for target, symbol in HANDLERS.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                        platform="cpu")
+            jax.ffi.register_ffi_target(
+                target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+            )
     except (OSError, AttributeError, ValueError) as e:
         return None, f"loading {out} failed: {e}"
     return str(out), None
@@ -160,12 +193,17 @@ def build_error() -> str | None:
     return _build()[1]
 
 
-def supports(*, head_size: int, num_q_heads: int, num_kv_heads: int, block_size: int,
-             cache_dtype) -> bool:
+def supports(
+    *, head_size: int, num_q_heads: int, num_kv_heads: int, block_size: int, cache_dtype
+) -> bool:
     """Whether the kernel covers these shapes and cache dtype (else the XLA backend runs)."""
-    return (jnp.dtype(cache_dtype) in STORAGE and head_size <= MAX_HEAD_SIZE
-            and num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads <= MAX_GROUP
-            and block_size <= MAX_BLOCK_SIZE)
+    return (
+        jnp.dtype(cache_dtype) in STORAGE
+        and head_size <= MAX_HEAD_SIZE
+        and num_q_heads % num_kv_heads == 0
+        and num_q_heads // num_kv_heads <= MAX_GROUP
+        and block_size <= MAX_BLOCK_SIZE
+    )
 
 
 def _num_threads() -> int:
@@ -182,13 +220,19 @@ def _ffi_call(target: str, result: jax.ShapeDtypeStruct, **kw):
     return jax.ffi.ffi_call(target, result, **kw)
 
 
-def ragged_attention(q,                # [T, Hq, D]
-                     kv_cache,         # [N, 2, Hkv, bs, D] typed, or [.., D * itemsize] uint8
-                     seq_lens,         # [S] int32
-                     query_start_loc,  # [S + 1] int32
-                     block_tables,     # [S, B] int32
-                     num_seqs,         # [] int32
-                     *, scale: float, soft_cap=None, sliding_window=None, kv_dtype=None):
+def ragged_attention(
+    q,  # [T, Hq, D]
+    kv_cache,  # [N, 2, Hkv, bs, D] typed, or [.., D * itemsize] uint8
+    seq_lens,  # [S] int32
+    query_start_loc,  # [S + 1] int32
+    block_tables,  # [S, B] int32
+    num_seqs,  # [] int32
+    *,
+    scale: float,
+    soft_cap=None,
+    sliding_window=None,
+    kv_dtype=None,
+):
     """The FFI call: [T, Hq, D] f32, ``softmax(scale * q.k (soft-capped)) . v`` per query row
     over its causal (windowed) keys; rows past ``query_start_loc[num_seqs]`` are zero.
 
@@ -196,31 +240,47 @@ def ragged_attention(q,                # [T, Hq, D]
     """
     storage = STORAGE[jnp.dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)]
     call = _ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q.astype(jnp.float32), kv_cache, seq_lens.astype(jnp.int32),
-                query_start_loc.astype(jnp.int32), block_tables.astype(jnp.int32),
-                jnp.asarray(num_seqs, jnp.int32), scale=np.float32(scale),
-                soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
-                sliding_window=np.int32(0 if sliding_window is None else sliding_window),
-                storage=np.int32(storage), num_threads=np.int32(_num_threads()))
+    return call(
+        q.astype(jnp.float32),
+        kv_cache,
+        seq_lens.astype(jnp.int32),
+        query_start_loc.astype(jnp.int32),
+        block_tables.astype(jnp.int32),
+        jnp.asarray(num_seqs, jnp.int32),
+        scale=np.float32(scale),
+        soft_cap=np.float32(0.0 if soft_cap is None else soft_cap),
+        sliding_window=np.int32(0 if sliding_window is None else sliding_window),
+        storage=np.int32(storage),
+        num_threads=np.int32(_num_threads()),
+    )
 
 
-def write_rows(buffer,        # [N * page_bytes] uint8
-               k, v,          # [T, Hkv, D] each, already in the cache dtype
-               slot_mapping,  # [T] int32; < 0 or >= N * bs: no write
-               *, block_size: int):
+def write_rows(
+    buffer,  # [N * page_bytes] uint8
+    k,
+    v,  # [T, Hkv, D] each, already in the cache dtype
+    slot_mapping,  # [T] int32; < 0 or >= N * bs: no write
+    *,
+    block_size: int,
+):
     """The FFI KV write: token t's K / V rows copied to slot ``slot_mapping[t]`` of the
     page-major cache, in place (the buffer is aliased to the result; donate it in the jit)."""
-    call = _ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
-                     input_output_aliases={0: 0})
+    call = _ffi_call(
+        WRITE_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype), input_output_aliases={0: 0}
+    )
     return call(buffer, k, v, slot_mapping.astype(jnp.int32), block_size=np.int32(block_size))
 
 
-def zero_pages(buffer,      # [N * page_bytes] uint8
-               page_ids,    # [K] int32; < 0 or >= N: skipped
-               *, page_bytes: int):
+def zero_pages(
+    buffer,  # [N * page_bytes] uint8
+    page_ids,  # [K] int32; < 0 or >= N: skipped
+    *,
+    page_bytes: int,
+):
     """The FFI page zeroing, in place (the buffer is aliased to the result)."""
-    call = _ffi_call(ZERO_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
-                     input_output_aliases={0: 0})
+    call = _ffi_call(
+        ZERO_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype), input_output_aliases={0: 0}
+    )
     return call(buffer, page_ids.astype(jnp.int32), page_bytes=np.int64(page_bytes))
 
 
@@ -237,9 +297,22 @@ def _static_scale(sm_scale, k_scale) -> float | None:
         return None
 
 
-def paged_attention_cpu(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs, *,
-                        sm_scale, sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
-                        max_q_len=None, kv_dtype=None):
+def paged_attention_cpu(
+    q,
+    kv_cache,
+    seq_lens,
+    query_start_loc,
+    block_tables,
+    num_seqs,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    max_q_len=None,
+    kv_dtype=None,
+):
     """``paged_attention`` on the C++ kernel (same arguments and result).
 
     Runs ``paged_attention_xla`` instead when the kernel is unavailable or does not cover the
@@ -249,17 +322,45 @@ def paged_attention_cpu(q, kv_cache, seq_lens, query_start_loc, block_tables, nu
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
     cache_dtype = kv_cache.dtype if kv_dtype is None else kv_dtype
     scale = _static_scale(sm_scale, k_scale)
-    use = (scale is not None and use_cpu_kernels()
-           and supports(head_size=q.shape[2], num_q_heads=q.shape[1], num_kv_heads=num_kv_heads,
-                        block_size=block_size, cache_dtype=cache_dtype))
+    use = (
+        scale is not None
+        and use_cpu_kernels()
+        and supports(
+            head_size=q.shape[2],
+            num_q_heads=q.shape[1],
+            num_kv_heads=num_kv_heads,
+            block_size=block_size,
+            cache_dtype=cache_dtype,
+        )
+    )
     if not use:
         return xla_backend.paged_attention_xla(
-            q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs, sm_scale=sm_scale,
-            sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
-            max_q_len=max_q_len, kv_dtype=kv_dtype)
-    out = ragged_attention(q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs,
-                           scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                           kv_dtype=kv_dtype)
+            q,
+            kv_cache,
+            seq_lens,
+            query_start_loc,
+            block_tables,
+            num_seqs,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            max_q_len=max_q_len,
+            kv_dtype=kv_dtype,
+        )
+    out = ragged_attention(
+        q,
+        kv_cache,
+        seq_lens,
+        query_start_loc,
+        block_tables,
+        num_seqs,
+        scale=scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        kv_dtype=kv_dtype,
+    )
     if v_scale is not None:
         out = out * jnp.asarray(v_scale, jnp.float32)
     return out.astype(q.dtype)

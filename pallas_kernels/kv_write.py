@@ -21,8 +21,11 @@ from jaxkv.pallas_kernels.validation import check_scales, validate_lowering
 WRITE_BACKENDS = ("xla", "cpu", "pallas")
 
 
-def quantize_to_cache(x: jax.Array,  # [..., D] model dtype
-                      dtype: jnp.dtype, scale=None) -> jax.Array:
+def quantize_to_cache(
+    x: jax.Array,  # [..., D] model dtype
+    dtype: jnp.dtype,
+    scale=None,
+) -> jax.Array:
     """Converts ``x`` to the cache dtype; fp8: ``clip(x / scale, finfo) -> float8_e4m3fn``."""
     if dtype == jnp.float8_e4m3fn:
         fi = jnp.finfo(dtype)
@@ -33,12 +36,20 @@ def quantize_to_cache(x: jax.Array,  # [..., D] model dtype
     return x.astype(dtype)
 
 
-def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
-             k: jax.Array,             # [T, Hkv, D] model dtype
-             v: jax.Array,             # [T, Hkv, D] model dtype
-             slot_mapping: jax.Array,  # [T] int32, block * bs + offset; < 0 (PAD_SLOT_ID) = no write
-             *, block_size: int, dtype, k_scale=None, v_scale=None, backend: str = "xla",
-             interpret: bool = False, lowering: str | None = None) -> jax.Array:
+def write_kv(
+    buffer: jax.Array,  # [N * page_bytes] uint8
+    k: jax.Array,  # [T, Hkv, D] model dtype
+    v: jax.Array,  # [T, Hkv, D] model dtype
+    slot_mapping: jax.Array,  # [T] int32, block * bs + offset; < 0 (PAD_SLOT_ID) = no write
+    *,
+    block_size: int,
+    dtype,
+    k_scale=None,
+    v_scale=None,
+    backend: str = "xla",
+    interpret: bool = False,
+    lowering: str | None = None,
+) -> jax.Array:
     """Writes token t's K/V (every KV head) at slot ``slot_mapping[t]``; returns the new buffer.
 
     backend: "xla" (a ``mode="drop"`` scatter on the bytes), "cpu" (a C++ FFI call that copies
@@ -65,19 +76,27 @@ def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
         raise ValueError(f"k and v must both be [T, Hkv, D], got {k.shape} and {v.shape}")
     num_tokens, num_kv_heads, head_size = k.shape
     if slot_mapping.shape != (num_tokens,) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
-        raise ValueError(f"slot_mapping must be int [T={num_tokens}], got {slot_mapping.shape} "
-                         f"{slot_mapping.dtype}")
+        raise ValueError(
+            f"slot_mapping must be int [T={num_tokens}], got {slot_mapping.shape} "
+            f"{slot_mapping.dtype}"
+        )
     pb = page_bytes(block_size, num_kv_heads, head_size, dt)
     if buffer.ndim != 1 or buffer.dtype != jnp.uint8 or buffer.shape[0] % pb:
-        raise ValueError(f"buffer must be flat uint8 with a multiple of page_bytes={pb} bytes, got "
-                         f"shape {buffer.shape} dtype {buffer.dtype}")
+        raise ValueError(
+            f"buffer must be flat uint8 with a multiple of page_bytes={pb} bytes, got "
+            f"shape {buffer.shape} dtype {buffer.dtype}"
+        )
     if backend == "cpu":
         from jaxkv.pallas_kernels import cpu_backend  # noqa: PLC0415
 
-        if cpu_backend.use_cpu_kernels():   # the rows' bytes as they are: no byte view needed
-            return cpu_backend.write_rows(buffer, quantize_to_cache(k, dt, k_scale),
-                                          quantize_to_cache(v, dt, v_scale), slot_mapping,
-                                          block_size=block_size)
+        if cpu_backend.use_cpu_kernels():  # the rows' bytes as they are: no byte view needed
+            return cpu_backend.write_rows(
+                buffer,
+                quantize_to_cache(k, dt, k_scale),
+                quantize_to_cache(v, dt, v_scale),
+                slot_mapping,
+                block_size=block_size,
+            )
         backend = "xla"
     num_blocks = buffer.shape[0] // pb
     row_bytes = head_size * dt.itemsize
@@ -88,8 +107,10 @@ def write_kv(buffer: jax.Array,        # [N * page_bytes] uint8
     slot = slot_mapping.astype(jnp.int32)
     if backend == "pallas":
         from jaxkv.pallas_kernels.kv_write_pallas import write_kv_pallas  # noqa: PLC0415
-        return write_kv_pallas(buffer, kb, vb, slot, block_size=block_size, interpret=interpret,
-                               lowering=lowering)
+
+        return write_kv_pallas(
+            buffer, kb, vb, slot, block_size=block_size, interpret=interpret, lowering=lowering
+        )
     updates = jnp.stack([kb, vb], axis=1).reshape(num_tokens * 2 * num_kv_heads, row_bytes)
 
     block, offset = slot // block_size, slot % block_size

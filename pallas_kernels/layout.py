@@ -32,8 +32,13 @@ KV_DTYPES: dict[str, jnp.dtype] = {
     "fp8": jnp.dtype(jnp.float8_e4m3fn),
 }
 _ALIASES = {
-    "fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
-    "half": "float16", "float8_e4m3fn": "fp8", "fp8_e4m3": "fp8",
+    "fp32": "float32",
+    "f32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "float8_e4m3fn": "fp8",
+    "fp8_e4m3": "fp8",
 }
 
 
@@ -42,14 +47,18 @@ def resolve_kv_dtype(dtype) -> jnp.dtype:
     if isinstance(dtype, str):
         name = _ALIASES.get(dtype, dtype)
         if name not in KV_DTYPES:
-            raise ValueError(f"unsupported KV-cache dtype {dtype!r}; expected one of {sorted(KV_DTYPES)}")
+            raise ValueError(
+                f"unsupported KV-cache dtype {dtype!r}; expected one of {sorted(KV_DTYPES)}"
+            )
         return KV_DTYPES[name]
     try:
         dt = jnp.dtype(dtype)
     except TypeError as e:
         raise ValueError(f"unsupported KV-cache dtype {dtype!r}") from e
     if dt not in KV_DTYPES.values():
-        raise ValueError(f"unsupported KV-cache dtype {dtype!r}; expected one of {sorted(KV_DTYPES)}")
+        raise ValueError(
+            f"unsupported KV-cache dtype {dtype!r}; expected one of {sorted(KV_DTYPES)}"
+        )
     return dt
 
 
@@ -70,21 +79,29 @@ def page_bytes(block_size: int, num_kv_heads: int, head_size: int, dtype) -> int
     return 2 * block_size * num_kv_heads * head_size * resolve_kv_dtype(dtype).itemsize
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                   dtype) -> tuple[int, ...]:
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype
+) -> tuple[int, ...]:
     """Typed page-major shape ``(N, 2, Hkv, bs, D)`` of a KV cache (see module docstring).
 
     ``dtype`` only validates here (the shape does not depend on it) so callers can use one
     signature for every backend's layout.
     """
-    _check_dims(num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
-                head_size=head_size)
+    _check_dims(
+        num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size
+    )
     resolve_kv_dtype(dtype)
     return (int(num_blocks), 2, int(num_kv_heads), int(block_size), int(head_size))
 
 
-def kv_cache_view(buffer: jax.Array,  # [N * page_bytes] uint8
-                  *, block_size: int, num_kv_heads: int, head_size: int, dtype) -> jax.Array:
+def kv_cache_view(
+    buffer: jax.Array,  # [N * page_bytes] uint8
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype,
+) -> jax.Array:
     """Typed view ``[N, 2, Hkv, bs, D]`` of a flat uint8 KV buffer: bitcast + reshape, no copy.
 
     Same-width bitcasts (fp8) alias the buffer. A size-changing one (uint8 -> bf16 / f32) is
@@ -99,25 +116,39 @@ def kv_cache_view(buffer: jax.Array,  # [N * page_bytes] uint8
     dt = resolve_kv_dtype(dtype)
     pb = page_bytes(block_size, num_kv_heads, head_size, dt)
     if buffer.ndim != 1 or buffer.dtype != jnp.uint8:
-        raise ValueError(f"KV buffer must be flat uint8, got shape {buffer.shape} dtype {buffer.dtype}")
+        raise ValueError(
+            f"KV buffer must be flat uint8, got shape {buffer.shape} dtype {buffer.dtype}"
+        )
     if buffer.shape[0] % pb:
-        raise ValueError(f"KV buffer of {buffer.shape[0]} bytes is not a multiple of page_bytes={pb} "
-                         f"(block_size={block_size}, num_kv_heads={num_kv_heads}, "
-                         f"head_size={head_size}, dtype={dt.name})")
+        raise ValueError(
+            f"KV buffer of {buffer.shape[0]} bytes is not a multiple of page_bytes={pb} "
+            f"(block_size={block_size}, num_kv_heads={num_kv_heads}, "
+            f"head_size={head_size}, dtype={dt.name})"
+        )
     shape = kv_cache_shape(buffer.shape[0] // pb, block_size, num_kv_heads, head_size, dt)
     return bytes_to_typed(buffer, dt).reshape(shape)
 
 
-def kv_cache_byte_view(buffer: jax.Array,  # [N * page_bytes] uint8
-                       *, block_size: int, num_kv_heads: int, head_size: int, dtype) -> jax.Array:
+def kv_cache_byte_view(
+    buffer: jax.Array,  # [N * page_bytes] uint8
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype,
+) -> jax.Array:
     """The same pages as :func:`kv_cache_view`, still in bytes: ``[N, 2, Hkv, bs, D * itemsize]``
     uint8 (a reshape only). Pass it with ``kv_dtype=dtype`` to ``paged_attention``."""
     dt = resolve_kv_dtype(dtype)
     pb = page_bytes(block_size, num_kv_heads, head_size, dt)
     if buffer.ndim != 1 or buffer.dtype != jnp.uint8 or buffer.shape[0] % pb:
-        raise ValueError(f"KV buffer must be flat uint8 of whole {pb}-byte pages, got shape "
-                         f"{buffer.shape} dtype {buffer.dtype}")
-    return buffer.reshape(buffer.shape[0] // pb, 2, num_kv_heads, block_size, head_size * dt.itemsize)
+        raise ValueError(
+            f"KV buffer must be flat uint8 of whole {pb}-byte pages, got shape "
+            f"{buffer.shape} dtype {buffer.dtype}"
+        )
+    return buffer.reshape(
+        buffer.shape[0] // pb, 2, num_kv_heads, block_size, head_size * dt.itemsize
+    )
 
 
 def typed_view_of_bytes(kv_bytes: jax.Array, dtype, *, abstract: bool = False):
@@ -125,8 +156,10 @@ def typed_view_of_bytes(kv_bytes: jax.Array, dtype, *, abstract: bool = False):
     ShapeDtypeStruct (for argument checks, no computation)."""
     dt = resolve_kv_dtype(dtype)
     if kv_bytes.dtype != jnp.uint8 or kv_bytes.ndim != 5 or kv_bytes.shape[-1] % dt.itemsize:
-        raise ValueError(f"with kv_dtype={dt.name} kv_cache must be the uint8 byte view "
-                         f"[N, 2, Hkv, bs, D * {dt.itemsize}], got {kv_bytes.dtype}{list(kv_bytes.shape)}")
+        raise ValueError(
+            f"with kv_dtype={dt.name} kv_cache must be the uint8 byte view "
+            f"[N, 2, Hkv, bs, D * {dt.itemsize}], got {kv_bytes.dtype}{list(kv_bytes.shape)}"
+        )
     if abstract:
         return jax.ShapeDtypeStruct((*kv_bytes.shape[:-1], kv_bytes.shape[-1] // dt.itemsize), dt)
     return bytes_to_typed(kv_bytes, dt)

@@ -36,12 +36,14 @@ class AttentionMetadata:
       block_tables = [[7, 3], [2, 0]] -> slot_mapping = [13, 14, 8, 9, 10].
     """
 
-    seq_lens: jax.Array         # [S] int32, KV length including this step's tokens; 0 = padding
+    seq_lens: jax.Array  # [S] int32, KV length including this step's tokens; 0 = padding
     query_start_loc: jax.Array  # [S + 1] int32, non-decreasing, query_start_loc[0] == 0
-    block_tables: jax.Array     # [S, B] int32, this group's block ids (NULL_BLOCK_ID = unused)
-    slot_mapping: jax.Array     # [T] int32, block * bs + offset per token; PAD_SLOT_ID = no write
-    num_seqs: jax.Array         # [] int32, real sequences (rows >= num_seqs are padding)
-    max_q_len: int = 0          # static: an upper bound on any q_len this step (1 = pure decode); 0 = unknown (T)
+    block_tables: jax.Array  # [S, B] int32, this group's block ids (NULL_BLOCK_ID = unused)
+    slot_mapping: jax.Array  # [T] int32, block * bs + offset per token; PAD_SLOT_ID = no write
+    num_seqs: jax.Array  # [] int32, real sequences (rows >= num_seqs are padding)
+    max_q_len: int = (
+        0  # static: an upper bound on any q_len this step (1 = pure decode); 0 = unknown (T)
+    )
 
     @property
     def num_tokens(self) -> int:

@@ -55,11 +55,15 @@ _MASK = -1e30  # finite "minus infinity": keeps exp(m_prev - m_new) well defined
 def check_shapes(*, head_size: int, block_size: int) -> None:
     """Raises ValueError for sizes the Mosaic kernel does not support (before tracing)."""
     if head_size % LANES:
-        raise ValueError(f"lowering='mosaic' needs head_size to be a multiple of {LANES} "
-                         f"(TPU lane width), got {head_size}")
+        raise ValueError(
+            f"lowering='mosaic' needs head_size to be a multiple of {LANES} "
+            f"(TPU lane width), got {head_size}"
+        )
     if block_size % 8:
-        raise ValueError(f"lowering='mosaic' needs block_size to be a multiple of 8 (TPU "
-                         f"sublanes), got {block_size}")
+        raise ValueError(
+            f"lowering='mosaic' needs block_size to be a multiple of 8 (TPU "
+            f"sublanes), got {block_size}"
+        )
 
 
 def tile_rows(n: int, compute_dtype) -> int:
@@ -75,28 +79,36 @@ def interpret_params(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-def _kernel(meta_ref,    # [NT * 8] int32 SMEM (scalar prefetch), see the column names
-            tables_ref,  # [S * Bp] int32 SMEM (scalar prefetch), row-major block tables
-            scale_ref,   # [1] float32 SMEM, sm_scale * k_scale
-            q_ref,       # [M, D] VMEM, this tile's rows for this KV head (unscaled)
-            kv_hbm,      # [N, 2, Hkv, bs, D] cache dtype, left in HBM
-            o_ref,       # [M, D] float32 VMEM, normalised output
-            k_buf,       # [2, BK, D] cache dtype VMEM scratch (double buffer)
-            v_buf,       # [2, BK, D] cache dtype VMEM scratch
-            sems,        # [2] DMA semaphores, one per buffer slot
-            m_ref,       # [M, 1] float32 VMEM scratch, running max
-            l_ref,       # [M, 1] float32 VMEM scratch, softmax denominator
-            acc_ref,     # [M, D] float32 VMEM scratch, unnormalised output
-            *, width, group, block_size, pages_per_tile, sliding_window, soft_cap,
-            compute_dtype):
+def _kernel(
+    meta_ref,  # [NT * 8] int32 SMEM (scalar prefetch), see the column names
+    tables_ref,  # [S * Bp] int32 SMEM (scalar prefetch), row-major block tables
+    scale_ref,  # [1] float32 SMEM, sm_scale * k_scale
+    q_ref,  # [M, D] VMEM, this tile's rows for this KV head (unscaled)
+    kv_hbm,  # [N, 2, Hkv, bs, D] cache dtype, left in HBM
+    o_ref,  # [M, D] float32 VMEM, normalised output
+    k_buf,  # [2, BK, D] cache dtype VMEM scratch (double buffer)
+    v_buf,  # [2, BK, D] cache dtype VMEM scratch
+    sems,  # [2] DMA semaphores, one per buffer slot
+    m_ref,  # [M, 1] float32 VMEM scratch, running max
+    l_ref,  # [M, 1] float32 VMEM scratch, softmax denominator
+    acc_ref,  # [M, D] float32 VMEM scratch, unnormalised output
+    *,
+    width,
+    group,
+    block_size,
+    pages_per_tile,
+    sliding_window,
+    soft_cap,
+    compute_dtype,
+):
     tile, head = pl.program_id(0), pl.program_id(1)
     base = tile * META_COLS
     seq = meta_ref[base + SEQ]
     pos0 = meta_ref[base + POS0]
     num_q = meta_ref[base + NUM_Q]
-    key_lo = meta_ref[base + KV_LO]   # first needed key position of the tile
-    key_hi = meta_ref[base + KV_HI]   # one past the last needed key position
-    t0 = meta_ref[base + KV_T0]       # KV tiles [t0, t1) hold every needed key
+    key_lo = meta_ref[base + KV_LO]  # first needed key position of the tile
+    key_hi = meta_ref[base + KV_HI]  # one past the last needed key position
+    t0 = meta_ref[base + KV_T0]  # KV tiles [t0, t1) hold every needed key
     t1 = meta_ref[base + KV_T1]
     rows, head_size = q_ref.shape
     block_k = pages_per_tile * block_size
@@ -109,9 +121,13 @@ def _kernel(meta_ref,    # [NT * 8] int32 SMEM (scalar prefetch), see the column
             used = ((col + 1) * block_size > key_lo) & (col * block_size < key_hi)
             block = jnp.where(used, tables_ref[seq * width + col], NULL_BLOCK_ID)
             for kv, buf in ((0, k_buf), (1, v_buf)):
-                copies.append(pltpu.make_async_copy(
-                    kv_hbm.at[block, kv, head], buf.at[slot, pl.ds(p * block_size, block_size)],
-                    sems.at[slot]))
+                copies.append(
+                    pltpu.make_async_copy(
+                        kv_hbm.at[block, kv, head],
+                        buf.at[slot, pl.ds(p * block_size, block_size)],
+                        sems.at[slot],
+                    )
+                )
         return copies
 
     m_ref[...] = jnp.full(m_ref.shape, _MASK, jnp.float32)
@@ -123,10 +139,10 @@ def _kernel(meta_ref,    # [NT * 8] int32 SMEM (scalar prefetch), see the column
         for c in tile_copies(t0, 0):
             c.start()
 
-    q = q_ref[...].astype(compute_dtype)                                   # [M, D]
+    q = q_ref[...].astype(compute_dtype)  # [M, D]
     logit_scale = scale_ref[0]
     token = lax.div(lax.broadcasted_iota(jnp.int32, (rows, block_k), 0), jnp.int32(group))
-    q_pos = pos0 + token                                                    # [M, BK]
+    q_pos = pos0 + token  # [M, BK]
     row_ok = token < num_q
 
     def body(j, carry):
@@ -139,13 +155,15 @@ def _kernel(meta_ref,    # [NT * 8] int32 SMEM (scalar prefetch), see the column
 
         for c in tile_copies(j, slot):
             c.wait()
-        k = k_buf[slot].astype(compute_dtype)                              # [BK, D]
+        k = k_buf[slot].astype(compute_dtype)  # [BK, D]
         v = v_buf[slot].astype(compute_dtype)
         v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_size), 0)
         v = jnp.where((v_pos >= key_lo) & (v_pos < key_hi), v, jnp.zeros_like(v))
 
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * logit_scale  # [M, BK]
+        s = (
+            lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            * logit_scale
+        )  # [M, BK]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
@@ -153,13 +171,14 @@ def _kernel(meta_ref,    # [NT * 8] int32 SMEM (scalar prefetch), see the column
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
         s = jnp.where(mask, s, _MASK)
-        m_prev = m_ref[...]                                                 # [M, 1]
+        m_prev = m_ref[...]  # [M, 1]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m_prev - m_new)
-        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)                       # [M, BK]
+        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)  # [M, BK]
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)           # [M, D]
+        pv = lax.dot_general(
+            p.astype(compute_dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )  # [M, D]
         acc_ref[...] = alpha * acc_ref[...] + pv
         m_ref[...] = m_new
         return carry
@@ -169,13 +188,20 @@ def _kernel(meta_ref,    # [NT * 8] int32 SMEM (scalar prefetch), see the column
     o_ref[...] = acc_ref[...] / jnp.where(l > 0, l, 1.0)
 
 
-def attend_tiles(logit_scale,  # [1] float32, sm_scale * k_scale (applied in f32 after the dot)
-                 meta,       # [NT, 8] int32, see the column names above
-                 tables,     # [S, Bp] int32, Bp a multiple of pages_per_tile
-                 q_tiles,    # [NT, Hkv, M, D] compute dtype, M from tile_rows
-                 kv_cache,   # [N, 2, Hkv, bs, D] cache dtype
-                 *, group: int, pages_per_tile: int, sliding_window, soft_cap, compute_dtype,
-                 interpret: bool):
+def attend_tiles(
+    logit_scale,  # [1] float32, sm_scale * k_scale (applied in f32 after the dot)
+    meta,  # [NT, 8] int32, see the column names above
+    tables,  # [S, Bp] int32, Bp a multiple of pages_per_tile
+    q_tiles,  # [NT, Hkv, M, D] compute dtype, M from tile_rows
+    kv_cache,  # [N, 2, Hkv, bs, D] cache dtype
+    *,
+    group: int,
+    pages_per_tile: int,
+    sliding_window,
+    soft_cap,
+    compute_dtype,
+    interpret: bool,
+):
     """Runs the kernel; returns o [NT, Hkv, M, D] float32 (rows normalised; empty rows 0)."""
     nt, num_kv_heads, rows, head_size = q_tiles.shape
     width = tables.shape[1]
@@ -183,15 +209,22 @@ def attend_tiles(logit_scale,  # [1] float32, sm_scale * k_scale (applied in f32
     check_shapes(head_size=head_size, block_size=block_size)
     block_k = pages_per_tile * block_size
     kernel = functools.partial(
-        _kernel, width=width, group=group, block_size=block_size, pages_per_tile=pages_per_tile,
-        sliding_window=sliding_window, soft_cap=soft_cap, compute_dtype=compute_dtype)
+        _kernel,
+        width=width,
+        group=group,
+        block_size=block_size,
+        pages_per_tile=pages_per_tile,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        compute_dtype=compute_dtype,
+    )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,  # meta, tables
         grid=(nt, num_kv_heads),
         in_specs=[
-            pl.BlockSpec(memory_space=pltpu.SMEM),                          # logit_scale
+            pl.BlockSpec(memory_space=pltpu.SMEM),  # logit_scale
             pl.BlockSpec((None, None, rows, head_size), lambda i, h, *_: (i, h, 0, 0)),
-            pl.BlockSpec(memory_space=pl.ANY),                              # kv_cache (HBM)
+            pl.BlockSpec(memory_space=pl.ANY),  # kv_cache (HBM)
         ],
         out_specs=pl.BlockSpec((None, None, rows, head_size), lambda i, h, *_: (i, h, 0, 0)),
         scratch_shapes=[

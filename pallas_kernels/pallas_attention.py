@@ -60,7 +60,7 @@ def _unpack_out(o, t: tiles_lib.Tiles, num_q_heads: int):
     """[NT, Hkv, M, D] -> [NT, Qt, Hq, D] (inverse of _pack_q)."""
     nt, num_kv_heads, _, head_size = o.shape
     group = num_q_heads // num_kv_heads
-    o = o[:, :, :t.tile_q * group].reshape(nt, num_kv_heads, t.tile_q, group, head_size)
+    o = o[:, :, : t.tile_q * group].reshape(nt, num_kv_heads, t.tile_q, group, head_size)
     return o.transpose(0, 2, 1, 3, 4).reshape(nt, t.tile_q, num_q_heads, head_size)
 
 
@@ -69,21 +69,32 @@ def _combine_splits(o, m, l):
     if o.shape[0] == 1:
         return o[0]
     m_all = jnp.max(m, axis=0)
-    w = l * jnp.exp(m - m_all[None])                                       # [P, ..., M]
+    w = l * jnp.exp(m - m_all[None])  # [P, ..., M]
     denom = jnp.sum(w, axis=0)
     out = jnp.sum(w[..., None] * o, axis=0)
     return out / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-def paged_attention_pallas(q,                # [T, Hq, D]
-                           kv_cache,         # [N, 2, Hkv, bs, D]
-                           seq_lens,         # [S] int32
-                           query_start_loc,  # [S + 1] int32
-                           block_tables,     # [S, B] int32
-                           num_seqs,         # [] int32
-                           *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                           v_scale=None, max_q_len=None, interpret=False, lowering=None,
-                           kv_splits=None, kv_tile_tokens=None, target_rows=TARGET_ROWS):
+def paged_attention_pallas(
+    q,  # [T, Hq, D]
+    kv_cache,  # [N, 2, Hkv, bs, D]
+    seq_lens,  # [S] int32
+    query_start_loc,  # [S + 1] int32
+    block_tables,  # [S, B] int32
+    num_seqs,  # [] int32
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    max_q_len=None,
+    interpret=False,
+    lowering=None,
+    kv_splits=None,
+    kv_tile_tokens=None,
+    target_rows=TARGET_ROWS,
+):
     """Arguments as ``paged_attention`` (validated there) plus tuning knobs; [T, Hq, D] q.dtype.
 
     lowering: "triton" | "mosaic" | None (by platform). kv_splits: KV splits of decode tiles
@@ -100,13 +111,20 @@ def paged_attention_pallas(q,                # [T, Hq, D]
     if mosaic:
         mosaic_backend.check_shapes(head_size=head_size, block_size=block_size)
         if kv_splits not in (None, 1):
-            raise ValueError(f"kv_splits is a Triton (GPU) option; lowering='mosaic' runs "
-                             f"unsplit, got kv_splits={kv_splits}")
+            raise ValueError(
+                f"kv_splits is a Triton (GPU) option; lowering='mosaic' runs "
+                f"unsplit, got kv_splits={kv_splits}"
+            )
         kv_splits = 1
-    for name, n in (("head_size", head_size), ("block_size", block_size),
-                    ("kv_tile_tokens", kv_tile_tokens)):
+    for name, n in (
+        ("head_size", head_size),
+        ("block_size", block_size),
+        ("kv_tile_tokens", kv_tile_tokens),
+    ):
         if not mosaic and n & (n - 1):
-            raise ValueError(f"backend='pallas' needs a power-of-two {name} (Triton tiles), got {n}")
+            raise ValueError(
+                f"backend='pallas' needs a power-of-two {name} (Triton tiles), got {n}"
+            )
     if kv_splits is not None and (kv_splits < 1 or kv_splits & (kv_splits - 1)):
         raise ValueError(f"kv_splits must be a power of two >= 1, got {kv_splits}")
     max_q = num_tokens if max_q_len is None else min(max_q_len, num_tokens)
@@ -124,28 +142,53 @@ def paged_attention_pallas(q,                # [T, Hq, D]
     pages_per_tile = max(1, kv_tile_tokens // block_size, 16 // block_size)
     block_k = pages_per_tile * block_size
     width = -(-max_blocks // pages_per_tile) * pages_per_tile
-    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, width - max_blocks)),
-                     constant_values=NULL_BLOCK_ID)
-    kw = dict(group=group, pages_per_tile=pages_per_tile, sliding_window=sliding_window,
-              soft_cap=soft_cap, compute_dtype=compute_dtype, interpret=interpret)
+    tables = jnp.pad(
+        block_tables.astype(jnp.int32),
+        ((0, 0), (0, width - max_blocks)),
+        constant_values=NULL_BLOCK_ID,
+    )
+    kw = dict(
+        group=group,
+        pages_per_tile=pages_per_tile,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        compute_dtype=compute_dtype,
+        interpret=interpret,
+    )
 
     def run(t, n_rows, splits):
         """Output [NT, Hkv, M, D] float32 of tiles t with n_rows (token, head) rows each."""
         meta = _tile_meta(t, block_k=block_k, sliding_window=sliding_window)
         if mosaic:
             return mosaic_backend.attend_tiles(
-                scale, meta, tables, _pack_q(qs, t, num_kv_heads,
-                                             mosaic_backend.tile_rows(n_rows, compute_dtype)),
-                kv_cache, **kw)
-        return _combine_splits(*triton_backend.attend_tiles(
-            scale, meta, tables, _pack_q(qs, t, num_kv_heads, _pow2_at_least(max(16, n_rows))),
-            kv_cache, num_splits=splits, **kw))
+                scale,
+                meta,
+                tables,
+                _pack_q(qs, t, num_kv_heads, mosaic_backend.tile_rows(n_rows, compute_dtype)),
+                kv_cache,
+                **kw,
+            )
+        return _combine_splits(
+            *triton_backend.attend_tiles(
+                scale,
+                meta,
+                tables,
+                _pack_q(qs, t, num_kv_heads, _pow2_at_least(max(16, n_rows))),
+                kv_cache,
+                num_splits=splits,
+                **kw,
+            )
+        )
 
     out = jnp.zeros((num_tokens, num_q_heads, head_size), jnp.float32)
     dec = tiles_lib.decode_tiles(seq_lens, query_start_loc, num_seqs)
     if kv_splits is None:
         programs = num_seq_rows * num_kv_heads
-        kv_splits = 1 if interpret else min(MAX_KV_SPLITS, _pow2_at_most(max(1, TARGET_PROGRAMS // programs)))
+        kv_splits = (
+            1
+            if interpret
+            else min(MAX_KV_SPLITS, _pow2_at_most(max(1, TARGET_PROGRAMS // programs)))
+        )
     o = run(dec, group, kv_splits)
     out = tiles_lib.scatter_rows(out, _unpack_out(o, dec, num_q_heads), dec)
 
@@ -156,8 +199,9 @@ def paged_attention_pallas(q,                # [T, Hq, D]
         rows = max(16, target_rows * 128 // max(head_size, 128))
         tile_q = min(_pow2_at_most(max(1, rows // group)), _pow2_at_least(max_q - 1))
         bound = tiles_lib.max_prefill_tiles(num_tokens, num_seq_rows, tile_q, max_q)
-        pre = tiles_lib.prefill_tiles(seq_lens, query_start_loc, num_seqs, tile_q=tile_q,
-                                      num_tiles=bound)
+        pre = tiles_lib.prefill_tiles(
+            seq_lens, query_start_loc, num_seqs, tile_q=tile_q, num_tiles=bound
+        )
         o = run(pre, tile_q * group, 1)
         out = tiles_lib.scatter_rows(out, _unpack_out(o, pre, num_q_heads), pre)
     if v_scale is not None:

@@ -34,23 +34,31 @@ META_COLS = 8
 _MASK = -1e30  # finite "minus infinity": keeps exp(m_prev - m_new) well defined
 
 
-def _kernel(scale_ref,   # [1] float32 sm_scale * k_scale (whole array)
-            meta_ref,    # [NT, 8] int32 (whole array; scalar loads)
-            tables_ref,  # [S, Bp] int32 (whole array), Bp a multiple of pages_per_tile
-            q_ref,       # [M, D] this tile's rows for this KV head (unscaled)
-            kv_ref,      # [N, 2, Hkv, bs, D] cache dtype (whole array)
-            o_ref,       # [M, D] float32, normalised partial output of this split
-            m_ref,       # [M] float32 running max of this split
-            l_ref,       # [M] float32 softmax denominator of this split
-            *, group, block_size, pages_per_tile, num_splits, sliding_window, soft_cap,
-            compute_dtype):
+def _kernel(
+    scale_ref,  # [1] float32 sm_scale * k_scale (whole array)
+    meta_ref,  # [NT, 8] int32 (whole array; scalar loads)
+    tables_ref,  # [S, Bp] int32 (whole array), Bp a multiple of pages_per_tile
+    q_ref,  # [M, D] this tile's rows for this KV head (unscaled)
+    kv_ref,  # [N, 2, Hkv, bs, D] cache dtype (whole array)
+    o_ref,  # [M, D] float32, normalised partial output of this split
+    m_ref,  # [M] float32 running max of this split
+    l_ref,  # [M] float32 softmax denominator of this split
+    *,
+    group,
+    block_size,
+    pages_per_tile,
+    num_splits,
+    sliding_window,
+    soft_cap,
+    compute_dtype,
+):
     tile, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = meta_ref[tile, SEQ]
     pos0 = meta_ref[tile, POS0]
     num_q = meta_ref[tile, NUM_Q]
-    key_lo = meta_ref[tile, KV_LO]    # first needed key position of the tile
-    key_hi = meta_ref[tile, KV_HI]    # one past the last needed key position
-    t0 = meta_ref[tile, KV_T0]        # KV tiles [t0, t1) hold every needed key
+    key_lo = meta_ref[tile, KV_LO]  # first needed key position of the tile
+    key_hi = meta_ref[tile, KV_HI]  # one past the last needed key position
+    t0 = meta_ref[tile, KV_T0]  # KV tiles [t0, t1) hold every needed key
     t1 = meta_ref[tile, KV_T1]
     per_split = (t1 - t0 + num_splits - 1) // num_splits
     j_lo = t0 + split * per_split
@@ -58,16 +66,16 @@ def _kernel(scale_ref,   # [1] float32 sm_scale * k_scale (whole array)
 
     rows, head_size = q_ref.shape
     block_k = pages_per_tile * block_size
-    q = q_ref[...].astype(compute_dtype)                                   # [M, D]
+    q = q_ref[...].astype(compute_dtype)  # [M, D]
     logit_scale = scale_ref[0]
     token = lax.div(lax.broadcasted_iota(jnp.int32, (rows,), 0), jnp.int32(group))
-    q_pos = pos0 + token                                                    # [M]
+    q_pos = pos0 + token  # [M]
     row_ok = token < num_q
 
     def body(j, carry):
         acc, m_prev, l_prev = carry
         cols = j * pages_per_tile + lax.broadcasted_iota(jnp.int32, (pages_per_tile,), 0)
-        ids = tables_ref[seq, pl.ds(j * pages_per_tile, pages_per_tile)]    # [ppt]
+        ids = tables_ref[seq, pl.ds(j * pages_per_tile, pages_per_tile)]  # [ppt]
         used = ((cols + 1) * block_size > key_lo) & (cols * block_size < key_hi)
         ids = jnp.where(used, ids, NULL_BLOCK_ID)
         k = kv_ref[ids, 0, head].reshape(block_k, head_size).astype(compute_dtype)  # [BK, D]
@@ -76,37 +84,53 @@ def _kernel(scale_ref,   # [1] float32 sm_scale * k_scale (whole array)
         key_ok = (k_pos >= key_lo) & (k_pos < key_hi)
         v = jnp.where(key_ok[:, None], v, jnp.zeros_like(v))
 
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * logit_scale  # [M, BK]
+        s = (
+            lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            * logit_scale
+        )  # [M, BK]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = row_ok[:, None] & key_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
         s = jnp.where(mask, s, _MASK)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))                    # [M]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))  # [M]
         alpha = jnp.exp(m_prev - m_new)
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)              # [M, BK]
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # [M, BK]
         l_new = alpha * l_prev + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)           # [M, D]
+        pv = lax.dot_general(
+            p.astype(compute_dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )  # [M, D]
         return alpha[:, None] * acc + pv, m_new, l_new
 
-    init = (jnp.zeros((rows, head_size), jnp.float32), jnp.full((rows,), _MASK, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    init = (
+        jnp.zeros((rows, head_size), jnp.float32),
+        jnp.full((rows,), _MASK, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
     acc, m, l = lax.fori_loop(j_lo, j_hi, body, init)
     o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
     m_ref[...] = m
     l_ref[...] = l
 
 
-def attend_tiles(logit_scale,  # [1] float32, sm_scale * k_scale (scaled in f32, after the dot)
-                 meta,       # [NT, 8] int32, see the column names above
-                 tables,     # [S, Bp] int32, Bp a multiple of pages_per_tile
-                 q_tiles,    # [NT, Hkv, M, D] compute dtype, M a power of two >= 16
-                 kv_cache,   # [N, 2, Hkv, bs, D] cache dtype
-                 *, group: int, pages_per_tile: int, num_splits: int, sliding_window, soft_cap,
-                 compute_dtype, interpret: bool, num_warps: int | None = None, num_stages: int = 2):
+def attend_tiles(
+    logit_scale,  # [1] float32, sm_scale * k_scale (scaled in f32, after the dot)
+    meta,  # [NT, 8] int32, see the column names above
+    tables,  # [S, Bp] int32, Bp a multiple of pages_per_tile
+    q_tiles,  # [NT, Hkv, M, D] compute dtype, M a power of two >= 16
+    kv_cache,  # [N, 2, Hkv, bs, D] cache dtype
+    *,
+    group: int,
+    pages_per_tile: int,
+    num_splits: int,
+    sliding_window,
+    soft_cap,
+    compute_dtype,
+    interpret: bool,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+):
     """Runs the kernel; returns (o [P, NT, Hkv, M, D] f32, m [P, NT, Hkv, M], l [P, NT, Hkv, M]).
 
     ``num_warps`` None: 4, or 8 for tiles of M x D >= 64 x 128 (their f32 accumulator, scores
@@ -117,9 +141,15 @@ def attend_tiles(logit_scale,  # [1] float32, sm_scale * k_scale (scaled in f32,
         num_warps = 8 if rows * head_size >= 64 * 128 else 4
     block_size = kv_cache.shape[3]
     kernel = functools.partial(
-        _kernel, group=group, block_size=block_size, pages_per_tile=pages_per_tile,
-        num_splits=num_splits, sliding_window=sliding_window, soft_cap=soft_cap,
-        compute_dtype=compute_dtype)
+        _kernel,
+        group=group,
+        block_size=block_size,
+        pages_per_tile=pages_per_tile,
+        num_splits=num_splits,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        compute_dtype=compute_dtype,
+    )
     grid = (nt, num_kv_heads, num_splits)
     whole = pl.BlockSpec()  # no block shape: the kernel gets the whole array and indexes it
     out_shape = [
@@ -131,11 +161,11 @@ def attend_tiles(logit_scale,  # [1] float32, sm_scale * k_scale (scaled in f32,
         kernel,
         grid=grid,
         in_specs=[
-            whole,                                                          # logit_scale
-            whole,                                                          # meta
-            whole,                                                          # tables
+            whole,  # logit_scale
+            whole,  # meta
+            whole,  # tables
             pl.BlockSpec((None, None, rows, head_size), lambda i, h, s: (i, h, 0, 0)),
-            whole,                                                          # kv_cache
+            whole,  # kv_cache
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_size), lambda i, h, s: (s, i, h, 0, 0)),

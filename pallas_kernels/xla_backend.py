@@ -75,39 +75,52 @@ def prefill_keys_for(tile_q: int) -> int:
     return max(lo, min(hi, PREFILL_LOGITS // tile_q))
 
 
-def _page_rows(ids,            # [..., C] int32 block ids
-               num_kv_heads: int):
+def _page_rows(
+    ids,  # [..., C] int32 block ids
+    num_kv_heads: int,
+):
     """Row indices of (block, K|V, head) in the [N * 2 * Hkv, bs * D'] row view: [2, ..., Hkv, C]."""
     c = jnp.arange(2, dtype=jnp.int32).reshape((2,) + (1,) * ids.ndim)
     h = jnp.arange(num_kv_heads, dtype=jnp.int32)[:, None]
     return (ids[None, ..., None, :] * 2 + c[..., None]) * num_kv_heads + h
 
 
-def _table_ids(tables,  # [R, B] int32 block tables
-               rows,    # [...] int32 table row of each entry
-               cols,    # [...] int32 table column (may be past the table)
-               ok):     # [...] bool: the entry is one of its row's blocks
+def _table_ids(
+    tables,  # [R, B] int32 block tables
+    rows,  # [...] int32 table row of each entry
+    cols,  # [...] int32 table column (may be past the table)
+    ok,
+):  # [...] bool: the entry is one of its row's blocks
     """Block ids at (rows, cols): NULL_BLOCK_ID where not ``ok``, never a garbage entry."""
     return jnp.where(ok, tables[rows, jnp.minimum(cols, tables.shape[1] - 1)], NULL_BLOCK_ID)
 
 
-def _chunk_rows(tables,      # [R, B] int32 block-table rows
-                first, end,  # [R] int32 block range [first, end) of each row
-                num_chunks: int, chunk: int, num_kv_heads: int):
+def _chunk_rows(
+    tables,  # [R, B] int32 block-table rows
+    first,
+    end,  # [R] int32 block range [first, end) of each row
+    num_chunks: int,
+    chunk: int,
+    num_kv_heads: int,
+):
     """Gather rows of every chunk of C blocks, computed once before the loop: [n, 2, R, Hkv, C].
 
     Columns past ``end`` (or past the table) read NULL_BLOCK_ID, never a garbage entry.
     """
     num_rows = tables.shape[0]
     cols = first[:, None] + jnp.arange(num_chunks * chunk, dtype=jnp.int32)[None, :]  # [R, n*C]
-    ids = _table_ids(tables, jnp.arange(num_rows, dtype=jnp.int32)[:, None], cols,
-                     cols < end[:, None]).reshape(num_rows, num_chunks, chunk)
+    ids = _table_ids(
+        tables, jnp.arange(num_rows, dtype=jnp.int32)[:, None], cols, cols < end[:, None]
+    ).reshape(num_rows, num_chunks, chunk)
     return _page_rows(ids, num_kv_heads).transpose(2, 0, 1, 3, 4)
 
 
-def _gather_kv(kv_rows,   # [N * 2 * Hkv, bs * D'] typed or uint8
-               rows,      # [2, ..., Hkv, C] int32
-               kv_dtype, block_size: int):
+def _gather_kv(
+    kv_rows,  # [N * 2 * Hkv, bs * D'] typed or uint8
+    rows,  # [2, ..., Hkv, C] int32
+    kv_dtype,
+    block_size: int,
+):
     """Pages of ``rows`` as typed K/V: [2, ..., Hkv, C * bs, D]."""
     lead = rows.shape[:-1]
     kv = jnp.take(kv_rows, rows.reshape(-1), axis=0)
@@ -136,13 +149,20 @@ def _softmax_step(carry, logits, ok, pv_of, *, logit_scale, soft_cap):
     logits = jnp.where(ok, logits, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p = jnp.exp(logits - m_safe[..., None])                               # masked -> 0
+    p = jnp.exp(logits - m_safe[..., None])  # masked -> 0
     corr = jnp.exp(m - m_safe)
     return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv_of(p)
 
 
-def decode_items(num_kv_heads: int, head_size: int, itemsize: int, block_size: int, *,
-                 bound_blocks: int, num_rows: int) -> tuple[int, int]:
+def decode_items(
+    num_kv_heads: int,
+    head_size: int,
+    itemsize: int,
+    block_size: int,
+    *,
+    bound_blocks: int,
+    num_rows: int,
+) -> tuple[int, int]:
     """(blocks per decode work item C, items per iteration W): an item covers ~ITEM_KEYS keys
     (whole blocks, at most the rows' block bound); W items gather ~CHUNK_BYTES.
 
@@ -155,8 +175,19 @@ def decode_items(num_kv_heads: int, head_size: int, itemsize: int, block_size: i
     return c, max(1, min(CHUNK_BYTES // per_item, num_rows * -(-bound_blocks // c) // 2))
 
 
-def _decode_attention(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_size, num_kv_heads,
-                      kv_dtype, logit_scale, sliding_window, soft_cap):
+def _decode_attention(
+    q,
+    kv_rows,
+    block_tables,
+    t: tiles_lib.Tiles,
+    *,
+    block_size,
+    num_kv_heads,
+    kv_dtype,
+    logit_scale,
+    sliding_window,
+    soft_cap,
+):
     """Attention of the S one-row decode tiles. Returns [S, Hkv, G, D] f32 (rows are divided
     by their softmax sum; empty tiles give zeros).
 
@@ -172,44 +203,52 @@ def _decode_attention(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_siz
     max_blocks = block_tables.shape[1]
     cache_dtype = kv_rows.dtype if kv_dtype is None else kv_dtype
     qg = _q_tile(q, t.row0[:, None], num_kv_heads=num_kv_heads, cdt=jnp.float32)
-    qg = qg.reshape(nt, num_kv_heads, group, head_size)                   # [S, Hkv, G, D]
+    qg = qg.reshape(nt, num_kv_heads, group, head_size)  # [S, Hkv, G, D]
 
-    first, end, bound = tiles_lib.kv_block_range(t, block_size=block_size, max_blocks=max_blocks,
-                                                 sliding_window=sliding_window)
+    first, end, bound = tiles_lib.kv_block_range(
+        t, block_size=block_size, max_blocks=max_blocks, sliding_window=sliding_window
+    )
     key_lo, key_hi = tiles_lib.key_range(t, sliding_window=sliding_window)
-    key_hi = jnp.minimum(key_hi, end * block_size)                        # [S] exclusive
-    c, w = decode_items(num_kv_heads, head_size, jnp.dtype(cache_dtype).itemsize, block_size,
-                        bound_blocks=bound, num_rows=nt)
-    n_items = (end - first + c - 1) // c                                  # [S] (0: empty tile)
-    levels = -(-bound // c)                                               # static items per row
+    key_hi = jnp.minimum(key_hi, end * block_size)  # [S] exclusive
+    c, w = decode_items(
+        num_kv_heads,
+        head_size,
+        jnp.dtype(cache_dtype).itemsize,
+        block_size,
+        bound_blocks=bound,
+        num_rows=nt,
+    )
+    n_items = (end - first + c - 1) // c  # [S] (0: empty tile)
+    levels = -(-bound // c)  # static items per row
     # Items in chunk-major order: every row's item 0, then every row's item 1, ... (rows with
     # fewer items drop out): rows reading shared pages (a common prefix) read them in the same
     # iteration. Rows are ranked by item count so the rows still active at a level are a prefix.
-    perm = jnp.argsort(-n_items, stable=True).astype(jnp.int32)           # [S]
+    perm = jnp.argsort(-n_items, stable=True).astype(jnp.int32)  # [S]
     active = jnp.sum(n_items[None, :] > jnp.arange(levels, dtype=jnp.int32)[:, None], axis=1)
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(active).astype(jnp.int32)])
     total = starts[-1]
-    n_static = -(-(nt * levels) // w)                                     # static iteration bound
-    item = jnp.arange(n_static * w, dtype=jnp.int32)                      # [I]
+    n_static = -(-(nt * levels) // w)  # static iteration bound
+    item = jnp.arange(n_static * w, dtype=jnp.int32)  # [I]
     level = jnp.clip(jnp.searchsorted(starts, item, side="right") - 1, 0, levels - 1)
-    r = perm[jnp.clip(item - starts[level], 0, nt - 1)]                   # [I] its row
+    r = perm[jnp.clip(item - starts[level], 0, nt - 1)]  # [I] its row
     valid = item < total
-    blk0 = first[r] + level * c                                           # [I] first block
-    cols = blk0[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]       # [I, C]
-    ids = _table_ids(block_tables, t.seq[r][:, None], cols,
-                     valid[:, None] & (cols < end[r][:, None]))           # [I, C]
-    rows_all = _page_rows(ids.reshape(n_static, w, c), num_kv_heads)      # [2, n, W, Hkv, C]
-    rows_all = rows_all.transpose(1, 0, 2, 3, 4)                          # [n, 2, W, Hkv, C]
-    kp0 = (blk0 * block_size).reshape(n_static, w)                        # [n, W]
-    hi = jnp.where(valid, key_hi[r], 0).reshape(n_static, w)              # [n, W]
+    blk0 = first[r] + level * c  # [I] first block
+    cols = blk0[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]  # [I, C]
+    ids = _table_ids(
+        block_tables, t.seq[r][:, None], cols, valid[:, None] & (cols < end[r][:, None])
+    )  # [I, C]
+    rows_all = _page_rows(ids.reshape(n_static, w, c), num_kv_heads)  # [2, n, W, Hkv, C]
+    rows_all = rows_all.transpose(1, 0, 2, 3, 4)  # [n, 2, W, Hkv, C]
+    kp0 = (blk0 * block_size).reshape(n_static, w)  # [n, W]
+    hi = jnp.where(valid, key_hi[r], 0).reshape(n_static, w)  # [n, W]
     lo = key_lo[r].reshape(n_static, w)
-    row = r.reshape(n_static, w)                                          # [n, W] for q and m
-    rid = jnp.where(valid, r, nt).reshape(n_static, w)                    # [n, W] S: dropped
+    row = r.reshape(n_static, w)  # [n, W] for q and m
+    rid = jnp.where(valid, r, nt).reshape(n_static, w)  # [n, W] S: dropped
     iota = jnp.arange(c * block_size, dtype=jnp.int32)
 
     def body(j, carry):
-        m_run, l_run, acc_run = carry                                      # [S, Hkv, G(, D)]
-        kp = kp0[j][:, None] + iota[None, :]                               # [W, L] contiguous
+        m_run, l_run, acc_run = carry  # [S, Hkv, G(, D)]
+        kp = kp0[j][:, None] + iota[None, :]  # [W, L] contiguous
         ok = (kp < hi[j][:, None]) & (kp >= lo[j][:, None])
         # K and V are gathered separately and reduced with multiply + sum (no dots): with
         # XLA's loop fusions each gather fused into its reduction (1.15-1.3x vs dots, session
@@ -218,32 +257,52 @@ def _decode_attention(q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_siz
         v = _gather_kv(kv_rows, rows_all[j, 1], kv_dtype, block_size).astype(jnp.float32)
         rj = row[j]
         logits = jnp.sum(k[:, :, None] * qg[rj][:, :, :, None, :], axis=-1)  # [W, Hkv, G, L]
-        v = jnp.where(ok[:, None, :, None], v, 0.0)                       # [W, Hkv, L, D]
-        empty = (jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32),
-                 jnp.zeros(logits.shape[:-1], jnp.float32),
-                 jnp.zeros(logits.shape[:-1] + (head_size,), jnp.float32))
-        m_i, l_i, acc_i = _softmax_step(empty, logits, ok[:, None, None, :],
-                                        lambda p: jnp.sum(p[..., None] * v[:, :, None], axis=3),
-                                        logit_scale=logit_scale, soft_cap=soft_cap)
+        v = jnp.where(ok[:, None, :, None], v, 0.0)  # [W, Hkv, L, D]
+        empty = (
+            jnp.full(logits.shape[:-1], -jnp.inf, jnp.float32),
+            jnp.zeros(logits.shape[:-1], jnp.float32),
+            jnp.zeros(logits.shape[:-1] + (head_size,), jnp.float32),
+        )
+        m_i, l_i, acc_i = _softmax_step(
+            empty,
+            logits,
+            ok[:, None, None, :],
+            lambda p: jnp.sum(p[..., None] * v[:, :, None], axis=3),
+            logit_scale=logit_scale,
+            soft_cap=soft_cap,
+        )
         # Merge the items into their rows (several items of one row may share an iteration).
-        m_new = m_run.at[rid[j]].max(m_i, mode="drop")                     # [S, Hkv, G]
+        m_new = m_run.at[rid[j]].max(m_i, mode="drop")  # [S, Hkv, G]
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        wi = jnp.exp(m_i - m_safe[rj])                                     # [W, Hkv, G]
+        wi = jnp.exp(m_i - m_safe[rj])  # [W, Hkv, G]
         corr = jnp.exp(m_run - m_safe)
         l_run = (l_run * corr).at[rid[j]].add(l_i * wi, mode="drop")
         acc_run = (acc_run * corr[..., None]).at[rid[j]].add(acc_i * wi[..., None], mode="drop")
         return m_new, l_run, acc_run
 
-    init = (jnp.full((nt, num_kv_heads, group), -jnp.inf, jnp.float32),
-            jnp.zeros((nt, num_kv_heads, group), jnp.float32),
-            jnp.zeros((nt, num_kv_heads, group, head_size), jnp.float32))
+    init = (
+        jnp.full((nt, num_kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((nt, num_kv_heads, group), jnp.float32),
+        jnp.zeros((nt, num_kv_heads, group, head_size), jnp.float32),
+    )
     _, l, acc = lax.fori_loop(0, (total + w - 1) // w, body, init)
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
-def _prefill_attention(out,  # [T + Qt, Hq, D] f32 (rows past T absorb a tile's overhang)
-                       q, kv_rows, block_tables, t: tiles_lib.Tiles, *, block_size, num_kv_heads,
-                       kv_dtype, logit_scale, sliding_window, soft_cap):
+def _prefill_attention(
+    out,  # [T + Qt, Hq, D] f32 (rows past T absorb a tile's overhang)
+    q,
+    kv_rows,
+    block_tables,
+    t: tiles_lib.Tiles,
+    *,
+    block_size,
+    num_kv_heads,
+    kv_dtype,
+    logit_scale,
+    sliding_window,
+    soft_cap,
+):
     """Prefill tiles one after another, each over its own keys; writes their rows into ``out``."""
     num_q_heads, head_size = q.shape[1:]
     group = num_q_heads // num_kv_heads
@@ -251,61 +310,80 @@ def _prefill_attention(out,  # [T + Qt, Hq, D] f32 (rows past T absorb a tile's 
     max_blocks = block_tables.shape[1]
     cache_dtype = kv_rows.dtype if kv_dtype is None else kv_dtype
     cdt = compute_dtype(q.dtype, cache_dtype)
-    first, end, bound = tiles_lib.kv_block_range(t, block_size=block_size, max_blocks=max_blocks,
-                                                 sliding_window=sliding_window)
+    first, end, bound = tiles_lib.kv_block_range(
+        t, block_size=block_size, max_blocks=max_blocks, sliding_window=sliding_window
+    )
     chunk = max(1, min(bound, prefill_keys_for(qt) // block_size))
     lk = chunk * block_size
     qoff = jnp.arange(qt, dtype=jnp.int32)
     iota = jnp.arange(lk, dtype=jnp.int32)
-    num_real = jnp.sum((t.num_q > 0).astype(jnp.int32))                  # real tiles come first
+    num_real = jnp.sum((t.num_q > 0).astype(jnp.int32))  # real tiles come first
 
     def tile_body(i, out):
         row0, nq, pos0, f, e = t.row0[i], t.num_q[i], t.pos0[i], first[i], end[i]
         qg = _q_tile(q, row0 + qoff, num_kv_heads=num_kv_heads, cdt=cdt)  # [Hkv, G, Qt, D]
-        qpos = (pos0 + qoff)[:, None]                                     # [Qt, 1]
+        qpos = (pos0 + qoff)[:, None]  # [Qt, 1]
         row_ok = (qoff < nq)[:, None]
         key_hi = jnp.minimum(pos0 + nq, e * block_size)
         n_tile = (e - f + chunk - 1) // chunk
-        rows_all = _chunk_rows(block_tables[t.seq[i]][None], f[None], e[None], -(-bound // chunk),
-                               chunk, num_kv_heads)[:, :, 0]              # [n, 2, Hkv, C]
+        rows_all = _chunk_rows(
+            block_tables[t.seq[i]][None], f[None], e[None], -(-bound // chunk), chunk, num_kv_heads
+        )[:, :, 0]  # [n, 2, Hkv, C]
 
         def body(j, carry):
-            kv = _gather_kv(kv_rows, rows_all[j], kv_dtype, block_size)   # [2, Hkv, L, D]
-            kp = (f + j * chunk) * block_size + iota                      # [L] contiguous
+            kv = _gather_kv(kv_rows, rows_all[j], kv_dtype, block_size)  # [2, Hkv, L, D]
+            kp = (f + j * chunk) * block_size + iota  # [L] contiguous
             key_ok = kp < key_hi
-            ok = row_ok & key_ok[None, :] & (kp[None, :] <= qpos)        # [Qt, L]
+            ok = row_ok & key_ok[None, :] & (kp[None, :] <= qpos)  # [Qt, L]
             if sliding_window is not None:
                 ok &= kp[None, :] > qpos - sliding_window
             k = kv[0].astype(cdt)
             v = jnp.where(key_ok[None, :, None], kv[1].astype(cdt), jnp.zeros((), cdt))
             logits = jnp.einsum("kgqd,ksd->kgqs", qg, k, preferred_element_type=jnp.float32)
             return _softmax_step(
-                carry, logits, ok,
-                lambda p: jnp.einsum("kgqs,ksd->kgqd", p.astype(cdt), v,
-                                     preferred_element_type=jnp.float32),
-                logit_scale=logit_scale, soft_cap=soft_cap)
+                carry,
+                logits,
+                ok,
+                lambda p: jnp.einsum(
+                    "kgqs,ksd->kgqd", p.astype(cdt), v, preferred_element_type=jnp.float32
+                ),
+                logit_scale=logit_scale,
+                soft_cap=soft_cap,
+            )
 
-        init = (jnp.full((num_kv_heads, group, qt), -jnp.inf, jnp.float32),
-                jnp.zeros((num_kv_heads, group, qt), jnp.float32),
-                jnp.zeros((num_kv_heads, group, qt, head_size), jnp.float32))
+        init = (
+            jnp.full((num_kv_heads, group, qt), -jnp.inf, jnp.float32),
+            jnp.zeros((num_kv_heads, group, qt), jnp.float32),
+            jnp.zeros((num_kv_heads, group, qt, head_size), jnp.float32),
+        )
         _, l, acc = lax.fori_loop(0, n_tile, body, init)
-        res = acc / jnp.where(l > 0, l, 1.0)[..., None]                   # [Hkv, G, Qt, D]
+        res = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [Hkv, G, Qt, D]
         res = res.transpose(2, 0, 1, 3).reshape(qt, num_q_heads, head_size)
         old = lax.dynamic_slice_in_dim(out, row0, qt)
         # Rows past the tile's own (num_q) keep what is there: the next tile or sequence owns them.
-        return lax.dynamic_update_slice_in_dim(out, jnp.where(row_ok[:, :, None], res, old), row0, 0)
+        return lax.dynamic_update_slice_in_dim(
+            out, jnp.where(row_ok[:, :, None], res, old), row0, 0
+        )
 
     return lax.fori_loop(0, num_real, tile_body, out)
 
 
-def paged_attention_xla(q,                # [T, Hq, D]
-                        kv_cache,         # [N, 2, Hkv, bs, D] typed, or [.., D * isz] uint8 bytes
-                        seq_lens,         # [S] int32
-                        query_start_loc,  # [S + 1] int32
-                        block_tables,     # [S, B] int32
-                        num_seqs,         # [] int32
-                        *, sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                        v_scale=None, max_q_len=None, kv_dtype=None):
+def paged_attention_xla(
+    q,  # [T, Hq, D]
+    kv_cache,  # [N, 2, Hkv, bs, D] typed, or [.., D * isz] uint8 bytes
+    seq_lens,  # [S] int32
+    query_start_loc,  # [S + 1] int32
+    block_tables,  # [S, B] int32
+    num_seqs,  # [] int32
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    max_q_len=None,
+    kv_dtype=None,
+):
     """Ragged paged attention with XLA ops. Arguments as ``paged_attention`` (validated there).
 
     Prefill tiles run in a loop over the real ones, so their static bound (from T, S and
@@ -325,18 +403,25 @@ def paged_attention_xla(q,                # [T, Hq, D]
     num_seqs = jnp.minimum(jnp.asarray(num_seqs, jnp.int32), num_seq_rows)
     # (block, K|V, head) rows: contiguous [bs * D'] runs of the page-major cache.
     kv_rows = kv_cache.reshape(num_blocks * 2 * num_kv_heads, block_size * row_width)
-    common = dict(block_size=block_size, num_kv_heads=num_kv_heads, kv_dtype=kv_dtype,
-                  logit_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    common = dict(
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        kv_dtype=kv_dtype,
+        logit_scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
 
     tile_q = tiles_lib.prefill_tile_q(max_q, MAX_TILE_Q)
     bound = tiles_lib.max_prefill_tiles(num_tokens, num_seq_rows, tile_q, max_q)
     out = jnp.zeros((num_tokens + (tile_q if bound else 0), num_q_heads, head_size), jnp.float32)
     if bound > 0:
-        t = tiles_lib.prefill_tiles(seq_lens, query_start_loc, num_seqs, tile_q=tile_q,
-                                    num_tiles=bound)
+        t = tiles_lib.prefill_tiles(
+            seq_lens, query_start_loc, num_seqs, tile_q=tile_q, num_tiles=bound
+        )
         out = _prefill_attention(out, q, kv_rows, block_tables, t, **common)
     dec = tiles_lib.decode_tiles(seq_lens, query_start_loc, num_seqs)
-    res = _decode_attention(q, kv_rows, block_tables, dec, **common)      # [S, Hkv, G, D]
+    res = _decode_attention(q, kv_rows, block_tables, dec, **common)  # [S, Hkv, G, D]
     out = tiles_lib.scatter_rows(out, res.reshape(num_seq_rows, 1, num_q_heads, head_size), dec)
     out = out[:num_tokens]
     if v_scale is not None:

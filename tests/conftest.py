@@ -5,8 +5,8 @@ import tempfile
 
 from jaxkv.gpu_aot import prepare_environment
 
-if not os.path.exists("/dev/nvidiactl"):   # no NVIDIA GPU: let the CUDA plugin register
-    prepare_environment()                  # for deviceless compiles (tests/gpu_aot)
+if not os.path.exists("/dev/nvidiactl"):  # no NVIDIA GPU: let the CUDA plugin register
+    prepare_environment()  # for deviceless compiles (tests/gpu_aot)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -10,7 +10,11 @@ import tomllib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MAPPED = {"jaxkv": ROOT / "jaxkv", "jaxkv.models": ROOT / "models", "jaxkv.pallas_kernels": ROOT / "pallas_kernels"}
+MAPPED = {
+    "jaxkv": ROOT / "jaxkv",
+    "jaxkv.models": ROOT / "models",
+    "jaxkv.pallas_kernels": ROOT / "pallas_kernels",
+}
 
 
 def _packages_in_tree() -> set[str]:
@@ -28,7 +32,10 @@ def test_pyproject_lists_every_package():
     """A subpackage missing from pyproject's explicit list would be left out of the wheel."""
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert set(conf["packages"]) == _packages_in_tree()
-    assert conf["package-dir"] == {"jaxkv.models": "models", "jaxkv.pallas_kernels": "pallas_kernels"}
+    assert conf["package-dir"] == {
+        "jaxkv.models": "models",
+        "jaxkv.pallas_kernels": "pallas_kernels",
+    }
 
 
 USER_SCRIPT = """
@@ -48,11 +55,17 @@ print("ok")
 
 def _run_in_user_dir(tmp_path, env_extra=None):
     (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "__init__.py").write_text("NAME = \"user's\"\n")
+    (tmp_path / "models" / "__init__.py").write_text('NAME = "user\'s"\n')
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(JAX_PLATFORMS="cpu", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-c", USER_SCRIPT], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", USER_SCRIPT],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_import_jaxkv_from_a_directory_with_its_own_models_package(tmp_path):
@@ -65,9 +78,13 @@ def test_import_jaxkv_from_a_directory_with_its_own_models_package(tmp_path):
 def test_built_wheel_maps_the_folders_under_jaxkv(tmp_path):
     """The wheel itself (not the checkout) holds jaxkv/models and jaxkv/pallas_kernels and no
     top-level models package; installed into a target directory it serves from the user's dir."""
-    wheels = tmp_path / "wheels"   # pip builds it in isolation (setuptools from the registry)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
-                    "-w", str(wheels), str(ROOT)], check=True, timeout=600, capture_output=True)
+    wheels = tmp_path / "wheels"  # pip builds it in isolation (setuptools from the registry)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
     (wheel,) = wheels.glob("jaxkv-*.whl")
     import zipfile
 

@@ -10,7 +10,7 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 def _python_example() -> str:
     text = README.read_text()
-    section = text[text.index("## Using it from Python"):]
+    section = text[text.index("## Using it from Python") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -21,8 +21,11 @@ def test_readme_python_example_runs(capsys, monkeypatch):
 
     # The example as written, minus the start-up warm-up (compiles only what it runs).
     from_config = LLMEngine.from_config.__func__
-    monkeypatch.setattr(LLMEngine, "from_config",
-                        classmethod(lambda cls, model, **kw: from_config(cls, model, **{"warmup": False, **kw})))
+    monkeypatch.setattr(
+        LLMEngine,
+        "from_config",
+        classmethod(lambda cls, model, **kw: from_config(cls, model, **{"warmup": False, **kw})),
+    )
 
     try:
         smollm2_gguf_path()

@@ -24,7 +24,13 @@ from jaxkv.core.kv_cache_coordinator import (
     get_kv_cache_coordinator,
 )
 from jaxkv.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from jaxkv.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
+from jaxkv.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+)
 from jaxkv.core.metrics import PrefixCacheStats, PrefixCachingMetrics, SchedulerStats
 from jaxkv.core.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
 from jaxkv.core.request import Request, RequestStatus

@@ -23,7 +23,14 @@ class KVCacheBlock:
         is_null: True only for the null block.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "_block_hash", "prev_free_block", "next_free_block", "is_null")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "_block_hash",
+        "prev_free_block",
+        "next_free_block",
+        "is_null",
+    )
 
     def __init__(self, block_id: int):
         self.block_id = block_id

@@ -51,7 +51,9 @@ class BlockPool:
         track_new_block_ids: bool = False,
     ):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an int >= 1 (block 0 is the null block), got {num_blocks!r}")
+            raise ValueError(
+                f"num_blocks must be an int >= 1 (block 0 is the null block), got {num_blocks!r}"
+            )
         self.num_gpu_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
@@ -72,7 +74,9 @@ class BlockPool:
         self._newly_cached: list[int] = []
 
     # ---- prefix cache ----------------------------------------------------------------
-    def get_cached_block(self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
         """One cached block per group for ``block_hash``, or None if any group misses."""
         cached = []
         get_one_block = self.cached_block_hash_to_block.get_one_block
@@ -124,7 +128,11 @@ class BlockPool:
                 BlockStored(
                     block_hashes=tuple(new_hashes),
                     parent_block_hash=parent,
-                    token_ids=tuple(request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]),
+                    token_ids=tuple(
+                        request.all_token_ids[
+                            num_cached_blocks * block_size : num_full_blocks * block_size
+                        ]
+                    ),
                     block_size=block_size,
                 )
             )
@@ -148,7 +156,9 @@ class BlockPool:
     def _evict_cached_block(self, block: KVCacheBlock) -> None:
         key = block._block_hash
         if self.cached_block_hash_to_block.pop(key, block.block_id) is None:
-            raise AssertionError(f"block {block.block_id} has hash {key!r} but is not in the cache map")
+            raise AssertionError(
+                f"block {block.block_id} has hash {key!r} but is not in the cache map"
+            )
         block.reset_hash()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockRemoved(block_hashes=(key[0],)))

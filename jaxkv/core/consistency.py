@@ -40,7 +40,9 @@ def block_pool_problems(pool, holders: Counter | None = None) -> list[str]:
     if curr is None:
         problems.append("the free queue does not end at its tail")
     if len(seen) != queue.num_free_blocks:
-        problems.append(f"the free queue holds {len(seen)} blocks but counts {queue.num_free_blocks}")
+        problems.append(
+            f"the free queue holds {len(seen)} blocks but counts {queue.num_free_blocks}"
+        )
     for block in pool.blocks:
         if block.is_null:
             if block.block_id in seen:
@@ -48,16 +50,22 @@ def block_pool_problems(pool, holders: Counter | None = None) -> list[str]:
             continue
         free = block.block_id in seen
         if free != (block.ref_cnt == 0):
-            problems.append(f"block {block.block_id} has ref count {block.ref_cnt} and is "
-                            f"{'' if free else 'not '}in the free queue")
+            problems.append(
+                f"block {block.block_id} has ref count {block.ref_cnt} and is "
+                f"{'' if free else 'not '}in the free queue"
+            )
         if holders is not None and block.ref_cnt != holders.get(block.block_id, 0):
-            problems.append(f"block {block.block_id} has ref count {block.ref_cnt} but "
-                            f"{holders.get(block.block_id, 0)} holders")
+            problems.append(
+                f"block {block.block_id} has ref count {block.ref_cnt} but "
+                f"{holders.get(block.block_id, 0)} holders"
+            )
     for key, entry in pool.cached_block_hash_to_block._cache.items():
         for block in (entry,) if not isinstance(entry, dict) else entry.values():
             if block.block_hash != key:
-                problems.append(f"cache entry {key!r} points to block {block.block_id} with hash "
-                                f"{block.block_hash!r}")
+                problems.append(
+                    f"cache entry {key!r} points to block {block.block_id} with hash "
+                    f"{block.block_hash!r}"
+                )
     return problems
 
 
@@ -84,8 +92,10 @@ def scheduler_problems(scheduler) -> list[str]:
         problems.append(f"requests both running and waiting: {sorted(both)}")
     queued = set(running_ids) | set(waiting_ids)
     if queued != set(scheduler.requests):
-        problems.append(f"live requests in no queue: {sorted(set(scheduler.requests) - queued)}; "
-                        f"queued requests not live: {sorted(queued - set(scheduler.requests))}")
+        problems.append(
+            f"live requests in no queue: {sorted(set(scheduler.requests) - queued)}; "
+            f"queued requests not live: {sorted(queued - set(scheduler.requests))}"
+        )
     for r in scheduler.running:
         if r.status != RequestStatus.RUNNING:
             problems.append(f"running request {r.request_id!r} has status {r.status.name}")

@@ -17,7 +17,7 @@ def blame(exc: BaseException, request_id: str | None) -> None:
     if request_id is not None and getattr(exc, _CULPRIT_ATTR, None) is None:
         try:
             setattr(exc, _CULPRIT_ATTR, request_id)
-        except (AttributeError, TypeError):   # an exception type without a __dict__
+        except (AttributeError, TypeError):  # an exception type without a __dict__
             pass
 
 
@@ -43,7 +43,9 @@ def caused_by_interrupt(exc: BaseException) -> bool:
     """Whether a KeyboardInterrupt is among the causes of ``exc``. jax's jit cache re-raises
     an interrupt that lands in a static argument's ``__eq__`` as a ValueError holding the
     interrupt's traceback as text, hence the second test."""
-    return any(isinstance(e, KeyboardInterrupt) or "\nKeyboardInterrupt" in str(e) for e in _chain(exc))
+    return any(
+        isinstance(e, KeyboardInterrupt) or "\nKeyboardInterrupt" in str(e) for e in _chain(exc)
+    )
 
 
 class EngineStepError(RuntimeError):
@@ -60,8 +62,14 @@ class EngineStepError(RuntimeError):
             after they were donated): every other running request is recomputed.
     """
 
-    def __init__(self, message: str, *, request_id: str | None = None,
-                 aborted_request_ids: Iterable[str] = (), kv_cache_lost: bool = False):
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str | None = None,
+        aborted_request_ids: Iterable[str] = (),
+        kv_cache_lost: bool = False,
+    ):
         super().__init__(message)
         self.request_id = request_id
         self.aborted_request_ids = tuple(aborted_request_ids)

@@ -52,19 +52,30 @@ class KVCacheCoordinator:
         self.num_groups = len(self.single_type_managers)
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
     ) -> int:
         total = 0
         for i, manager in enumerate(self.single_type_managers):
-            total += manager.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i])
+            total += manager.get_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks[i]
+            )
         return total
 
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: tuple[Sequence[KVCacheBlock], ...]
+    ) -> None:
         for i, manager in enumerate(self.single_type_managers):
             manager.save_new_computed_blocks(request_id, new_computed_blocks[i])
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
-        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers)
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(
+            m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers
+        )
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         for manager in self.single_type_managers:
@@ -75,7 +86,10 @@ class KVCacheCoordinator:
             manager.free(request_id)
 
     def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> list[int]:
-        return [m.get_num_common_prefix_blocks(request_id, num_running_requests) for m in self.single_type_managers]
+        return [
+            m.get_num_common_prefix_blocks(request_id, num_running_requests)
+            for m in self.single_type_managers
+        ]
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for manager in self.single_type_managers:
@@ -94,8 +108,22 @@ class KVCacheCoordinator:
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
     """Prefix caching off: any number of groups, never a hit."""
 
-    def __init__(self, kv_cache_config, max_model_len, enable_kv_cache_events=False, eviction_policy=EvictionPolicy.LRU, track_new_block_ids=False):
-        super().__init__(kv_cache_config, max_model_len, False, enable_kv_cache_events, eviction_policy, track_new_block_ids)
+    def __init__(
+        self,
+        kv_cache_config,
+        max_model_len,
+        enable_kv_cache_events=False,
+        eviction_policy=EvictionPolicy.LRU,
+        track_new_block_ids=False,
+    ):
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            False,
+            enable_kv_cache_events,
+            eviction_policy,
+            track_new_block_ids,
+        )
 
     def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> list[int]:
         return [0] * self.num_groups
@@ -107,10 +135,26 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """Prefix caching on, exactly one group: delegates to its manager."""
 
-    def __init__(self, kv_cache_config, max_model_len, enable_kv_cache_events=False, eviction_policy=EvictionPolicy.LRU, track_new_block_ids=False):
-        super().__init__(kv_cache_config, max_model_len, True, enable_kv_cache_events, eviction_policy, track_new_block_ids)
+    def __init__(
+        self,
+        kv_cache_config,
+        max_model_len,
+        enable_kv_cache_events=False,
+        eviction_policy=EvictionPolicy.LRU,
+        track_new_block_ids=False,
+    ):
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            True,
+            enable_kv_cache_events,
+            eviction_policy,
+            track_new_block_ids,
+        )
         if self.num_groups != 1:
-            raise ValueError(f"UnitaryKVCacheCoordinator needs one KV-cache group, got {self.num_groups}")
+            raise ValueError(
+                f"UnitaryKVCacheCoordinator needs one KV-cache group, got {self.num_groups}"
+            )
         self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = self.kv_cache_spec.block_size
 
@@ -130,10 +174,26 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     hashes are computed at one block size).
     """
 
-    def __init__(self, kv_cache_config, max_model_len, enable_kv_cache_events=False, eviction_policy=EvictionPolicy.LRU, track_new_block_ids=False):
-        super().__init__(kv_cache_config, max_model_len, True, enable_kv_cache_events, eviction_policy, track_new_block_ids)
+    def __init__(
+        self,
+        kv_cache_config,
+        max_model_len,
+        enable_kv_cache_events=False,
+        eviction_policy=EvictionPolicy.LRU,
+        track_new_block_ids=False,
+    ):
+        super().__init__(
+            kv_cache_config,
+            max_model_len,
+            True,
+            enable_kv_cache_events,
+            eviction_policy,
+            track_new_block_ids,
+        )
         groups = kv_cache_config.kv_cache_groups
-        full_ids = [i for i, g in enumerate(groups) if not isinstance(g.kv_cache_spec, SlidingWindowSpec)]
+        full_ids = [
+            i for i, g in enumerate(groups) if not isinstance(g.kv_cache_spec, SlidingWindowSpec)
+        ]
         sw_ids = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, SlidingWindowSpec)]
         full_specs = {groups[i].kv_cache_spec for i in full_ids}
         sw_specs = {groups[i].kv_cache_spec for i in sw_ids}
@@ -144,7 +204,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             )
         block_sizes = sorted({g.kv_cache_spec.block_size for g in groups})
         if len(block_sizes) != 1:
-            raise ValueError(f"hybrid prefix caching needs one block size for all groups, got {block_sizes}")
+            raise ValueError(
+                f"hybrid prefix caching needs one block size for all groups, got {block_sizes}"
+            )
         self.block_size = block_sizes[0]
         self.full_attention_group_ids = full_ids
         self.full_attention_spec = next(iter(full_specs))
@@ -153,7 +215,11 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
         full_hit = FullAttentionManager.find_longest_cache_hit(
-            block_hashes, max_cache_hit_length, self.full_attention_group_ids, self.block_pool, self.full_attention_spec
+            block_hashes,
+            max_cache_hit_length,
+            self.full_attention_group_ids,
+            self.block_pool,
+            self.full_attention_spec,
         )
         hit_length = len(full_hit[0]) * self.block_size
         hit_blocks: list[list[KVCacheBlock] | None] = [None] * self.num_groups
@@ -180,7 +246,13 @@ def get_kv_cache_coordinator(
     track_new_block_ids: bool = False,
 ) -> KVCacheCoordinator:
     """Caching off (or no groups): no-prefix-cache; one group: unitary; otherwise hybrid."""
-    args = (kv_cache_config, max_model_len, enable_kv_cache_events, eviction_policy, track_new_block_ids)
+    args = (
+        kv_cache_config,
+        max_model_len,
+        enable_kv_cache_events,
+        eviction_policy,
+        track_new_block_ids,
+    )
     if not enable_caching or not kv_cache_config.kv_cache_groups:
         return KVCacheCoordinatorNoPrefixCache(*args)
     if len(kv_cache_config.kv_cache_groups) == 1:

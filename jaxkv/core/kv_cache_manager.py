@@ -88,7 +88,9 @@ class KVCacheManager:
         self.block_pool = self.coordinator.block_pool
         self.single_type_managers = self.coordinator.single_type_managers
         #: Shared empty value (its lists are tuples, so nobody can append to it).
-        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups))
+        )
 
     @property
     def usage(self) -> float:
@@ -112,8 +114,11 @@ class KVCacheManager:
         by ``allocate_slots``.
         """
         pooling = request.pooling_params
-        if (not self.enable_caching or request.sampling_params.prompt_logprobs is not None
-                or (pooling is not None and pooling.needs_every_token)):
+        if (
+            not self.enable_caching
+            or request.sampling_params.prompt_logprobs is not None
+            or (pooling is not None and pooling.needs_every_token)
+        ):
             return self.empty_kv_cache_blocks, 0
         max_cache_hit_length = request.num_tokens - 1
         computed_blocks, num_new_computed_tokens = self.coordinator.find_longest_cache_hit(
@@ -163,7 +168,9 @@ class KVCacheManager:
         coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_need_slot = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        num_tokens_need_slot = min(
+            num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
         num_blocks_to_allocate = coordinator.get_num_blocks_to_allocate(
             request_id, num_tokens_need_slot, new_computed_block_list
         )
@@ -194,7 +201,9 @@ class KVCacheManager:
         self.coordinator.free(request.request_id)
 
     # ---- queries ---------------------------------------------------------------------
-    def max_blocks_per_request(self, num_tokens: int, max_num_batched_tokens: int, num_lookahead_tokens: int = 0) -> int:
+    def max_blocks_per_request(
+        self, num_tokens: int, max_num_batched_tokens: int, num_lookahead_tokens: int = 0
+    ) -> int:
         """Most blocks (all groups) one request of ``num_tokens`` tokens can hold at once.
 
         Full attention keeps ``cdiv(num_tokens, bs)``; a sliding window keeps at most the
@@ -205,7 +214,9 @@ class KVCacheManager:
             spec = group.kv_cache_spec
             blocks = cdiv(num_tokens + num_lookahead_tokens, spec.block_size)
             if isinstance(spec, SlidingWindowSpec):
-                window_tokens = spec.sliding_window - 1 + max_num_batched_tokens + num_lookahead_tokens
+                window_tokens = (
+                    spec.sliding_window - 1 + max_num_batched_tokens + num_lookahead_tokens
+                )
                 blocks = min(blocks, cdiv(window_tokens, spec.block_size) + 1)
             total += blocks
         return total
@@ -215,11 +226,17 @@ class KVCacheManager:
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in blocks] for blocks in self.coordinator.get_blocks(request_id))
+        return tuple(
+            [b.block_id for b in blocks] for blocks in self.coordinator.get_blocks(request_id)
+        )
 
-    def get_num_common_prefix_blocks(self, request: Request, num_running_requests: int) -> list[int]:
+    def get_num_common_prefix_blocks(
+        self, request: Request, num_running_requests: int
+    ) -> list[int]:
         """Per group, leading blocks held by all ``num_running_requests`` running requests."""
-        return self.coordinator.get_num_common_prefix_blocks(request.request_id, num_running_requests)
+        return self.coordinator.get_num_common_prefix_blocks(
+            request.request_id, num_running_requests
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Clears the prefix cache if no block is in use; returns success."""

@@ -58,7 +58,9 @@ class ModelRunnerOutput:
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs]] | None = None
-    prompt_logprobs_dict: dict[str, list[TokenLogprobs] | None] = dataclasses.field(default_factory=dict)
+    prompt_logprobs_dict: dict[str, list[TokenLogprobs] | None] = dataclasses.field(
+        default_factory=dict
+    )
     spec_token_ids: list[list[int]] | None = None
     pooler_output: dict[str, object] = dataclasses.field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None

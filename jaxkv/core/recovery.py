@@ -39,8 +39,8 @@ def affected_request_ids(scheduler, extra: Iterable[str] = ()) -> set[str]:
     for so, _ in scheduler._uncommitted:
         ids.update(r for r in so.num_scheduled_tokens if r in scheduler.requests)
     queued = {r.request_id for r in scheduler.running} | {r.request_id for r in scheduler.waiting}
-    ids.update(r for r in scheduler.requests if r not in queued)   # lost between two queues
-    if scheduler._scheduling:   # schedule() raised part-way: anything it touched
+    ids.update(r for r in scheduler.requests if r not in queued)  # lost between two queues
+    if scheduler._scheduling:  # schedule() raised part-way: anything it touched
         ids.update(r.request_id for r in scheduler.running)
         for manager in scheduler.kv_cache_manager.single_type_managers:
             ids.update(r for r, blocks in manager.req_to_blocks.items() if blocks)
@@ -86,7 +86,6 @@ def remove_requests(scheduler, ids: set[str]) -> None:
         scheduler.forget_kv_transfers(req_id)
 
 
-
 def reset_scheduler(scheduler) -> None:
     """Aborts every request and rebuilds an empty KV-cache manager (cache and pool)."""
     for req_id, request in scheduler.requests.items():
@@ -107,9 +106,9 @@ def drop_all_kv(scheduler) -> list[str]:
     scheduled again; its tokens so far are kept) and the prefix cache is emptied. Returns
     the ids preempted."""
     preempted = [r.request_id for r in scheduler.running]
-    for request in reversed(scheduler.running):   # prepended: the first ends up first
+    for request in reversed(scheduler.running):  # prepended: the first ends up first
         scheduler._preempt_request(request)
     scheduler.running = []
     if not scheduler.kv_cache_manager.reset_prefix_cache():
-        reset_scheduler(scheduler)   # something still holds blocks: start from nothing
+        reset_scheduler(scheduler)  # something still holds blocks: start from nothing
     return preempted

@@ -112,7 +112,9 @@ class SchedulerOutput:
         return cls([], CachedRequestData.make_empty(), {}, 0, {}, [], set(), set(), [])
 
 
-def make_cached_request_data(running_reqs, resumed_reqs, num_scheduled_tokens, req_to_new_blocks) -> CachedRequestData:
+def make_cached_request_data(
+    running_reqs, resumed_reqs, num_scheduled_tokens, req_to_new_blocks
+) -> CachedRequestData:
     """Builds ``CachedRequestData``: running requests (new blocks only), then resumed ones.
 
     Args:
@@ -148,4 +150,6 @@ def make_cached_request_data(running_reqs, resumed_reqs, num_scheduled_tokens, r
         num_computed_tokens.append(start)
         all_token_ids[req_id] = list(req.all_token_ids)
     resumed = [False] * len(running_reqs) + [True] * len(resumed_reqs)
-    return CachedRequestData(req_ids, resumed, new_token_ids, new_block_ids, num_computed_tokens, all_token_ids)
+    return CachedRequestData(
+        req_ids, resumed, new_token_ids, new_block_ids, num_computed_tokens, all_token_ids
+    )

@@ -58,12 +58,20 @@ class Scheduler:
         kv_connector: The scheduler side of a KV connector, or None.
     """
 
-    def __init__(self, kv_cache_config: KVCacheConfig, scheduler_config: SchedulerConfig | None = None,
-                 *, kv_connector=None, **kwargs):
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        scheduler_config: SchedulerConfig | None = None,
+        *,
+        kv_connector=None,
+        **kwargs,
+    ):
         if scheduler_config is None:
             scheduler_config = SchedulerConfig(**kwargs)
         elif kwargs:
-            raise TypeError(f"pass either a SchedulerConfig or keyword settings, not both: {sorted(kwargs)}")
+            raise TypeError(
+                f"pass either a SchedulerConfig or keyword settings, not both: {sorted(kwargs)}"
+            )
         self.scheduler_config = config = scheduler_config
         self.kv_cache_config = kv_cache_config
         self.max_num_running_reqs = config.max_num_seqs
@@ -78,7 +86,9 @@ class Scheduler:
         self.num_kv_cache_groups = self.kv_cache_manager.num_kv_cache_groups
         self.block_hasher = None
         if self.kv_cache_manager.enable_caching:
-            self.block_hasher = get_request_block_hasher(self.block_size, get_hash_fn(config.hash_algo))
+            self.block_hasher = get_request_block_hasher(
+                self.block_size, get_hash_fn(config.hash_algo)
+            )
 
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
@@ -91,17 +101,17 @@ class Scheduler:
         #: Steps scheduled and not yet updated, each with the blocks its schedule put into
         #: the prefix cache (their KV is written by that step): evicted if the step fails.
         self._uncommitted: list[tuple[SchedulerOutput, list[int]]] = []
-        self._scheduling = False   # True while schedule() runs (still True if it raised)
-        self.num_hard_resets = 0   # recoveries that had to rebuild the KV-cache manager
+        self._scheduling = False  # True while schedule() runs (still True if it raised)
+        self.num_hard_resets = 0  # recoveries that had to rebuild the KV-cache manager
         self.connector = kv_connector
         #: Asynchronous loads: req id -> (local hit, tokens valid once loaded) in tokens.
         self._remote_loads: dict[str, tuple[int, int]] = {}
-        self._recved: set[str] = set()          # loads ended (reported by the workers)
-        self._failed_loads: set[str] = set()    # of those, failed: recompute
-        self._no_connector: set[str] = set()    # failed once: never asked again
+        self._recved: set[str] = set()  # loads ended (reported by the workers)
+        self._failed_loads: set[str] = set()  # of those, failed: recompute
+        self._no_connector: set[str] = set()  # failed once: never asked again
         self._sending: dict[str, Request] = {}  # finished, blocks kept until sent
-        self.num_external_computed_tokens = 0   # tokens loaded by the connector (stats)
-        self.kv_connector_stats: dict = {}      # the workers' latest counters (driver rank's)
+        self.num_external_computed_tokens = 0  # tokens loaded by the connector (stats)
+        self.kv_connector_stats: dict = {}  # the workers' latest counters (driver rank's)
         self.num_failed_kv_loads = 0
 
     def _make_kv_cache_manager(self) -> KVCacheManager:
@@ -128,7 +138,11 @@ class Scheduler:
         req_id = request.request_id
         if req_id in self.requests:
             raise ValueError(f"duplicate request id {req_id!r}: a live request already has it")
-        if request.status != _WAITING or request.num_computed_tokens != 0 or request.num_output_tokens:
+        if (
+            request.status != _WAITING
+            or request.num_computed_tokens != 0
+            or request.num_output_tokens
+        ):
             raise ValueError(f"request {req_id!r} is not fresh (status {request.status.name})")
         if request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(
@@ -136,7 +150,9 @@ class Scheduler:
                 f"output under max_model_len={self.max_model_len}"
             )
         max_len = int(min(request.num_prompt_tokens + request.max_tokens, self.max_model_len))
-        needed = self.kv_cache_manager.max_blocks_per_request(max_len, self.max_num_scheduled_tokens, self.num_lookahead_tokens)
+        needed = self.kv_cache_manager.max_blocks_per_request(
+            max_len, self.max_num_scheduled_tokens, self.num_lookahead_tokens
+        )
         usable = self.kv_cache_config.num_blocks - 1
         if needed > usable:
             raise ValueError(
@@ -157,7 +173,9 @@ class Scheduler:
         self.waiting.add_request(request)
 
     def finish_requests(
-        self, request_ids: str | Iterable[str], finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED
+        self,
+        request_ids: str | Iterable[str],
+        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED,
     ) -> list[str]:
         """Finishes live requests (abort by default) and frees their blocks.
 
@@ -197,7 +215,9 @@ class Scheduler:
             if req_id in self.requests:
                 num_cached[req_id] = max(self.requests[req_id].num_cached_tokens, 0)
         return [
-            EngineCoreOutput(req_id, [], finish_reason="abort", num_cached_tokens=num_cached[req_id])
+            EngineCoreOutput(
+                req_id, [], finish_reason="abort", num_cached_tokens=num_cached[req_id]
+            )
             for req_id in self.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         ]
 
@@ -209,7 +229,9 @@ class Scheduler:
         delay, params = False, None
         if self.connector is not None:
             self.forget_kv_transfers(req_id)
-            delay, params = self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(req_id))
+            delay, params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(req_id)
+            )
         if delay:
             self._sending[req_id] = request
         else:
@@ -287,7 +309,9 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
-                victim_index = running.index(victim) if victim is not running[-1] else len(running) - 1
+                victim_index = (
+                    running.index(victim) if victim is not running[-1] else len(running) - 1
+                )
                 running.pop(victim_index)
                 if victim_index < req_index:
                     req_index -= 1
@@ -316,7 +340,7 @@ class Scheduler:
                     scheduled_spec_decode_tokens[req_id] = request.spec_token_ids[:num_spec]
 
         # 2) Waiting requests, unless something was preempted in this step.
-        no_zero: set[int] = set()   # blocks a connector loads
+        no_zero: set[int] = set()  # blocks a connector loads
         if not preempted_reqs:
             skipped: list[Request] = []
             chunked = self.scheduler_config.enable_chunked_prefill
@@ -327,22 +351,24 @@ class Scheduler:
                 if request.status == _REMOTE:
                     loaded = self._finish_remote_load(request)
                     if loaded is None:
-                        skipped.append(self.waiting.pop_request())   # its load is still in flight
+                        skipped.append(self.waiting.pop_request())  # its load is still in flight
                         continue
-                    fresh = not loaded   # failed: its blocks were freed, it starts afresh
+                    fresh = not loaded  # failed: its blocks were freed, it starts afresh
                 num_external, load_async = 0, False
                 if fresh:
                     computed_blocks, num_local_computed = kv.get_computed_blocks(request)
                     if connector is not None and request.request_id not in self._no_connector:
-                        num_external, load_async = connector.get_num_new_matched_tokens(request, num_local_computed)
-                        if num_external is None:   # the connector asks to wait
+                        num_external, load_async = connector.get_num_new_matched_tokens(
+                            request, num_local_computed
+                        )
+                        if num_external is None:  # the connector asks to wait
                             skipped.append(self.waiting.pop_request())
                             continue
                 else:
                     computed_blocks, num_local_computed = None, 0
                 num_computed = request.num_computed_tokens + num_local_computed + num_external
                 if load_async:
-                    num_new_tokens = 0   # nothing computed until the load ends
+                    num_new_tokens = 0  # nothing computed until the load ends
                 else:
                     num_new_tokens = request.num_tokens - num_computed
                     if 0 < threshold < num_new_tokens:
@@ -362,8 +388,10 @@ class Scheduler:
                 if new_blocks is None:
                     break  # head of line cannot fit: stop admitting
                 if connector is not None:
-                    connector.update_state_after_alloc(request, kv.get_blocks(request.request_id), num_external)
-                    if num_external:   # loaded pages are never zeroed
+                    connector.update_state_after_alloc(
+                        request, kv.get_blocks(request.request_id), num_external
+                    )
+                    if num_external:  # loaded pages are never zeroed
                         self._loaded_block_ids(request, num_local_computed, num_external, no_zero)
                         if not load_async:
                             self.num_external_computed_tokens += num_external
@@ -417,7 +445,8 @@ class Scheduler:
             num_common_prefix_blocks=num_common_prefix_blocks,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted_reqs},
-            new_block_ids_to_zero=[b for b in kv.take_new_block_ids() if b not in no_zero] if no_zero
+            new_block_ids_to_zero=[b for b in kv.take_new_block_ids() if b not in no_zero]
+            if no_zero
             else kv.take_new_block_ids(),
         )
         if self.connector is not None:
@@ -431,20 +460,25 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             if request.spec_token_ids:
                 request.spec_token_ids = []  # consumed (or stale once a token is sampled)
-            if async_scheduling and (request.num_computed_tokens
-                                     >= request.num_tokens + request.num_output_placeholders):
+            if async_scheduling and (
+                request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
+            ):
                 request.num_output_placeholders += 1  # this step samples its next token
         self.finished_req_ids = set()
         newly_cached = kv.take_newly_cached_block_ids()
-        if num_scheduled_tokens:   # nothing scheduled: no step runs, nothing is updated
+        if num_scheduled_tokens:  # nothing scheduled: no step runs, nothing is updated
             self._uncommitted.append((output, newly_cached))
         self._scheduling = False
         return output
 
     # ---- KV connector ------------------------------------------------------------------------
-    def _loaded_block_ids(self, request: Request, num_local: int, num_external: int, out: set[int]) -> None:
+    def _loaded_block_ids(
+        self, request: Request, num_local: int, num_external: int, out: set[int]
+    ) -> None:
         """Adds to ``out`` the request's blocks that hold any of its external tokens."""
-        span = range(num_local // self.block_size, -(-(num_local + num_external) // self.block_size))
+        span = range(
+            num_local // self.block_size, -(-(num_local + num_external) // self.block_size)
+        )
         for ids in self.kv_cache_manager.get_block_ids(request.request_id):
             out.update(ids[i] for i in span if i < len(ids) and ids[i])
 
@@ -463,7 +497,7 @@ class Scheduler:
             self._failed_loads.discard(req_id)
             self._no_connector.add(req_id)
             self.num_failed_kv_loads += 1
-            self.kv_cache_manager.free(request)   # not cached: nothing stale is shared
+            self.kv_cache_manager.free(request)  # not cached: nothing stale is shared
             request.num_computed_tokens = 0
             return False
         num_computed = min(num_loaded, request.num_tokens)
@@ -483,7 +517,9 @@ class Scheduler:
         if out.invalid_block_ids:
             bad = out.invalid_block_ids
             for req_id in self._remote_loads:
-                if any(b in bad for ids in self.kv_cache_manager.get_block_ids(req_id) for b in ids):
+                if any(
+                    b in bad for ids in self.kv_cache_manager.get_block_ids(req_id) for b in ids
+                ):
                     self._failed_loads.add(req_id)
         for req_id in out.finished_sending:
             request = self._sending.pop(req_id, None)
@@ -508,7 +544,9 @@ class Scheduler:
 
     def _collect_stats_and_events(self) -> None:
         kv = self.kv_cache_manager
-        if kv.prefix_cache_stats is not None and (kv.prefix_cache_stats.requests or kv.prefix_cache_stats.reset):
+        if kv.prefix_cache_stats is not None and (
+            kv.prefix_cache_stats.requests or kv.prefix_cache_stats.reset
+        ):
             self.prefix_cache_metrics.observe(kv.make_prefix_cache_stats())
         events = kv.take_events()
         if events:
@@ -553,21 +591,25 @@ class Scheduler:
             new_token_ids = generated
             stopped = False
             if generated and request.num_output_placeholders:
-                request.num_output_placeholders = max(0, request.num_output_placeholders - len(generated))
+                request.num_output_placeholders = max(
+                    0, request.num_output_placeholders - len(generated)
+                )
             if generated:
                 if request.num_computed_tokens < request.num_tokens:
                     raise ValueError(
                         f"request {req_id!r} got sampled tokens {generated} for a partial prefill chunk "
                         f"({request.num_computed_tokens}/{request.num_tokens} tokens computed)"
                     )
-                new_token_ids, stopped = append_and_check_stop(request, generated, self.max_model_len)
+                new_token_ids, stopped = append_and_check_stop(
+                    request, generated, self.max_model_len
+                )
             new_logprobs = None
             if logprobs is not None and new_token_ids:
                 new_logprobs = logprobs[req_index][: len(new_token_ids)]
             prompt_logprobs = prompt_logprobs_dict.get(req_id) if prompt_logprobs_dict else None
             pooled = pooler_output.get(req_id) if pooler_output else None
             if pooled is not None and request.pooling_params is not None:
-                request.status = RequestStatus.FINISHED_STOPPED   # pooling ends with its output
+                request.status = RequestStatus.FINISHED_STOPPED  # pooling ends with its output
                 stopped = True
             kv_params = None
             if stopped:

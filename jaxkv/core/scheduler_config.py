@@ -61,12 +61,18 @@ class SchedulerConfig:
         _check_int("max_model_len", self.max_model_len, 2)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_int("num_lookahead_tokens", self.num_lookahead_tokens, 0)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enable_kv_cache_events",
-                     "log_stats", "async_scheduling"):
-            if not isinstance(getattr(self, name), bool):   # "no" would be truthy
+        for name in (
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "enable_kv_cache_events",
+            "log_stats",
+            "async_scheduling",
+        ):
+            if not isinstance(getattr(self, name), bool):  # "no" would be truthy
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.eos_token_id is not None and (isinstance(self.eos_token_id, bool)
-                                              or not isinstance(self.eos_token_id, int)):
+        if self.eos_token_id is not None and (
+            isinstance(self.eos_token_id, bool) or not isinstance(self.eos_token_id, int)
+        ):
             raise TypeError(f"eos_token_id must be an int or None, got {self.eos_token_id!r}")
         if self.async_scheduling and self.num_lookahead_tokens:
             raise ValueError(
@@ -81,7 +87,9 @@ class SchedulerConfig:
         try:
             object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
         except ValueError:
-            raise ValueError(f"policy must be one of {[p.value for p in SchedulingPolicy]}, got {self.policy!r}") from None
+            raise ValueError(
+                f"policy must be one of {[p.value for p in SchedulingPolicy]}, got {self.policy!r}"
+            ) from None
         try:
             object.__setattr__(self, "eviction_policy", EvictionPolicy(self.eviction_policy))
         except ValueError:

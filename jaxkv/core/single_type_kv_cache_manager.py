@@ -38,14 +38,18 @@ class SingleTypeKVCacheManager:
         them out of the queue.
         """
         num_required = cdiv(num_tokens, self.block_size)
-        num_new = num_required - len(new_computed_blocks) - len(self.req_to_blocks.get(request_id, ()))
+        num_new = (
+            num_required - len(new_computed_blocks) - len(self.req_to_blocks.get(request_id, ()))
+        )
         num_evictable = 0
         for block in new_computed_blocks:
             if block.ref_cnt == 0 and not block.is_null:
                 num_evictable += 1
         return max(num_new, 0) + num_evictable
 
-    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]) -> None:
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
         """Adopts the prefix hit of a request that has no blocks in this group yet."""
         if request_id not in self.num_cached_block:
             req_blocks = self.req_to_blocks[request_id]
@@ -74,7 +78,12 @@ class SingleTypeKVCacheManager:
         if num_full <= num_cached:
             return
         self.block_pool.cache_full_blocks(
-            request, self.req_to_blocks[request_id], num_cached, num_full, self.block_size, self.kv_cache_group_id
+            request,
+            self.req_to_blocks[request_id],
+            num_cached,
+            num_full,
+            self.block_size,
+            self.kv_cache_group_id,
         )
         self.num_cached_block[request_id] = num_full
 
@@ -108,7 +117,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     """Causal attention over the whole sequence: a request keeps all its blocks."""
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec):
+    def find_longest_cache_hit(
+        cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec
+    ):
         """Scans hashes left to right and stops at the first miss in any group."""
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
         max_num_blocks = max_length // kv_cache_spec.block_size
@@ -148,12 +159,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     real blocks however long it grows.
     """
 
-    def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int):
+    def __init__(
+        self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int
+    ):
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
         self.sliding_window = kv_cache_spec.sliding_window
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec):
+    def find_longest_cache_hit(
+        cls, block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec
+    ):
         """Scans right to left for ``cdiv(window - 1, block_size)`` contiguous cached blocks.
 
         A query at position ``p`` reads positions ``p - window + 1 .. p``, so to resume at
@@ -218,7 +233,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return 0
 
 
-def manager_for_spec(kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int) -> SingleTypeKVCacheManager:
+def manager_for_spec(
+    kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int
+) -> SingleTypeKVCacheManager:
     """The manager class for a spec (``SlidingWindowSpec`` subclasses ``FullAttentionSpec``)."""
     if isinstance(kv_cache_spec, SlidingWindowSpec):
         return SlidingWindowManager(kv_cache_spec, block_pool, kv_cache_group_id)

@@ -29,10 +29,10 @@ def merge_eos_token_ids(*sources: int | Iterable[int] | None) -> tuple[int, ...]
     for source in sources:
         if source is None:
             continue
-        for t in ([source] if isinstance(source, numbers.Integral) else source):
+        for t in [source] if isinstance(source, numbers.Integral) else source:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                 raise TypeError(f"EOS token ids must be ints, got {source!r}")
-            if t >= 0:   # a negative id (some GGUF files) means "none"
+            if t >= 0:  # a negative id (some GGUF files) means "none"
                 out[int(t)] = None
     return tuple(out)
 
@@ -75,7 +75,9 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     return False
 
 
-def append_and_check_stop(request: Request, token_ids: list[int], max_model_len: int) -> tuple[list[int], bool]:
+def append_and_check_stop(
+    request: Request, token_ids: list[int], max_model_len: int
+) -> tuple[list[int], bool]:
     """Appends tokens one by one; at the first stop, drops the rest.
 
     Returns ``(tokens actually appended, stopped)``.

@@ -5,8 +5,11 @@
 process needs none); ``LLMEngine`` does, so it loads on first use (PEP 562).
 """
 
-_LAZY = {"EngineCore": "jaxkv.engine.core", "LLMEngine": "jaxkv.engine.llm_engine",
-         "OutputProcessor": "jaxkv.engine.output_processor"}
+_LAZY = {
+    "EngineCore": "jaxkv.engine.core",
+    "LLMEngine": "jaxkv.engine.llm_engine",
+    "OutputProcessor": "jaxkv.engine.output_processor",
+}
 
 
 def __getattr__(name: str):

@@ -37,18 +37,20 @@ from jaxkv.sampling_params import SamplingParams
 __all__ = ["AsyncLLM", "EngineDeadError", "IterationStats"]
 
 
-_ABORTED = object()   # queued by abort(): ends the request's generator
+_ABORTED = object()  # queued by abort(): ends the request's generator
 
 
 @dataclasses.dataclass
 class IterationStats:
     """What one message from the core changed (vLLM's ``IterationStats``), for stat loggers."""
 
-    num_prompt_tokens: int = 0          # prompts of the core requests that produced their first output
+    num_prompt_tokens: int = 0  # prompts of the core requests that produced their first output
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = dataclasses.field(default_factory=list)
     inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
-    finished: list[tuple[str, float]] = dataclasses.field(default_factory=list)   # (reason, e2e seconds)
+    finished: list[tuple[str, float]] = dataclasses.field(
+        default_factory=list
+    )  # (reason, e2e seconds)
 
 
 @dataclasses.dataclass
@@ -69,22 +71,30 @@ class AsyncLLM:
       engine_kwargs: ``LLM``'s engine arguments (``resolve_engine_config``).
     """
 
-    def __init__(self, model: str = "tiny-llama", *, startup_timeout_s: float = 600.0,
-                 step_timeout_s: float = 600.0, **engine_kwargs):
-        self.engine_core = EngineCoreClient(model, engine_kwargs, startup_timeout_s=startup_timeout_s)
+    def __init__(
+        self,
+        model: str = "tiny-llama",
+        *,
+        startup_timeout_s: float = 600.0,
+        step_timeout_s: float = 600.0,
+        **engine_kwargs,
+    ):
+        self.engine_core = EngineCoreClient(
+            model, engine_kwargs, startup_timeout_s=startup_timeout_s
+        )
         self.config = self.engine_core.config
         self.model_config = self.engine_core.model_config
         self.tokenizer = self.engine_core.tokenizer
         self.input_processor = InputProcessor(self.config, self.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.step_timeout_s = step_timeout_s
-        self.stat_loggers: list = []   # objects with record(CoreStats | None, IterationStats)
-        self.scheduler_stats = None    # the core's latest CoreStats
+        self.stat_loggers: list = []  # objects with record(CoreStats | None, IterationStats)
+        self.scheduler_stats = None  # the core's latest CoreStats
         self._queues: dict[str, asyncio.Queue] = {}
-        self._timing: dict[str, _Timing] = {}   # core id -> arrival, last token
+        self._timing: dict[str, _Timing] = {}  # core id -> arrival, last token
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None   # the readers' loop
+        self._loop: asyncio.AbstractEventLoop | None = None  # the readers' loop
         self._last_message = time.monotonic()
 
     # ---- state ----------------------------------------------------------------------------------
@@ -115,31 +125,37 @@ class AsyncLLM:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    async def generate(self, prompt, sampling_params: SamplingParams | None, request_id: str, *,
-                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self, prompt, sampling_params: SamplingParams | None, request_id: str, *, priority: int = 0
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs as the core produces them (``sampling_params.output_kind``:
         CUMULATIVE, DELTA or FINAL_ONLY), the last one ``finished``. ValueError / TypeError
         on bad input (before anything is queued)."""
-        stream = await self.add_request(request_id, prompt, sampling_params or SamplingParams(), priority=priority)
+        stream = await self.add_request(
+            request_id, prompt, sampling_params or SamplingParams(), priority=priority
+        )
         try:
             async for out in stream:
                 yield out
         finally:
             await stream.aclose()
 
-    async def encode(self, prompt, pooling_params: PoolingParams | None, request_id: str, *,
-                     priority: int = 0) -> AsyncGenerator[PoolingRequestOutput, None]:
+    async def encode(
+        self, prompt, pooling_params: PoolingParams | None, request_id: str, *, priority: int = 0
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """A pooling request's one output (its pooled hidden states)."""
-        stream = await self.add_request(request_id, prompt, pooling_params or PoolingParams(task="embed"),
-                                        priority=priority)
+        stream = await self.add_request(
+            request_id, prompt, pooling_params or PoolingParams(task="embed"), priority=priority
+        )
         try:
             async for out in stream:
                 yield out
         finally:
             await stream.aclose()
 
-    async def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams, *,
-                          priority: int = 0) -> AsyncGenerator:
+    async def add_request(
+        self, request_id: str, prompt, params: SamplingParams | PoolingParams, *, priority: int = 0
+    ) -> AsyncGenerator:
         """Validates and queues a request now (ValueError / TypeError naming the field, nothing
         queued); returns the stream of its outputs. Iterate the stream to its end, close it
         after iterating, or call :meth:`abort`: a stream left alone keeps its request running.
@@ -152,11 +168,11 @@ class AsyncLLM:
         try:
             while True:
                 out = await queue.get()
-                if out is _ABORTED:   # abort(): the stream ends without a final output
+                if out is _ABORTED:  # abort(): the stream ends without a final output
                     finished = True
                     return
                 if isinstance(out, BaseException):
-                    finished = True   # the engine has already forgotten it
+                    finished = True  # the engine has already forgotten it
                     raise out
                 finished = out.finished
                 yield out
@@ -164,7 +180,7 @@ class AsyncLLM:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if not finished:   # cancelled, closed or failed: free its blocks
+            if not finished:  # cancelled, closed or failed: free its blocks
                 self._abort(request_id)
 
     def _add_request(self, request_id: str, prompt, params, priority: int) -> asyncio.Queue:
@@ -177,8 +193,14 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         child_ids = [r.request_id for r in req.core_requests]
-        self.output_processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.params, child_ids,
-                                          pooling=req.pooling_params)
+        self.output_processor.add_request(
+            request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            req.params,
+            child_ids,
+            pooling=req.pooling_params,
+        )
         for cid in child_ids:
             self._timing[cid] = _Timing(arrival, len(req.prompt_token_ids))
         return queue
@@ -190,7 +212,9 @@ class AsyncLLM:
         if queue is not None:
             queue.put_nowait(_ABORTED)
 
-    def _abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+    def _abort(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
         core_ids = self.output_processor.abort_requests([request_id])
         for cid in core_ids:
             self._timing.pop(cid, None)
@@ -212,8 +236,11 @@ class AsyncLLM:
 
     async def _watch_process(self, loop) -> None:
         await wait_for_exit(self.engine_core.proc, loop)
-        self._fail_all(self.engine_core.mark_dead(
-            f"the engine-core process died (exit code {self.engine_core.proc.poll()})"))
+        self._fail_all(
+            self.engine_core.mark_dead(
+                f"the engine-core process died (exit code {self.engine_core.proc.poll()})"
+            )
+        )
 
     async def _read_outputs(self) -> None:
         sock = self.engine_core.async_output_socket()
@@ -225,7 +252,8 @@ class AsyncLLM:
                     if self._queues and now - self._last_message > self.step_timeout_s:
                         raise self.engine_core.mark_dead(
                             f"the engine core sent nothing for {self.step_timeout_s:.0f} s with "
-                            f"{len(self._queues)} requests waiting")
+                            f"{len(self._queues)} requests waiting"
+                        )
                     if not self._queues:
                         self._last_message = now
                     continue
@@ -235,7 +263,9 @@ class AsyncLLM:
             self._fail_all(exc)
             raise
         except Exception as exc:  # noqa: BLE001 - a bug here must not leave consumers hanging
-            self._fail_all(self.engine_core.mark_dead(f"the output reader failed: {type(exc).__name__}: {exc}"))
+            self._fail_all(
+                self.engine_core.mark_dead(f"the output reader failed: {type(exc).__name__}: {exc}")
+            )
             raise
 
     def _handle(self, msg: CoreOutputs) -> None:
@@ -270,7 +300,7 @@ class AsyncLLM:
             self._fail_request(culprit_of(exc), exc)
         finally:
             stopped, op.reqs_to_abort = op.reqs_to_abort, []
-            for cid in stopped:   # finished by a stop string: the front end knew first
+            for cid in stopped:  # finished by a stop string: the front end knew first
                 t = self._timing.pop(cid, None)
                 if t is not None:
                     it.finished.append(("stop", now - t.arrival))

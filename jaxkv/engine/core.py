@@ -41,15 +41,20 @@ class EngineCore:
         try:
             self.kv_cache_configs = self._initialize_kv_caches()
             self.kv_cache_config: KVCacheConfig = self.kv_cache_configs[0]
-            self.scheduler = Scheduler(self.kv_cache_config, config.scheduler_config,
-                                       kv_connector=self._make_kv_connector())
+            self.scheduler = Scheduler(
+                self.kv_cache_config,
+                config.scheduler_config,
+                kv_connector=self._make_kv_connector(),
+            )
             #: Programs the driver worker has compiled (warm-up included), then from its outputs.
             self.num_compiles = self.model_executor.compile_or_warm_up_model()
         except BaseException:
             self.model_executor.shutdown()
             raise
-        self._in_flight: tuple[SchedulerOutput, object] | None = None   # async: dispatched, not collected
-        self.last_schedule_time = 0.0   # perf_counter() when the last step was scheduled
+        self._in_flight: tuple[SchedulerOutput, object] | None = (
+            None  # async: dispatched, not collected
+        )
+        self.last_schedule_time = 0.0  # perf_counter() when the last step was scheduled
 
     def _make_kv_connector(self):
         kt = getattr(self.config, "kv_transfer_config", None)
@@ -57,19 +62,28 @@ class EngineCore:
             return None
         from jaxkv.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole  # noqa: PLC0415
 
-        connector = KVConnectorFactory.create_connector(kt, KVConnectorRole.SCHEDULER, self.kv_cache_config,
-                                                        world_size=len(self.kv_cache_configs))
+        connector = KVConnectorFactory.create_connector(
+            kt,
+            KVConnectorRole.SCHEDULER,
+            self.kv_cache_config,
+            world_size=len(self.kv_cache_configs),
+        )
         connector.set_xfer_handshake_metadata(
-            dict(enumerate(self.model_executor.collective_rpc("get_kv_connector_handshake"))))
+            dict(enumerate(self.model_executor.collective_rpc("get_kv_connector_handshake")))
+        )
         return connector
 
     def _initialize_kv_caches(self) -> list[KVCacheConfig]:
         c = self.config
         specs = self.model_executor.get_kv_cache_specs()
         memory = self.model_executor.determine_available_memory()
-        configs = get_kv_cache_configs(specs, memory, max_model_len=c.max_model_len,
-                                       max_num_batched_tokens=c.max_num_batched_tokens,
-                                       num_gpu_blocks_override=c.num_gpu_blocks_override)
+        configs = get_kv_cache_configs(
+            specs,
+            memory,
+            max_model_len=c.max_model_len,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            num_gpu_blocks_override=c.num_gpu_blocks_override,
+        )
         self.model_executor.initialize_from_config(configs)
         return configs
 
@@ -81,10 +95,14 @@ class EngineCore:
             for req in requests:
                 self.scheduler.add_request(req)
         except BaseException:
-            remove_requests(self.scheduler, {r.request_id for r in requests} & set(self.scheduler.requests))
+            remove_requests(
+                self.scheduler, {r.request_id for r in requests} & set(self.scheduler.requests)
+            )
             raise
 
-    def finish_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+    def finish_requests(
+        self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
         if request_ids:
             self.scheduler.finish_requests(request_ids, status)
 
@@ -93,7 +111,9 @@ class EngineCore:
 
     def in_flight_request_ids(self) -> set[str]:
         """Requests of the step in flight (async scheduling), whose results are not in yet."""
-        return set(self._in_flight[0].num_scheduled_tokens) if self._in_flight is not None else set()
+        return (
+            set(self._in_flight[0].num_scheduled_tokens) if self._in_flight is not None else set()
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -124,9 +144,11 @@ class EngineCore:
             outputs += self._finish_in_flight()
         elif pending is None and self.scheduler.has_unfinished_requests():
             stuck = {r.request_id: r.num_output_placeholders for r in self.scheduler.running}
-            raise RuntimeError(f"async scheduling made no progress: nothing scheduled and no step in "
-                               f"flight; running requests (id: placeholders) {stuck}")
-        if pending is not None:   # None: nothing was scheduled, so there is nothing to update
+            raise RuntimeError(
+                f"async scheduling made no progress: nothing scheduled and no step in "
+                f"flight; running requests (id: placeholders) {stuck}"
+            )
+        if pending is not None:  # None: nothing was scheduled, so there is nothing to update
             self._in_flight = (so, pending)
         self._idle_wait(so)
         return outputs, so
@@ -161,7 +183,9 @@ class EngineCore:
 
     # ---- failed steps -------------------------------------------------------------------------
 
-    def recover(self, culprit: str | None, abort_orphans: Callable[[], list[str]]) -> tuple[bool, list[str]]:
+    def recover(
+        self, culprit: str | None, abort_orphans: Callable[[], list[str]]
+    ) -> tuple[bool, list[str]]:
         """Undoes a failed step: aborts its requests (``culprit``'s first), evicts what it
         cached, makes the workers consistent. ``abort_orphans`` (the front end's) aborts the
         requests whose completions the core no longer has and returns their ids. Returns
@@ -171,14 +195,14 @@ class EngineCore:
         try:
             self._in_flight = None
             ids = abort_failed_steps(self.scheduler, {culprit} - {None})
-            aborted = abort_orphans()   # with the other completions of their prompts
+            aborted = abort_orphans()  # with the other completions of their prompts
             if self.model_executor.recover_after_failure(ids):
                 kv_lost = True
                 drop_all_kv(self.scheduler)
         except BaseException:  # noqa: BLE001 - recovery itself broke: start from nothing
             reset_scheduler(self.scheduler)
             kv_lost = self.model_executor.recover_after_failure(None) or kv_lost
-        aborted += abort_orphans()   # what a reset aborted
+        aborted += abort_orphans()  # what a reset aborted
         return kv_lost, aborted
 
     def make_stats(self):

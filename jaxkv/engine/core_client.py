@@ -50,12 +50,12 @@ IDLE_POLL_MS = 1000
 
 
 class MsgType(bytes, enum.Enum):
-    ADD = b"A"          # front -> core: pickle(list[Request]), one request's completions (all or none)
-    ABORT = b"X"        # front -> core: pickle((list[str], RequestStatus))
-    SHUTDOWN = b"S"     # front -> core
-    READY = b"R"        # core -> front: pickle((EngineConfig, ModelConfig, tokenizer, info dict))
-    STARTUP_FAILED = b"F"   # core -> front: pickle(str) the error
-    OUTPUTS = b"O"      # core -> front: msgspec CoreOutputs
+    ADD = b"A"  # front -> core: pickle(list[Request]), one request's completions (all or none)
+    ABORT = b"X"  # front -> core: pickle((list[str], RequestStatus))
+    SHUTDOWN = b"S"  # front -> core
+    READY = b"R"  # core -> front: pickle((EngineConfig, ModelConfig, tokenizer, info dict))
+    STARTUP_FAILED = b"F"  # core -> front: pickle(str) the error
+    OUTPUTS = b"O"  # core -> front: msgspec CoreOutputs
 
 
 class CoreStats(msgspec.Struct, array_like=True):
@@ -64,26 +64,26 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_running_reqs: int
     num_waiting_reqs: int
     kv_cache_usage: float
-    prefix_cache_queries: int     # tokens looked up since start
-    prefix_cache_hits: int        # tokens found since start
+    prefix_cache_queries: int  # tokens looked up since start
+    prefix_cache_hits: int  # tokens found since start
     prefix_cache_hit_rate: float  # over the recent requests (the scheduler's window)
-    num_preemptions: int          # since start
-    kv_transfer_bytes: int = 0            # KV connector: bytes loaded from another instance
-    kv_transfer_seconds: float = 0.0      # ... and the seconds those loads took (start to data)
-    kv_external_tokens: int = 0           # tokens computed elsewhere and loaded
-    kv_failed_loads: int = 0              # loads that failed (their requests recomputed)
-    num_compiles: int = 0                 # programs compiled since start (warm-up included)
+    num_preemptions: int  # since start
+    kv_transfer_bytes: int = 0  # KV connector: bytes loaded from another instance
+    kv_transfer_seconds: float = 0.0  # ... and the seconds those loads took (start to data)
+    kv_external_tokens: int = 0  # tokens computed elsewhere and loaded
+    kv_failed_loads: int = 0  # loads that failed (their requests recomputed)
+    num_compiles: int = 0  # programs compiled since start (warm-up included)
 
 
 class CoreOutputs(msgspec.Struct, array_like=True):
     """One message from the core: a step's outputs, or a failure, with the scheduler's stats."""
 
     outputs: list[EngineCoreOutput]
-    scheduled: list[str] = []          # core ids scheduled in the step
-    schedule_time: float = 0.0         # time.perf_counter() of the schedule (CLOCK_MONOTONIC)
+    scheduled: list[str] = []  # core ids scheduled in the step
+    schedule_time: float = 0.0  # time.perf_counter() of the schedule (CLOCK_MONOTONIC)
     stats: CoreStats | None = None
-    failed: list[str] = []             # core ids aborted by a failed step or refused at add
-    error: str | None = None           # why
+    failed: list[str] = []  # core ids aborted by a failed step or refused at add
+    error: str | None = None  # why
 
 
 def _enc_hook(obj):
@@ -113,20 +113,30 @@ def _stats_of(core) -> CoreStats:
     totals = core.scheduler.prefix_cache_metrics
     sched = core.scheduler
     kv = sched.kv_connector_stats
-    return CoreStats(st.num_running_reqs, st.num_waiting_reqs, float(st.kv_cache_usage),
-                     totals.total_queries, totals.total_hits, float(st.prefix_cache_hit_rate),
-                     st.num_preemptions, int(kv.get("bytes_pulled", kv.get("bytes_loaded", 0))),
-                     float(kv.get("pull_seconds", kv.get("load_seconds", 0.0))), sched.num_external_computed_tokens,
-                     sched.num_failed_kv_loads, getattr(core, "num_compiles", 0))
+    return CoreStats(
+        st.num_running_reqs,
+        st.num_waiting_reqs,
+        float(st.kv_cache_usage),
+        totals.total_queries,
+        totals.total_hits,
+        float(st.prefix_cache_hit_rate),
+        st.num_preemptions,
+        int(kv.get("bytes_pulled", kv.get("bytes_loaded", 0))),
+        float(kv.get("pull_seconds", kv.get("load_seconds", 0.0))),
+        sched.num_external_computed_tokens,
+        sched.num_failed_kv_loads,
+        getattr(core, "num_compiles", 0),
+    )
 
 
 # ---- the engine-core process --------------------------------------------------------------------
 
 
-def run_engine_core(model: str, engine_kwargs: dict, input_addr: str, output_addr: str,
-                    parent_pid: int) -> None:
+def run_engine_core(
+    model: str, engine_kwargs: dict, input_addr: str, output_addr: str, parent_pid: int
+) -> None:
     """The core process's entry point: build the engine, answer READY, run the busy loop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the front end's to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)
@@ -172,15 +182,15 @@ class EngineCoreProc:
         self.out = out
         self.parent_pid = parent_pid
         self.async_scheduling = core.config.scheduler_config.async_scheduling
-        self.live: set[str] = set()   # core ids added whose finish the front end has not been sent
+        self.live: set[str] = set()  # core ids added whose finish the front end has not been sent
 
     def run(self) -> None:
         while True:
-            if os.getppid() != self.parent_pid:   # the front end died: nobody to serve (checked
-                return                             # busy too: a PUSH with no reader blocks at its HWM)
+            if os.getppid() != self.parent_pid:  # the front end died: nobody to serve (checked
+                return  # busy too: a PUSH with no reader blocks at its HWM)
             if not self.core.has_unfinished_requests() and not self.inp.poll(IDLE_POLL_MS):
-                if self.core.has_pending_kv_transfers():   # finished requests' KV still being
-                    self._step()                            # sent: poll their sends
+                if self.core.has_pending_kv_transfers():  # finished requests' KV still being
+                    self._step()  # sent: poll their sends
                 continue
             failed, error, stopping = self._drain_input()
             if failed:
@@ -189,7 +199,7 @@ class EngineCoreProc:
                 return
             if self.core.has_unfinished_requests():
                 self._step()
-            elif not failed:   # aborts made it idle: report the freed blocks
+            elif not failed:  # aborts made it idle: report the freed blocks
                 self._send(CoreOutputs([], stats=_stats_of(self.core)))
 
     def _drain_input(self) -> tuple[list[str], str | None, bool]:
@@ -228,8 +238,11 @@ class EngineCoreProc:
         for o in outputs:
             if o.finish_reason is not None:
                 self.live.discard(o.request_id)
-        self._send(CoreOutputs(outputs, list(so.num_scheduled_tokens), core.last_schedule_time,
-                               _stats_of(core)))
+        self._send(
+            CoreOutputs(
+                outputs, list(so.num_scheduled_tokens), core.last_schedule_time, _stats_of(core)
+            )
+        )
 
     def _recover(self, exc: Exception) -> None:
         from jaxkv.core.errors import culprit_of
@@ -241,8 +254,11 @@ class EngineCoreProc:
         lost = sorted(rid for rid in self.live if not self.core.has_request(rid))
         self.live.difference_update(lost)
         where = f" while handling request {culprit!r}" if culprit is not None else ""
-        error = (f"engine step failed{where} ({type(exc).__name__}: {exc})"
-                 + ("; the KV cache was lost and the other running requests are recomputed" if kv_lost else ""))
+        error = f"engine step failed{where} ({type(exc).__name__}: {exc})" + (
+            "; the KV cache was lost and the other running requests are recomputed"
+            if kv_lost
+            else ""
+        )
         traceback.print_exception(exc)
         self._send(CoreOutputs([], failed=lost, error=error, stats=_stats_of(self.core)))
 
@@ -271,7 +287,9 @@ class EngineCoreClient:
 
     def __init__(self, model: str, engine_kwargs: dict, *, startup_timeout_s: float = 600.0):
         if not isinstance(model, (str, os.PathLike)):
-            raise TypeError(f"the engine-core process loads the model itself: pass a name or path, got {model!r}")
+            raise TypeError(
+                f"the engine-core process loads the model itself: pass a name or path, got {model!r}"
+            )
         self._dir = tempfile.mkdtemp(prefix="jaxkv-core-")
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PUSH)
@@ -285,7 +303,9 @@ class EngineCoreClient:
         self.dead: EngineDeadError | None = None
         self.proc = _spawn(args)
         try:
-            self.config, self.model_config, self.tokenizer, self.info = self._wait_ready(startup_timeout_s)
+            self.config, self.model_config, self.tokenizer, self.info = self._wait_ready(
+                startup_timeout_s
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -301,8 +321,10 @@ class EngineCoreClient:
                     raise ValueError(f"the engine core failed to start: {pickle.loads(payload)}")
                 raise RuntimeError(f"unexpected message {kind!r} from the engine core before READY")
             if self.proc.poll() is not None:
-                raise EngineDeadError(f"the engine-core process exited during start-up (exit code "
-                                      f"{self.proc.returncode})")
+                raise EngineDeadError(
+                    f"the engine-core process exited during start-up (exit code "
+                    f"{self.proc.returncode})"
+                )
         raise EngineDeadError(f"the engine core was not ready after {timeout_s:.0f} s")
 
     # ---- requests (front end -> core) ----------------------------------------------------------
@@ -310,8 +332,9 @@ class EngineCoreClient:
     def add_requests(self, requests: list) -> None:
         self._send(MsgType.ADD, pickle.dumps(requests, protocol=5))
 
-    def abort_requests(self, request_ids: list[str],
-                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+    def abort_requests(
+        self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
         if request_ids:
             self._send(MsgType.ABORT, pickle.dumps((list(request_ids), status), protocol=5))
 
@@ -341,7 +364,9 @@ class EngineCoreClient:
 
     def check_alive(self) -> None:
         if self.dead is None and self.proc.poll() is not None:
-            self.dead = EngineDeadError(f"the engine-core process died (exit code {self.proc.returncode})")
+            self.dead = EngineDeadError(
+                f"the engine-core process died (exit code {self.proc.returncode})"
+            )
         if self.dead is not None:
             raise self.dead
 
@@ -384,8 +409,12 @@ def _spawn(args: tuple) -> subprocess.Popen:
 
     root = str(Path(jaxkv.__file__).resolve().parents[1])
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.Popen([sys.executable, "-m", "jaxkv.engine.core_client"], stdin=subprocess.PIPE, env=env)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxkv.engine.core_client"], stdin=subprocess.PIPE, env=env
+    )
     try:
         proc.stdin.write(pickle.dumps(args))
         proc.stdin.close()
@@ -408,5 +437,5 @@ async def wait_for_exit(proc: subprocess.Popen, loop: asyncio.AbstractEventLoop)
         os.close(fd)
 
 
-if __name__ == "__main__":   # the engine-core process (EngineCoreClient starts it)
+if __name__ == "__main__":  # the engine-core process (EngineCoreClient starts it)
     run_engine_core(*pickle.loads(sys.stdin.buffer.read()))

@@ -44,7 +44,9 @@ class LLMEngine:
       config: the resolved ``EngineConfig``.
     """
 
-    def __init__(self, model, model_config, tokenizer, config: EngineConfig, *, verbose: bool = False):
+    def __init__(
+        self, model, model_config, tokenizer, config: EngineConfig, *, verbose: bool = False
+    ):
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
@@ -75,7 +77,9 @@ class LLMEngine:
         AttributeError with a multi-process executor, whose runners live in the workers."""
         executor = self.engine_core.model_executor
         if not hasattr(executor, "model_runner"):
-            raise AttributeError(f"{type(executor).__name__} runs its model runners in worker processes")
+            raise AttributeError(
+                f"{type(executor).__name__} runs its model runners in worker processes"
+            )
         return executor.model_runner
 
     def shutdown(self) -> None:
@@ -84,8 +88,15 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None, *,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams | PoolingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
         """Validates and queues a request; raises ValueError/TypeError with no state change.
 
         With ``PoolingParams`` it is a pooling request: it runs its prompt only and ``step``
@@ -98,13 +109,23 @@ class LLMEngine:
         if in_flight:
             child_ids = {request_id} | {f"{i}_{request_id}" for i in range(getattr(params, "n", 1))}
             busy = sorted(child_ids & in_flight)
-            if busy:   # its results would be taken for the new request's
-                raise ValueError(f"request id {request_id!r} is still in the step in flight (as {busy}); "
-                                 "reuse it after the next step()")
-        req = self.input_processor.process(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
-        self.engine_core.add_requests(req.core_requests)   # all or none
-        self.output_processor.add_request(request_id, req.prompt, req.prompt_token_ids, req.params,
-                                          [r.request_id for r in req.core_requests], pooling=req.pooling_params)
+            if busy:  # its results would be taken for the new request's
+                raise ValueError(
+                    f"request id {request_id!r} is still in the step in flight (as {busy}); "
+                    "reuse it after the next step()"
+                )
+        req = self.input_processor.process(
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt
+        )
+        self.engine_core.add_requests(req.core_requests)  # all or none
+        self.output_processor.add_request(
+            request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            req.params,
+            [r.request_id for r in req.core_requests],
+            pooling=req.pooling_params,
+        )
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Aborts requests. Ids that are not running (finished already, or never added) are
@@ -122,7 +143,9 @@ class LLMEngine:
         self.engine_core.finish_requests(self.output_processor.abort_requests(ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine_core.has_unfinished_requests() or bool(self.output_processor.pending_outputs)
+        return self.engine_core.has_unfinished_requests() or bool(
+            self.output_processor.pending_outputs
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
@@ -172,15 +195,19 @@ class LLMEngine:
             outputs, op.pending_outputs = op.pending_outputs + outputs, []
         if interrupt.pending:
             op.pending_outputs = outputs
-            raise KeyboardInterrupt("interrupted during LLMEngine.step (the step completed; "
-                                    "its outputs come with the next step())")
+            raise KeyboardInterrupt(
+                "interrupted during LLMEngine.step (the step completed; "
+                "its outputs come with the next step())"
+            )
         return outputs
 
     def _step_once(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         core_outputs, so = self.engine_core.step()
-        self.output_processor.mark_scheduled(so.num_scheduled_tokens, self.engine_core.last_schedule_time)
-        outputs = self._process(core_outputs)   # may finish requests (stop strings)
+        self.output_processor.mark_scheduled(
+            so.num_scheduled_tokens, self.engine_core.last_schedule_time
+        )
+        outputs = self._process(core_outputs)  # may finish requests (stop strings)
         if self.config.scheduler_config.async_scheduling:
             outputs += self._process(self.engine_core.finish_in_flight_if_idle())
         self._account(so, t0)
@@ -209,21 +236,24 @@ class LLMEngine:
         """Undoes a failed step (see :meth:`step`); returns the exception to raise."""
         culprit = culprit_of(exc)
         kv_lost, aborted = self.engine_core.recover(culprit, self._abort_orphaned_parents)
-        self._last_stats = None   # get_stats() reads the state after the recovery
+        self._last_stats = None  # get_stats() reads the state after the recovery
         what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         where = f" while handling request {culprit!r}" if culprit is not None else ""
-        message = (f"engine step failed{where} ({what}); aborted requests {aborted}"
-                   + ("; the KV cache was lost and the other running requests will be recomputed"
-                      if kv_lost else ""))
-        if not isinstance(exc, Exception):   # KeyboardInterrupt, SystemExit: keep their type
+        message = f"engine step failed{where} ({what}); aborted requests {aborted}" + (
+            "; the KV cache was lost and the other running requests will be recomputed"
+            if kv_lost
+            else ""
+        )
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: keep their type
             exc.add_note(f"jaxkv: {message}")
             return exc
-        if caused_by_interrupt(exc):   # a library turned an interrupt into its own error
+        if caused_by_interrupt(exc):  # a library turned an interrupt into its own error
             interrupt = KeyboardInterrupt(message)
             interrupt.__cause__ = exc
             return interrupt
-        return EngineStepError(message, request_id=culprit, aborted_request_ids=aborted,
-                               kv_cache_lost=kv_lost)
+        return EngineStepError(
+            message, request_id=culprit, aborted_request_ids=aborted, kv_cache_lost=kv_lost
+        )
 
     def _abort_orphaned_parents(self) -> list[str]:
         """Aborts every request with a completion the core no longer has (aborted by a
@@ -240,9 +270,12 @@ class LLMEngine:
         runner = self.engine_core.model_executor.get_runner_stats()
         op = self.output_processor
         stats = dict(
-            kv_cache_usage=st.kv_cache_usage, num_running_reqs=st.num_running_reqs,
-            num_waiting_reqs=st.num_waiting_reqs, prefix_cache_hit_rate=st.prefix_cache_hit_rate,
-            num_preemptions=st.num_preemptions, peak_kv_cache_usage=self.peak_kv_cache_usage,
+            kv_cache_usage=st.kv_cache_usage,
+            num_running_reqs=st.num_running_reqs,
+            num_waiting_reqs=st.num_waiting_reqs,
+            prefix_cache_hit_rate=st.prefix_cache_hit_rate,
+            num_preemptions=st.num_preemptions,
+            peak_kv_cache_usage=self.peak_kv_cache_usage,
             prefix_hit_tokens=op.prefix_hit_tokens,
             num_compiles=runner["num_compiles"],
             compile_seconds=round(runner["compile_seconds"], 3),
@@ -251,12 +284,17 @@ class LLMEngine:
             num_steps=self.num_steps,
             generated_tokens=op.num_generated_tokens,
             scheduled_tokens=self.num_prompt_tokens_computed,
-            output_tokens_per_s=(op.num_generated_tokens / self.step_seconds) if self.step_seconds else 0.0,
+            output_tokens_per_s=(op.num_generated_tokens / self.step_seconds)
+            if self.step_seconds
+            else 0.0,
         )
-        if self.config.speculative_config is not None:   # vLLM's spec-decode counters
+        if self.config.speculative_config is not None:  # vLLM's spec-decode counters
             drafts, accepted = runner["num_draft_tokens"], runner["num_accepted_tokens"]
-            stats.update(spec_num_draft_tokens=drafts, spec_num_accepted_tokens=accepted,
-                         spec_acceptance_rate=accepted / drafts if drafts else 0.0)
+            stats.update(
+                spec_num_draft_tokens=drafts,
+                spec_num_accepted_tokens=accepted,
+                spec_acceptance_rate=accepted / drafts if drafts else 0.0,
+            )
         return stats
 
     def next_request_id(self) -> str:

@@ -32,16 +32,16 @@ class _Child:
     """One completion of a request (vLLM fans ``n > 1`` out into n child requests)."""
 
     index: int
-    request_id: str          # the core's id
+    request_id: str  # the core's id
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detok: IncrementalDetokenizer | None = None
-    sent_tokens: int = 0     # DELTA outputs: tokens and text already returned
+    sent_tokens: int = 0  # DELTA outputs: tokens and text already returned
     sent_text: int = 0
-    sent_finished: bool = False   # DELTA outputs: finish_reason already returned
+    sent_finished: bool = False  # DELTA outputs: finish_reason already returned
 
 
 @dataclasses.dataclass
@@ -54,10 +54,10 @@ class _Parent:
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
-    sent_prompt_logprobs: int = 0   # DELTA outputs: prompt logprobs already returned
-    pooling: PoolingParams | None = None   # a pooling request (resolved), and its result
+    sent_prompt_logprobs: int = 0  # DELTA outputs: prompt logprobs already returned
+    pooling: PoolingParams | None = None  # a pooling request (resolved), and its result
     pooled: object = None
-    kv_transfer_params: dict | None = None   # the KV connector's, with the finished output
+    kv_transfer_params: dict | None = None  # the KV connector's, with the finished output
 
     @property
     def finished(self) -> bool:
@@ -75,8 +75,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
-        self.pending_outputs: list = []   # outputs of a step that then raised, returned next
-        self.reqs_to_abort: list[str] = []   # core ids finished by stop strings, for the engine
+        self.pending_outputs: list = []  # outputs of a step that then raised, returned next
+        self.reqs_to_abort: list[str] = []  # core ids finished by stop strings, for the engine
         self.num_generated_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -88,24 +88,49 @@ class OutputProcessor:
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: list[str], *, pooling: PoolingParams | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_ids: list[str],
+        *,
+        pooling: PoolingParams | None = None,
+    ) -> None:
         """Registers a request whose core requests (one per completion) are ``child_ids``."""
         children = []
         for i, child_id in enumerate(child_ids):
             detok = None
-            if self.tokenizer is not None and params.detokenize:   # detokenize=False: no text
+            if self.tokenizer is not None and params.detokenize:  # detokenize=False: no text
                 detok = IncrementalDetokenizer(
-                    self.tokenizer, stop=list(params.stop or []),
+                    self.tokenizer,
+                    stop=list(params.stop or []),
                     include_stop_str_in_output=params.include_stop_str_in_output,
-                    skip_special_tokens=params.skip_special_tokens)
+                    skip_special_tokens=params.skip_special_tokens,
+                )
             logprobs = params.logprobs is not None and pooling is None
-            children.append(_Child(index=i, request_id=child_id, detok=detok,
-                                   logprobs=[] if logprobs else None,
-                                   cumulative_logprob=0.0 if logprobs else None))
-        parent = _Parent(request_id, prompt, prompt_token_ids, params, children,
-                         RequestMetrics(arrival_time=time.perf_counter()), pooling=pooling,
-                         prompt_logprobs=[None] if params.prompt_logprobs is not None and pooling is None else None)
+            children.append(
+                _Child(
+                    index=i,
+                    request_id=child_id,
+                    detok=detok,
+                    logprobs=[] if logprobs else None,
+                    cumulative_logprob=0.0 if logprobs else None,
+                )
+            )
+        parent = _Parent(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            children,
+            RequestMetrics(arrival_time=time.perf_counter()),
+            pooling=pooling,
+            prompt_logprobs=[None]
+            if params.prompt_logprobs is not None and pooling is None
+            else None,
+        )
         self._parents[request_id] = parent
         for c in children:
             self._child_of[c.request_id] = (parent, c)
@@ -126,7 +151,7 @@ class OutputProcessor:
             live += [c.request_id for c in parent.children if c.finish_reason is None]
             for c in parent.children:
                 self._child_of.pop(c.request_id, None)
-        if self.pending_outputs:   # an aborted request gets no more outputs
+        if self.pending_outputs:  # an aborted request gets no more outputs
             gone = set(request_ids)
             self.pending_outputs = [o for o in self.pending_outputs if o.request_id not in gone]
         return live
@@ -134,8 +159,11 @@ class OutputProcessor:
     def orphaned_requests(self, core_has: callable) -> list[str]:
         """Requests with an unfinished completion the core no longer has (aborted by a
         recovery, or finished without its output being processed)."""
-        return [rid for rid, parent in self._parents.items()
-                if any(c.finish_reason is None and not core_has(c.request_id) for c in parent.children)]
+        return [
+            rid
+            for rid, parent in self._parents.items()
+            if any(c.finish_reason is None and not core_has(c.request_id) for c in parent.children)
+        ]
 
     def mark_scheduled(self, core_ids, now: float) -> None:
         for rid in core_ids:
@@ -162,7 +190,7 @@ class OutputProcessor:
                 blame(exc, co.request_id)
                 error = error or exc
                 pc = self._child_of.get(co.request_id)
-                if pc is not None:   # the engine aborts its request: it gets no output
+                if pc is not None:  # the engine aborts its request: it gets no output
                     failed.add(pc[0].request_id)
         for rid in failed:
             touched.pop(rid, None)
@@ -219,14 +247,26 @@ class OutputProcessor:
                     self._child_of.pop(c.request_id, None)
             kind = parent.params.output_kind
             if parent.pooling is not None:
-                if finished:   # a pooling request's one output
-                    outputs.append(PoolingRequestOutput(
-                        parent.request_id, PoolingOutput(parent.pooled), list(parent.prompt_token_ids),
-                        finished, prompt=parent.prompt, metrics=parent.metrics,
-                        num_cached_tokens=parent.num_cached_tokens))
+                if finished:  # a pooling request's one output
+                    outputs.append(
+                        PoolingRequestOutput(
+                            parent.request_id,
+                            PoolingOutput(parent.pooled),
+                            list(parent.prompt_token_ids),
+                            finished,
+                            prompt=parent.prompt,
+                            metrics=parent.metrics,
+                            num_cached_tokens=parent.num_cached_tokens,
+                        )
+                    )
             elif finished or kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(parent, delta=kind == RequestOutputKind.DELTA,
-                                                 streamed=kind != RequestOutputKind.FINAL_ONLY))
+                outputs.append(
+                    self._make_output(
+                        parent,
+                        delta=kind == RequestOutputKind.DELTA,
+                        streamed=kind != RequestOutputKind.FINAL_ONLY,
+                    )
+                )
         return outputs
 
     def _to_logprobs(self, lp) -> dict[int, Logprob]:
@@ -238,7 +278,9 @@ class OutputProcessor:
                 out[int(t)] = Logprob(float(l), int(r), dec)
         return out
 
-    def _make_output(self, parent: _Parent, *, delta: bool = False, streamed: bool = True) -> RequestOutput:
+    def _make_output(
+        self, parent: _Parent, *, delta: bool = False, streamed: bool = True
+    ) -> RequestOutput:
         """The request's output: everything so far, or with ``delta`` only the tokens, text,
         logprobs and prompt logprobs new since its previous output (None when none are new).
 
@@ -250,29 +292,45 @@ class OutputProcessor:
         completions = []
         for c in parent.children:
             text = c.detok.text if c.detok is not None else ""
-            news = (len(c.token_ids) > c.sent_tokens or len(text) > c.sent_text
-                    or (c.finish_reason is not None and not c.sent_finished))
+            news = (
+                len(c.token_ids) > c.sent_tokens
+                or len(text) > c.sent_text
+                or (c.finish_reason is not None and not c.sent_finished)
+            )
             start, tstart = (c.sent_tokens, c.sent_text) if delta else (0, 0)
             c.sent_finished = c.finish_reason is not None
             if not news and len(parent.children) > 1 and streamed:
                 continue
-            completions.append(CompletionOutput(
-                index=c.index, text=text[tstart:], token_ids=c.token_ids[start:],
-                cumulative_logprob=c.cumulative_logprob,
-                logprobs=c.logprobs[start:] if c.logprobs is not None else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            completions.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=text[tstart:],
+                    token_ids=c.token_ids[start:],
+                    cumulative_logprob=c.cumulative_logprob,
+                    logprobs=c.logprobs[start:] if c.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
             c.sent_tokens, c.sent_text = len(c.token_ids), len(text)
         return RequestOutput(
-            request_id=parent.request_id, prompt=parent.prompt,
+            request_id=parent.request_id,
+            prompt=parent.prompt,
             prompt_token_ids=list(parent.prompt_token_ids),
-            prompt_logprobs=self._delta_prompt_logprobs(parent) if delta else parent.prompt_logprobs,
-            outputs=completions, finished=parent.finished, metrics=parent.metrics,
-            num_cached_tokens=parent.num_cached_tokens, kv_transfer_params=parent.kv_transfer_params)
+            prompt_logprobs=self._delta_prompt_logprobs(parent)
+            if delta
+            else parent.prompt_logprobs,
+            outputs=completions,
+            finished=parent.finished,
+            metrics=parent.metrics,
+            num_cached_tokens=parent.num_cached_tokens,
+            kv_transfer_params=parent.kv_transfer_params,
+        )
 
     @staticmethod
     def _delta_prompt_logprobs(parent: _Parent) -> list | None:
         if parent.prompt_logprobs is None:
             return None
-        new = parent.prompt_logprobs[parent.sent_prompt_logprobs:]
+        new = parent.prompt_logprobs[parent.sent_prompt_logprobs :]
         parent.sent_prompt_logprobs = len(parent.prompt_logprobs)
         return new or None

@@ -33,8 +33,11 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8")
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas", "reference")
 
 # "", "b"; "k", "kb" = 1000; "kib" = 1024; ... "p", "pb" = 1000**5; "pib" = 1024**5 (any case)
-_UNITS = {"": 1, "b": 1} | {prefix + suffix: base ** i for i, prefix in enumerate("kmgtp", start=1)
-                            for suffix, base in (("", 1000), ("b", 1000), ("ib", 1024))}
+_UNITS = {"": 1, "b": 1} | {
+    prefix + suffix: base**i
+    for i, prefix in enumerate("kmgtp", start=1)
+    for suffix, base in (("", 1000), ("b", 1000), ("ib", 1024))
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -63,8 +66,13 @@ def parse_ngram(text: str) -> dict:
         parts = []
     if not 1 <= len(parts) <= 3:
         raise argparse.ArgumentTypeError(f"expected K[,MAX[,MIN]] (e.g. 3 or 3,4,2), got {text!r}")
-    k, hi, lo = (parts + [4, 1][len(parts) - 1:])[:3]
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": hi, "prompt_lookup_min": lo}
+    k, hi, lo = (parts + [4, 1][len(parts) - 1 :])[:3]
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_max": hi,
+        "prompt_lookup_min": lo,
+    }
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -75,7 +83,9 @@ def parse_token_ids(text: str) -> list[int]:
     except ValueError:
         ids = []
     if not ids or any(t < 0 for t in ids):
-        raise argparse.ArgumentTypeError(f"expected non-negative token ids like 1,2,3, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected non-negative token ids like 1,2,3, got {text!r}"
+        )
     return ids
 
 
@@ -129,19 +139,41 @@ def error(command: str, message: str) -> int:
 
 #: Engine / SamplingParams names that error messages use -> the flags that set them.
 FLAG_NAMES = {
-    "kv_cache_memory_bytes": "--kv-cache-memory", "gpu_memory_utilization": "--gpu-memory-utilization",
-    "max_model_len": "--max-model-len", "max_num_batched_tokens": "--max-num-batched-tokens",
-    "max_num_seqs": "--max-num-seqs", "block_size": "--block-size", "cache_dtype": "--kv-cache-dtype",
-    "kv_cache_dtype": "--kv-cache-dtype", "dtype": "--dtype", "attention_backend": "--attention-backend",
-    "tensor_parallel_size": "--tensor-parallel-size", "speculative_config": "--speculative-ngram",
-    "async_scheduling": "--async-scheduling", "beam_width": "--beam-width", "warmup": "--warmup",
-    "max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
-    "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "stop": "--stop", "n": "-n",
-    "distributed_executor_backend": "--distributed-executor-backend", "nnodes": "--nnodes",
-    "node_rank": "--node-rank", "master_addr": "--master-addr", "master_port": "--master-port",
-    "headless": "--headless", "devices_per_worker": "--devices-per-worker", "compile_cache": "--compile-cache",
+    "kv_cache_memory_bytes": "--kv-cache-memory",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "max_model_len": "--max-model-len",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_num_seqs": "--max-num-seqs",
+    "block_size": "--block-size",
+    "cache_dtype": "--kv-cache-dtype",
+    "kv_cache_dtype": "--kv-cache-dtype",
+    "dtype": "--dtype",
+    "attention_backend": "--attention-backend",
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "speculative_config": "--speculative-ngram",
+    "async_scheduling": "--async-scheduling",
+    "beam_width": "--beam-width",
+    "warmup": "--warmup",
+    "max_tokens": "--max-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "seed": "--seed",
+    "stop": "--stop",
+    "n": "-n",
+    "distributed_executor_backend": "--distributed-executor-backend",
+    "nnodes": "--nnodes",
+    "node_rank": "--node-rank",
+    "master_addr": "--master-addr",
+    "master_port": "--master-port",
+    "headless": "--headless",
+    "devices_per_worker": "--devices-per-worker",
+    "compile_cache": "--compile-cache",
 }
-_FLAG_RE = re.compile(r"(?<![\w-])(" + "|".join(sorted(FLAG_NAMES, key=len, reverse=True)) + r")(?![\w-])")
+_FLAG_RE = re.compile(
+    r"(?<![\w-])(" + "|".join(sorted(FLAG_NAMES, key=len, reverse=True)) + r")(?![\w-])"
+)
 
 
 def name_flags(message: str) -> str:
@@ -153,7 +185,7 @@ def name_flags(message: str) -> str:
 
 
 def cmd_plan(args) -> int:
-    if args.gpu is not None:   # before jax starts its backends (jaxkv.gpu_aot)
+    if args.gpu is not None:  # before jax starts its backends (jaxkv.gpu_aot)
         from jaxkv.gpu_aot import prepare_environment
 
         prepare_environment()
@@ -162,25 +194,46 @@ def cmd_plan(args) -> int:
     try:
         config = plan_model_config(args.model, dtype=args.dtype)
         if args.max_model_len > config.max_position_embeddings:
-            raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={config.max_position_embeddings}")
+            raise ValueError(
+                f"max_model_len={args.max_model_len} exceeds the model's "
+                f"max_position_embeddings={config.max_position_embeddings}"
+            )
         cache_dtype = config.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-        plan = build_plan(layer_infos(config), block_size=args.block_size, cache_dtype=cache_dtype,
-                          kv_cache_memory_bytes=args.kv_cache_memory, max_model_len=args.max_model_len,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+        plan = build_plan(
+            layer_infos(config),
+            block_size=args.block_size,
+            cache_dtype=cache_dtype,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
     except (ValueError, TypeError, OSError) as e:
         return error("plan", name_flags(e))
-    print(format_plan(plan, title=args.model, max_model_len=args.max_model_len,
-                      max_num_batched_tokens=args.max_num_batched_tokens, budget=args.kv_cache_memory))
+    print(
+        format_plan(
+            plan,
+            title=args.model,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            budget=args.kv_cache_memory,
+        )
+    )
     if args.gpu is not None:
         from jaxkv import gpu_aot
 
         try:
-            print(gpu_aot.gpu_step_report(
-                config, target=args.gpu, kv_cache_memory_bytes=args.kv_cache_memory,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                kv_cache_dtype=args.kv_cache_dtype))
+            print(
+                gpu_aot.gpu_step_report(
+                    config,
+                    target=args.gpu,
+                    kv_cache_memory_bytes=args.kv_cache_memory,
+                    max_model_len=args.max_model_len,
+                    max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    block_size=args.block_size,
+                    kv_cache_dtype=args.kv_cache_dtype,
+                )
+            )
         except (ValueError, TypeError, RuntimeError) as e:
             return error("plan", name_flags(e))
     return 0
@@ -197,33 +250,76 @@ examples:
 
 def _add_plan(sub) -> None:
     p = sub.add_parser(
-        "plan", help="print the KV-cache plan of a model config for a memory budget",
+        "plan",
+        help="print the KV-cache plan of a model config for a memory budget",
         description="Prints the KV-cache plan of a model for a memory budget: the cache groups,\n"
-                    "the tensors, the number of blocks and how many requests of --max-model-len\n"
-                    "tokens fit. Reads only the model's config (no weights, no download).",
-        epilog=PLAN_EPILOG)
-    p.add_argument("--model", default="tiny-hybrid", metavar="NAME|PATH",
-                   help="tiny-llama | tiny-hybrid | smollm2-135m-instruct | HF directory | .gguf file "
-                        "(default: tiny-hybrid)")
-    p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_bytes,
-                   default=parse_bytes("256MiB"), metavar="BYTES",
-                   help="KV cache budget, e.g. 256MiB, 2GiB, 1TiB (default: 256MiB)")
-    p.add_argument("--block-size", type=power_of_two, default=16, metavar="N",
-                   help="tokens per KV-cache block, a power of two (default: 16)")
-    p.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
-                   help="model weights dtype; the KV cache's with --kv-cache-dtype auto (default: float32)")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="KV cache dtype; auto follows --dtype (default: auto)")
-    p.add_argument("--max-model-len", type=positive_int, default=4096, metavar="N",
-                   help="longest request, prompt + output tokens (default: 4096)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048, metavar="N",
-                   help="tokens per engine step (default: 2048)")
-    p.add_argument("--gpu", choices=("h200",), default=None,
-                   help="also compile a decode and a mixed step for this GPU, deviceless, and print "
-                        "their temp memory and each kernel's grid, shared memory and registers "
-                        "(needs the CUDA plugin wheels) (default: off)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=64, metavar="N",
-                   help="requests per step, for --gpu (default: 64)")
+        "the tensors, the number of blocks and how many requests of --max-model-len\n"
+        "tokens fit. Reads only the model's config (no weights, no download).",
+        epilog=PLAN_EPILOG,
+    )
+    p.add_argument(
+        "--model",
+        default="tiny-hybrid",
+        metavar="NAME|PATH",
+        help="tiny-llama | tiny-hybrid | smollm2-135m-instruct | HF directory | .gguf file "
+        "(default: tiny-hybrid)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        "--kv-cache-memory-bytes",
+        type=parse_bytes,
+        default=parse_bytes("256MiB"),
+        metavar="BYTES",
+        help="KV cache budget, e.g. 256MiB, 2GiB, 1TiB (default: 256MiB)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=power_of_two,
+        default=16,
+        metavar="N",
+        help="tokens per KV-cache block, a power of two (default: 16)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=MODEL_DTYPES,
+        default="float32",
+        help="model weights dtype; the KV cache's with --kv-cache-dtype auto (default: float32)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV cache dtype; auto follows --dtype (default: auto)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=4096,
+        metavar="N",
+        help="longest request, prompt + output tokens (default: 4096)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=2048,
+        metavar="N",
+        help="tokens per engine step (default: 2048)",
+    )
+    p.add_argument(
+        "--gpu",
+        choices=("h200",),
+        default=None,
+        help="also compile a decode and a mixed step for this GPU, deviceless, and print "
+        "their temp memory and each kernel's grid, shared memory and registers "
+        "(needs the CUDA plugin wheels) (default: off)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="requests per step, for --gpu (default: 64)",
+    )
     p.set_defaults(func=cmd_plan)
 
 
@@ -235,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_serve(sub)
     _add_proxy(sub)
-    p.commands = sub.choices   # main() reports a command's unknown flags with its own name
+    p.commands = sub.choices  # main() reports a command's unknown flags with its own name
     return p
 
 
@@ -277,16 +373,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)
-        if unknown:   # parse_args would name "jaxkv", not the command
+        if unknown:  # parse_args would name "jaxkv", not the command
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    except SystemExit as e:   # --help (0) or a usage error (2, already printed)
+    except SystemExit as e:  # --help (0) or a usage error (2, already printed)
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print(f"jaxkv {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:   # `jaxkv plan | head`: the reader left; say nothing more
+    except BrokenPipeError:  # `jaxkv plan | head`: the reader left; say nothing more
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

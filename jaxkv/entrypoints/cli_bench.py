@@ -27,8 +27,10 @@ def load_benchmark(name: str = "throughput"):
     """A benchmark module (``throughput``, ``peers``), imported from the checkout's benchmarks folder."""
     d = benchmarks_dir()
     if not (d / f"{name}.py").is_file():
-        raise FileNotFoundError(f"no benchmarks/{name}.py at {d}: jaxkv bench runs from a source "
-                                f"checkout (or set JAXKV_BENCHMARKS_DIR)")
+        raise FileNotFoundError(
+            f"no benchmarks/{name}.py at {d}: jaxkv bench runs from a source "
+            f"checkout (or set JAXKV_BENCHMARKS_DIR)"
+        )
     if str(d) not in sys.path:
         sys.path.insert(0, str(d))
     return importlib.import_module(name)
@@ -47,7 +49,7 @@ def cmd_bench(args) -> int:
         return error("bench", e)
     try:
         module.main(argv)
-    except SystemExit as e:   # its argparse: --help (0) or a usage error (2, already printed)
+    except SystemExit as e:  # its argparse: --help (0) or a usage error (2, already printed)
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
     return 0
 
@@ -56,11 +58,19 @@ def add_parser(sub) -> None:
     # Every argument after `bench` is forwarded untouched. prefix_chars="+" makes this
     # sub-parser treat "--quick" etc. as plain words for the REMAINDER positional (with "-" it
     # would match REMAINDER against nothing and reject the options, an argparse quirk).
-    p = sub.add_parser("bench", help="offline throughput benchmark (benchmarks/throughput.py)",
-                       add_help=False, prefix_chars="+",
-                       description="Runs benchmarks/throughput.py with the arguments given; "
-                                   "jaxkv bench --help lists them. `jaxkv bench peers ARGS` runs "
-                                   "benchmarks/peers.py instead (jaxkv bench peers --help).")
-    p.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="ARGS",
-                   help="arguments for benchmarks/throughput.py (default: none)")
+    p = sub.add_parser(
+        "bench",
+        help="offline throughput benchmark (benchmarks/throughput.py)",
+        add_help=False,
+        prefix_chars="+",
+        description="Runs benchmarks/throughput.py with the arguments given; "
+        "jaxkv bench --help lists them. `jaxkv bench peers ARGS` runs "
+        "benchmarks/peers.py instead (jaxkv bench peers --help).",
+    )
+    p.add_argument(
+        "bench_args",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="arguments for benchmarks/throughput.py (default: none)",
+    )
     p.set_defaults(func=cmd_bench)

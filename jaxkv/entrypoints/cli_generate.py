@@ -51,69 +51,171 @@ def add_parser(sub) -> None:
     from jaxkv.entrypoints.cli import MODEL_DTYPES, parse_token_ids, positive_int
 
     p = sub.add_parser(
-        "generate", help="generate completions (default: SmolLM2-135M-Instruct on the CPU)",
+        "generate",
+        help="generate completions (default: SmolLM2-135M-Instruct on the CPU)",
         description="Generates completions with the paged KV-cache engine (vLLM's LLM.generate)\n"
-                    "and prints them, then the throughput and the KV cache's use.", epilog=EPILOG)
+        "and prints them, then the throughput and the KV cache's use.",
+        epilog=EPILOG,
+    )
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME|PATH",
-                   help="smollm2-135m-instruct | tiny-llama | tiny-hybrid | HF directory | .gguf file "
-                        f"(default: {DEFAULT_MODEL}, downloaded once)")
-    g.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
-                   help="model weights dtype (default: float32)")
-    g.add_argument("--no-chat", action="store_true",
-                   help="do not apply the model's chat template to text prompts (default: applied)")
+    g.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="NAME|PATH",
+        help="smollm2-135m-instruct | tiny-llama | tiny-hybrid | HF directory | .gguf file "
+        f"(default: {DEFAULT_MODEL}, downloaded once)",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=MODEL_DTYPES,
+        default="float32",
+        help="model weights dtype (default: float32)",
+    )
+    g.add_argument(
+        "--no-chat",
+        action="store_true",
+        help="do not apply the model's chat template to text prompts (default: applied)",
+    )
     g = p.add_argument_group("prompts")
-    g.add_argument("--prompt", dest="prompts", action="append", metavar="TEXT",
-                   help="a text prompt, repeatable (default: the built-in prompts)")
-    g.add_argument("--prompt-token-ids", dest="prompts", action="append", type=parse_token_ids,
-                   metavar="IDS",
-                   help="a prompt as token ids, e.g. 1,2,3 or '1 2 3', repeatable (default: none)")
-    g.add_argument("--prompts-file", metavar="PATH",
-                   help='one prompt per line ("-": stdin); token ids per line for a model without a '
-                        "tokenizer (default: none)")
+    g.add_argument(
+        "--prompt",
+        dest="prompts",
+        action="append",
+        metavar="TEXT",
+        help="a text prompt, repeatable (default: the built-in prompts)",
+    )
+    g.add_argument(
+        "--prompt-token-ids",
+        dest="prompts",
+        action="append",
+        type=parse_token_ids,
+        metavar="IDS",
+        help="a prompt as token ids, e.g. 1,2,3 or '1 2 3', repeatable (default: none)",
+    )
+    g.add_argument(
+        "--prompts-file",
+        metavar="PATH",
+        help='one prompt per line ("-": stdin); token ids per line for a model without a '
+        "tokenizer (default: none)",
+    )
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=48, metavar="N",
-                   help="most tokens generated per completion (default: 48)")
-    g.add_argument("-n", type=int, default=1, metavar="N", help="completions per prompt (default: 1)")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="softmax temperature, 0 is greedy (default: 0.0)")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="nucleus probability mass, in (0, 1] (default: 1.0, off)")
-    g.add_argument("--top-k", type=int, default=0, metavar="K",
-                   help="keep the K most likely tokens, 0 or -1 is off (default: 0)")
-    g.add_argument("--min-p", type=float, default=0.0, metavar="P",
-                   help="drop tokens below P times the top token's probability, in [0, 1] (default: 0.0)")
-    g.add_argument("--stop", action="append", metavar="TEXT",
-                   help="stop string, repeatable; needs a tokenizer (default: none)")
-    g.add_argument("--seed", type=int, default=0,
-                   help="engine seed, and the sampling seed when --temperature > 0 (default: 0)")
-    g.add_argument("--beam-width", type=positive_int, default=None, metavar="N",
-                   help="beam search with N beams (vLLM's LLM.beam_search) instead of sampling "
-                        "(default: off)")
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=48,
+        metavar="N",
+        help="most tokens generated per completion (default: 48)",
+    )
+    g.add_argument(
+        "-n", type=int, default=1, metavar="N", help="completions per prompt (default: 1)"
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="softmax temperature, 0 is greedy (default: 0.0)",
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="nucleus probability mass, in (0, 1] (default: 1.0, off)",
+    )
+    g.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        metavar="K",
+        help="keep the K most likely tokens, 0 or -1 is off (default: 0)",
+    )
+    g.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="drop tokens below P times the top token's probability, in [0, 1] (default: 0.0)",
+    )
+    g.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="stop string, repeatable; needs a tokenizer (default: none)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="engine seed, and the sampling seed when --temperature > 0 (default: 0)",
+    )
+    g.add_argument(
+        "--beam-width",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="beam search with N beams (vLLM's LLM.beam_search) instead of sampling (default: off)",
+    )
     g = p.add_argument_group("engine")
     add_engine_args(g, warmup="off")
-    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
-                   help="split the model over N devices; on CPU, N host devices set up here "
-                        "(default: 1)")
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="split the model over N devices; on CPU, N host devices set up here (default: 1)",
+    )
     g = p.add_argument_group("processes and nodes (vLLM's)")
-    g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKEND_NAMES, default=None,
-                   help="uni: the worker in this process; mp: one worker process per device group, "
-                        "over --nnodes hosts (default: mp with --nnodes > 1 or --headless, else uni)")
-    g.add_argument("--nnodes", type=positive_int, default=1, metavar="N",
-                   help="hosts the mp workers are spread over, -tp / N workers each (default: 1)")
-    g.add_argument("--node-rank", type=int, default=0, metavar="R",
-                   help="this host's rank: 0 runs the engine, others run --headless (default: 0)")
-    g.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
-                   help="node 0's address, which every node can reach (default: 127.0.0.1)")
-    g.add_argument("--master-port", type=int, default=0, metavar="PORT",
-                   help="jax.distributed coordinator port on node 0, the next port is the control "
-                        "socket; needed with --nnodes > 1 (default: 0, two free ports)")
-    g.add_argument("--devices-per-worker", type=positive_int, default=1, metavar="N",
-                   help="devices of each mp worker process (CPU host devices, or GPUs), so -tp / N "
-                        "processes (default: 1)")
-    g.add_argument("--headless", action="store_true",
-                   help="only start this node's workers and wait for node 0's engine; generates "
-                        "nothing (default: off)")
+    g.add_argument(
+        "--distributed-executor-backend",
+        choices=EXECUTOR_BACKEND_NAMES,
+        default=None,
+        help="uni: the worker in this process; mp: one worker process per device group, "
+        "over --nnodes hosts (default: mp with --nnodes > 1 or --headless, else uni)",
+    )
+    g.add_argument(
+        "--nnodes",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="hosts the mp workers are spread over, -tp / N workers each (default: 1)",
+    )
+    g.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="this host's rank: 0 runs the engine, others run --headless (default: 0)",
+    )
+    g.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="node 0's address, which every node can reach (default: 127.0.0.1)",
+    )
+    g.add_argument(
+        "--master-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="jax.distributed coordinator port on node 0, the next port is the control "
+        "socket; needed with --nnodes > 1 (default: 0, two free ports)",
+    )
+    g.add_argument(
+        "--devices-per-worker",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="devices of each mp worker process (CPU host devices, or GPUs), so -tp / N "
+        "processes (default: 1)",
+    )
+    g.add_argument(
+        "--headless",
+        action="store_true",
+        help="only start this node's workers and wait for node 0's engine; generates "
+        "nothing (default: off)",
+    )
     p.set_defaults(func=cmd_generate)
 
 
@@ -125,15 +227,25 @@ def sampling_params(args):
 
         given = [k for k, default in _SAMPLING_ONLY.items() if getattr(args, k) != default]
         if given:
-            raise ValueError(f"beam_width takes no {', '.join(given)} (beam search ranks the top "
-                             f"logprob candidates; only temperature applies)")
-        return BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
-                                temperature=args.temperature)
+            raise ValueError(
+                f"beam_width takes no {', '.join(given)} (beam search ranks the top "
+                f"logprob candidates; only temperature applies)"
+            )
+        return BeamSearchParams(
+            beam_width=args.beam_width, max_tokens=args.max_tokens, temperature=args.temperature
+        )
     from jaxkv.sampling_params import SamplingParams
 
-    return SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, stop=args.stop,
-                          seed=args.seed if args.temperature > 0 else None)
+    return SamplingParams(
+        n=args.n,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        stop=args.stop,
+        seed=args.seed if args.temperature > 0 else None,
+    )
 
 
 def read_prompts_file(path: str) -> list[str]:
@@ -152,8 +264,10 @@ def read_prompts_file(path: str) -> list[str]:
 
 
 def no_tokenizer_message(model: str) -> str:
-    return (f"model {model!r} has no tokenizer, so text prompts cannot be encoded: pass token ids "
-            f"instead, e.g. --prompt-token-ids 1,2,3 (or --prompts-file with one id list per line)")
+    return (
+        f"model {model!r} has no tokenizer, so text prompts cannot be encoded: pass token ids "
+        f"instead, e.g. --prompt-token-ids 1,2,3 (or --prompts-file with one id list per line)"
+    )
 
 
 def resolve_prompts(args, file_lines: list[str] | None, has_tokenizer: bool) -> list:
@@ -167,16 +281,20 @@ def resolve_prompts(args, file_lines: list[str] | None, has_tokenizer: bool) -> 
         if any(isinstance(p, str) for p in prompts):
             raise ValueError(no_tokenizer_message(args.model))
         if args.stop:
-            raise ValueError(f"model {args.model!r} has no tokenizer, so --stop strings cannot be matched")
+            raise ValueError(
+                f"model {args.model!r} has no tokenizer, so --stop strings cannot be matched"
+            )
     for i, line in enumerate(file_lines or [], start=1):
         if has_tokenizer:
             prompts.append(line)
             continue
         try:
             prompts.append(parse_token_ids(line))
-        except argparse.ArgumentTypeError:   # the line is text
-            raise ValueError(f"--prompts-file {args.prompts_file} line {i}: {line[:40]!r} is not token "
-                             f"ids, and {no_tokenizer_message(args.model)}") from None
+        except argparse.ArgumentTypeError:  # the line is text
+            raise ValueError(
+                f"--prompts-file {args.prompts_file} line {i}: {line[:40]!r} is not token "
+                f"ids, and {no_tokenizer_message(args.model)}"
+            ) from None
     return prompts
 
 
@@ -189,7 +307,7 @@ def known_tokenizer(model: str) -> bool | None:
     if model in BUILTIN_NAMES:
         return True
     path = Path(model).expanduser()
-    if path.is_dir():   # models.tokenizer.Tokenizer.from_hf_dir reads tokenizer.json
+    if path.is_dir():  # models.tokenizer.Tokenizer.from_hf_dir reads tokenizer.json
         return (path / "tokenizer.json").is_file()
     return None
 
@@ -206,10 +324,18 @@ def check_executor_flags(args) -> None:
     """The executor and multi-node flags, before anything loads (ValueError / TypeError)."""
     from jaxkv.engine_config import check_executor_args
 
-    check_executor_args(executor_backend(args), args.model, nnodes=args.nnodes, node_rank=args.node_rank,
-                        master_addr=args.master_addr, master_port=args.master_port, headless=args.headless,
-                        tensor_parallel_size=args.tensor_parallel_size,
-                        devices_per_worker=args.devices_per_worker, engine=not args.headless)
+    check_executor_args(
+        executor_backend(args),
+        args.model,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        headless=args.headless,
+        tensor_parallel_size=args.tensor_parallel_size,
+        devices_per_worker=args.devices_per_worker,
+        engine=not args.headless,
+    )
 
 
 def _headless(args) -> int:
@@ -217,11 +343,20 @@ def _headless(args) -> int:
     engine shuts them down; loads no model and generates nothing."""
     from jaxkv.executor.multiproc import run_headless
 
-    print(f"jaxkv generate --headless: node {args.node_rank} of {args.nnodes}, waiting for node 0's "
-          f"engine at {args.master_addr}:{args.master_port}", file=sys.stderr, flush=True)
-    return run_headless(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                        master_port=args.master_port, tensor_parallel_size=args.tensor_parallel_size,
-                        devices_per_worker=args.devices_per_worker)
+    print(
+        f"jaxkv generate --headless: node {args.node_rank} of {args.nnodes}, waiting for node 0's "
+        f"engine at {args.master_addr}:{args.master_port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return run_headless(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        tensor_parallel_size=args.tensor_parallel_size,
+        devices_per_worker=args.devices_per_worker,
+    )
 
 
 def _default_kv_budget(args) -> None:
@@ -246,28 +381,38 @@ def _default_kv_budget(args) -> None:
             stats = None
     if not stats:
         args.kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES
-        print(f"jaxkv generate: the device reports no memory stats; KV cache budget "
-              f"{DEFAULT_CPU_KV_CACHE_BYTES / 2**20:.0f} MiB (set --kv-cache-memory)", file=sys.stderr)
+        print(
+            f"jaxkv generate: the device reports no memory stats; KV cache budget "
+            f"{DEFAULT_CPU_KV_CACHE_BYTES / 2**20:.0f} MiB (set --kv-cache-memory)",
+            file=sys.stderr,
+        )
 
 
 def cmd_generate(args) -> int:
     from jaxkv.entrypoints.cli import error, name_flags
     from jaxkv.entrypoints.engine_args import engine_kwargs
 
-    try:   # every check that needs no model, before it loads
+    try:  # every check that needs no model, before it loads
         params = sampling_params(args)
-        if (args.max_num_batched_tokens is not None
-                and args.max_num_batched_tokens < args.max_num_seqs):
-            raise ValueError(f"max_num_batched_tokens={args.max_num_batched_tokens} must be >= "
-                             f"max_num_seqs={args.max_num_seqs} (every running request needs a token "
-                             f"a step)")
+        if (
+            args.max_num_batched_tokens is not None
+            and args.max_num_batched_tokens < args.max_num_seqs
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens={args.max_num_batched_tokens} must be >= "
+                f"max_num_seqs={args.max_num_seqs} (every running request needs a token "
+                f"a step)"
+            )
         if args.speculative_ngram is not None and args.async_scheduling:
-            raise ValueError("speculative_config does not work with async_scheduling (turn one off)")
+            raise ValueError(
+                "speculative_config does not work with async_scheduling (turn one off)"
+            )
         if not 0.0 < args.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
-                             f"got {args.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+            )
         check_executor_flags(args)
-        if args.headless:   # no model, no prompts here: node 0 has them
+        if args.headless:  # no model, no prompts here: node 0 has them
             return _headless(args)
         file_lines = read_prompts_file(args.prompts_file) if args.prompts_file else None
         has_tok = known_tokenizer(args.model)
@@ -276,31 +421,40 @@ def cmd_generate(args) -> int:
     except (ValueError, TypeError) as e:
         return error("generate", name_flags(e))
 
-    if args.tensor_parallel_size > 1 and executor_backend(args) == "uni":   # mp: the workers' own
+    if args.tensor_parallel_size > 1 and executor_backend(args) == "uni":  # mp: the workers' own
         _host_devices(args.tensor_parallel_size)
     from jaxkv.entrypoints.llm import LLM
 
     _default_kv_budget(args)
     t0 = time.perf_counter()
     try:
-        llm = LLM(args.model, dtype=args.dtype, seed=args.seed, verbose=True, **engine_kwargs(args),
-                  tensor_parallel_size=args.tensor_parallel_size,
-                  distributed_executor_backend=executor_backend(args), nnodes=args.nnodes,
-                  node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-                  devices_per_worker=args.devices_per_worker)
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            seed=args.seed,
+            verbose=True,
+            **engine_kwargs(args),
+            tensor_parallel_size=args.tensor_parallel_size,
+            distributed_executor_backend=executor_backend(args),
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            devices_per_worker=args.devices_per_worker,
+        )
     except (ValueError, TypeError, RuntimeError, OSError) as e:
         return error("generate", name_flags(e))
     from jaxkv.executor.multiproc import WorkerDiedError, WorkerTimeoutError
 
     try:
         return _run(llm, args, params, file_lines, time.perf_counter() - t0)
-    except (ValueError, TypeError) as e:   # a prompt the engine refuses (length, vocabulary)
+    except (ValueError, TypeError) as e:  # a prompt the engine refuses (length, vocabulary)
         return error("generate", name_flags(e))
-    except (WorkerDiedError, WorkerTimeoutError) as e:   # mp: a worker process died or hung
+    except (WorkerDiedError, WorkerTimeoutError) as e:  # mp: a worker process died or hung
         error("generate", e)
         return 1
     finally:
-        llm.shutdown()   # the mp backend's workers (and the --headless nodes) exit now
+        llm.shutdown()  # the mp backend's workers (and the --headless nodes) exit now
 
 
 def _run(llm, args, params, file_lines, load_s: float) -> int:
@@ -310,20 +464,24 @@ def _run(llm, args, params, file_lines, load_s: float) -> int:
     tok = engine.tokenizer
     try:
         prompts = resolve_prompts(args, file_lines, tok is not None)
-    except ValueError as e:   # a model whose lack of a tokenizer showed only once loaded
+    except ValueError as e:  # a model whose lack of a tokenizer showed only once loaded
         return error("generate", name_flags(e))
     if prompts:
         shown = [p if isinstance(p, str) else f"{len(p)} token ids" for p in prompts]
     elif tok is not None:
         prompts, shown = list(DEFAULT_PROMPTS), list(DEFAULT_PROMPTS)
-    else:   # random-weight models have no tokenizer: synthetic token ids
+    else:  # random-weight models have no tokenizer: synthetic token ids
         vocab = engine.model_config.vocab_size
-        prompts = [[(7 * i + 3 * j) % (vocab - 3) + 3 for j in range(8 + 4 * i)]
-                   for i in range(len(DEFAULT_PROMPTS))]
+        prompts = [
+            [(7 * i + 3 * j) % (vocab - 3) + 3 for j in range(8 + 4 * i)]
+            for i in range(len(DEFAULT_PROMPTS))
+        ]
         shown = [f"{len(p)} synthetic token ids" for p in prompts]
     if tok is not None and not args.no_chat and tok.chat_template:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) if isinstance(p, str) else p
-                   for p in prompts]
+        prompts = [
+            tok.apply_chat_template([{"role": "user", "content": p}]) if isinstance(p, str) else p
+            for p in prompts
+        ]
     if args.beam_width is not None:
         return _beam_search(llm, args, params, prompts, shown, load_s)
     return _generate(llm, args, params, prompts, shown, load_s)
@@ -332,7 +490,7 @@ def _run(llm, args, params, file_lines, load_s: float) -> int:
 def _generate(llm, args, params, prompts, shown, load_s: float) -> int:
     engine = llm.llm_engine
     tok = engine.tokenizer
-    before = engine.get_stats()   # warm-up's compiles are in load
+    before = engine.get_stats()  # warm-up's compiles are in load
     c0, cs0 = before["num_compiles"], before["compile_seconds"]
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -342,20 +500,28 @@ def _generate(llm, args, params, prompts, shown, load_s: float) -> int:
         for j, c in enumerate(o.outputs):
             text = c.text if tok is not None else " ".join(map(str, c.token_ids))
             head = "" if len(o.outputs) == 1 else f"[{i}.{j}] "
-            print(f"{head}{text.strip()}\n    ({len(c.token_ids)} tokens, finish: {c.finish_reason})")
+            print(
+                f"{head}{text.strip()}\n    ({len(c.token_ids)} tokens, finish: {c.finish_reason})"
+            )
     stats = engine.get_stats()
     num_blocks = engine.kv_cache_config.num_blocks
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     print(f"\nmodel {args.model} on {_where(engine, args)}, load {load_s:.1f} s")
-    print(f"{n_out} tokens in {gen_s:.2f} s = {n_out / gen_s:.1f} tok/s "
-          f"(includes {stats['num_compiles'] - c0} compiles, {stats['compile_seconds'] - cs0:.1f} s; "
-          f"load includes {c0} warm-up compiles)")
-    print(f"KV cache: {num_blocks} blocks of {engine.config.block_size} tokens, peak use "
-          f"{stats['peak_kv_cache_usage'] * 100:.1f}% ({round(stats['peak_kv_cache_usage'] * (num_blocks - 1))} blocks); "
-          f"prefix-cache hits {stats['prefix_hit_tokens']} tokens; preemptions {stats['num_preemptions']}")
+    print(
+        f"{n_out} tokens in {gen_s:.2f} s = {n_out / gen_s:.1f} tok/s "
+        f"(includes {stats['num_compiles'] - c0} compiles, {stats['compile_seconds'] - cs0:.1f} s; "
+        f"load includes {c0} warm-up compiles)"
+    )
+    print(
+        f"KV cache: {num_blocks} blocks of {engine.config.block_size} tokens, peak use "
+        f"{stats['peak_kv_cache_usage'] * 100:.1f}% ({round(stats['peak_kv_cache_usage'] * (num_blocks - 1))} blocks); "
+        f"prefix-cache hits {stats['prefix_hit_tokens']} tokens; preemptions {stats['num_preemptions']}"
+    )
     if "spec_num_draft_tokens" in stats:
-        print(f"speculative: {stats['spec_num_accepted_tokens']} of {stats['spec_num_draft_tokens']} "
-              f"drafts accepted ({stats['spec_acceptance_rate'] * 100:.0f}%)")
+        print(
+            f"speculative: {stats['spec_num_accepted_tokens']} of {stats['spec_num_draft_tokens']} "
+            f"drafts accepted ({stats['spec_acceptance_rate'] * 100:.0f}%)"
+        )
     return 0
 
 
@@ -372,11 +538,15 @@ def _beam_search(llm, args, params, prompts, shown, load_s: float) -> int:
         for rank, seq in enumerate(r.sequences):
             new = seq.tokens[n_prompt:]
             text = tok.decode(new).strip() if tok is not None else " ".join(map(str, new))
-            print(f"  beam {rank}: cum logprob {seq.cum_logprob:.3f}, finish {seq.finish_reason}: {text}")
+            print(
+                f"  beam {rank}: cum logprob {seq.cum_logprob:.3f}, finish {seq.finish_reason}: {text}"
+            )
     stats = engine.get_stats()
-    print(f"\nmodel {args.model} on {_where(engine, args)}, load {load_s:.1f} s; "
-          f"beam search width {args.beam_width}, {args.max_tokens} rounds in {gen_s:.2f} s "
-          f"(includes {stats['num_compiles'] - c0} compiles); prefix-cache hits {stats['prefix_hit_tokens']} tokens")
+    print(
+        f"\nmodel {args.model} on {_where(engine, args)}, load {load_s:.1f} s; "
+        f"beam search width {args.beam_width}, {args.max_tokens} rounds in {gen_s:.2f} s "
+        f"(includes {stats['num_compiles'] - c0} compiles); prefix-cache hits {stats['prefix_hit_tokens']} tokens"
+    )
     return 0
 
 
@@ -403,7 +573,9 @@ def worker_description(worker) -> tuple[str, str]:
 def _where(engine, args) -> str:
     """'xla (cpu:cpu x 2 (tensor parallel))', and the worker processes with the mp backend."""
     backend, device = engine.engine_core.model_executor.collective_rpc(worker_description)[0]
-    tp = f" x {args.tensor_parallel_size} (tensor parallel)" if args.tensor_parallel_size > 1 else ""
+    tp = (
+        f" x {args.tensor_parallel_size} (tensor parallel)" if args.tensor_parallel_size > 1 else ""
+    )
     procs = ""
     if executor_backend(args) == "mp":
         n = len(engine.engine_core.model_executor.worker_pids)

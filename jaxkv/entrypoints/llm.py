@@ -53,8 +53,13 @@ class LLM:
         """See :meth:`LLMEngine.reset_prefix_cache`."""
         return self.llm_engine.reset_prefix_cache()
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         """Generates completions for ``prompts`` (one prompt or a list); outputs in input order.
 
         ``priority`` (one int per prompt, lower first) orders the requests when the engine's
@@ -63,14 +68,22 @@ class LLM:
         params = _per_prompt(sampling_params, prompts, SamplingParams, "sampling_params")
         # One output per request, when it finishes (as vLLM's LLM.generate): the engine skips
         # building the per-step outputs nobody reads.
-        params = [dataclasses.replace(sp or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
-                  for sp in params]
+        params = [
+            dataclasses.replace(sp or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
+            for sp in params
+        ]
         return self._run(prompts, params, priority, use_tqdm, "generate")
 
-    def encode(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-               use_tqdm: bool = True, *, pooling_task: str | None = None,
-               truncate_prompt_tokens: int | None = None,
-               priority: Sequence[int] | None = None) -> list[PoolingRequestOutput]:
+    def encode(
+        self,
+        prompts,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        pooling_task: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[PoolingRequestOutput]:
         """Pooled hidden states of ``prompts`` (vLLM's ``LLM.encode``): ``pooling_task``
         "embed" (default: one vector per prompt, pooled as the engine's ``pooler_config`` or
         the params say) or "token_embed" (``[num_tokens, hidden]`` per prompt). Each
@@ -78,24 +91,47 @@ class LLM:
         LM head reads), after ``dimensions`` truncation and, by default, L2 normalisation.
         Any engine runs these next to generation requests; see :mod:`jaxkv.pooling_params`."""
         prompts = _prompt_list(prompts)
-        params = [(pp or PoolingParams()).for_task(pooling_task)
-                  for pp in _per_prompt(pooling_params, prompts, PoolingParams, "pooling_params")]
+        params = [
+            (pp or PoolingParams()).for_task(pooling_task)
+            for pp in _per_prompt(pooling_params, prompts, PoolingParams, "pooling_params")
+        ]
         if truncate_prompt_tokens is not None:
-            params = [dataclasses.replace(pp, truncate_prompt_tokens=truncate_prompt_tokens) for pp in params]
-        return self._run(prompts, params, priority, use_tqdm, "encode")   # the engine resolves them
+            params = [
+                dataclasses.replace(pp, truncate_prompt_tokens=truncate_prompt_tokens)
+                for pp in params
+            ]
+        return self._run(prompts, params, priority, use_tqdm, "encode")  # the engine resolves them
 
-    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True, *, truncate_prompt_tokens: int | None = None,
-              priority: Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
+    def embed(
+        self,
+        prompts,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (vLLM's ``LLM.embed``): ``outputs.embedding`` is a list of
         floats. ``encode(..., pooling_task="embed")`` gives the same as numpy arrays."""
-        outs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="embed",
-                           truncate_prompt_tokens=truncate_prompt_tokens, priority=priority)
+        outs = self.encode(
+            prompts,
+            pooling_params,
+            use_tqdm,
+            pooling_task="embed",
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            priority=priority,
+        )
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
-    def score(self, data_1, data_2, use_tqdm: bool = True, *,
-              pooling_params: PoolingParams | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+    def score(
+        self,
+        data_1,
+        data_2,
+        use_tqdm: bool = True,
+        *,
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
         """Cosine similarity of embeddings (vLLM's ``LLM.score`` for embedding models): one
         prompt against one or many (1 -> N), or two lists of the same length pairwise (N -> N).
         Each distinct prompt is embedded once."""
@@ -105,23 +141,38 @@ class LLM:
         if len(left) == 1:
             left = left * len(right)
         if len(left) != len(right):
-            raise ValueError(f"score() pairs one prompt with N, or N with N; got {len(left)} and "
-                             f"{len(right)} prompts")
+            raise ValueError(
+                f"score() pairs one prompt with N, or N with N; got {len(left)} and "
+                f"{len(right)} prompts"
+            )
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
-            raise TypeError(f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}")
+            raise TypeError(
+                f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}"
+            )
         keys = [_prompt_key(p) for p in left + right]
         unique = list(dict.fromkeys(keys))
         first = {k: p for k, p in zip(keys, left + right)}
-        outs = self.encode([first[k] for k in unique], pooling_params, use_tqdm, pooling_task="embed",
-                           truncate_prompt_tokens=truncate_prompt_tokens)
+        outs = self.encode(
+            [first[k] for k in unique],
+            pooling_params,
+            use_tqdm,
+            pooling_task="embed",
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
         by_key = dict(zip(unique, outs))
         scores = []
-        for a, b in zip(keys[: len(left)], keys[len(left):]):
+        for a, b in zip(keys[: len(left)], keys[len(left) :]):
             x, y = by_key[a], by_key[b]
             u, v = np.asarray(x.outputs.data, np.float64), np.asarray(y.outputs.data, np.float64)
             cos = float(u @ v / max(np.linalg.norm(u) * np.linalg.norm(v), 1e-12))
-            scores.append(ScoringRequestOutput(f"{x.request_id}_{y.request_id}", ScoringOutput(cos),
-                                               x.prompt_token_ids + y.prompt_token_ids, True))
+            scores.append(
+                ScoringRequestOutput(
+                    f"{x.request_id}_{y.request_id}",
+                    ScoringOutput(cos),
+                    x.prompt_token_ids + y.prompt_token_ids,
+                    True,
+                )
+            )
         return scores
 
     def _run(self, prompts: list, params: list, priority, use_tqdm: bool, desc: str) -> list:
@@ -140,7 +191,7 @@ class LLM:
             try:
                 for p, sp, prio in zip(prompts, params, priorities):
                     rid = engine.next_request_id()
-                    ids.append(rid)   # first: add_request cleans up after itself if it raises
+                    ids.append(rid)  # first: add_request cleans up after itself if it raises
                     engine.add_request(rid, p, sp, priority=prio)
                     _raise_if(interrupt)
                 bar = _progress(len(ids), desc) if use_tqdm else None
@@ -152,16 +203,20 @@ class LLM:
                                 bar.update(1)
                     _raise_if(interrupt)
                     if not engine.has_unfinished_requests() and len(finished) < len(ids):
-                        raise RuntimeError("engine has no unfinished requests but outputs are missing")
-            except BaseException:   # a refused prompt, a failed step, Ctrl-C: this call's
-                engine.abort_request(ids)   # requests end with it
+                        raise RuntimeError(
+                            "engine has no unfinished requests but outputs are missing"
+                        )
+            except BaseException:  # a refused prompt, a failed step, Ctrl-C: this call's
+                engine.abort_request(ids)  # requests end with it
                 raise
             finally:
                 if bar is not None:
                     bar.close()
         return [finished[r] for r in ids]
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(
+        self, prompts, params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
         """Beam search over ``prompts`` (one or a list: strings, token-id lists or prompt
         dicts), as vLLM's ``LLM.beam_search``; one BeamSearchOutput per prompt, in order, its
         sequences best first (see :mod:`jaxkv.beam_search`). Each round runs the live beams of
@@ -172,19 +227,30 @@ class LLM:
         token_lists = [engine.input_processor.tokenize(p)[1] for p in _prompt_list(prompts)]
         k = 2 * params.beam_width
         if k > engine.model_config.vocab_size:
-            raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width <= the vocabulary "
-                             f"({engine.model_config.vocab_size})")
+            raise ValueError(
+                f"beam_width={params.beam_width} needs 2 * beam_width <= the vocabulary "
+                f"({engine.model_config.vocab_size})"
+            )
         cap = engine.config.max_logprobs
         if cap != -1 and k > cap:
-            raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width = {k} logprobs a round, "
-                             f"above the engine's max_logprobs={cap}: build the LLM with max_logprobs >= {k}")
+            raise ValueError(
+                f"beam_width={params.beam_width} needs 2 * beam_width = {k} logprobs a round, "
+                f"above the engine's max_logprobs={cap}: build the LLM with max_logprobs >= {k}"
+            )
         max_len = engine.config.max_model_len
         for i, t in enumerate(token_lists):
             if not t or len(t) >= max_len:
-                raise ValueError(f"prompt {i} has {len(t)} tokens; beam search needs 1 .. "
-                                 f"max_model_len - 1 = {max_len - 1}")
-        one = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=k,
-                              ignore_eos=True, detokenize=False)
+                raise ValueError(
+                    f"prompt {i} has {len(t)} tokens; beam search needs 1 .. "
+                    f"max_model_len - 1 = {max_len - 1}"
+                )
+        one = SamplingParams(
+            max_tokens=1,
+            temperature=params.temperature,
+            logprobs=k,
+            ignore_eos=True,
+            detokenize=False,
+        )
 
         def expand(beams: list[list[int]]) -> list:
             fits = [i for i, t in enumerate(beams) if len(t) < max_len]
@@ -202,15 +268,22 @@ class LLM:
                     seq.text = tok.decode(seq.tokens)
         return results
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """Renders one conversation (list of {"role", "content"}) or a list of them with the
         model's chat template, then generates."""
         tok = self.llm_engine.tokenizer
         if tok is None:
             raise ValueError("chat() needs a model with a tokenizer and a chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]
+        prompts = [
+            tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
@@ -221,8 +294,9 @@ def _raise_if(interrupt: DeferredInterrupt) -> None:
 
 def _prompt_list(prompts) -> list:
     """One prompt (a string, a token-id list or a prompt dict) or a list of them -> a list."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                             and isinstance(prompts[0], int)):
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+    ):
         return [prompts]
     return list(prompts)
 

@@ -43,8 +43,10 @@ class Executor(abc.ABC):
         """The executor class for ``config.distributed_executor_backend``."""
         name = config.distributed_executor_backend
         if name not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of {sorted(EXECUTOR_BACKENDS)}, "
-                             f"got {name!r}")
+            raise ValueError(
+                f"distributed_executor_backend must be one of {sorted(EXECUTOR_BACKENDS)}, "
+                f"got {name!r}"
+            )
         module, cls = EXECUTOR_BACKENDS[name].split(":")
         return getattr(importlib.import_module(module), cls)
 
@@ -53,8 +55,13 @@ class Executor(abc.ABC):
         """Starts the workers and loads the model on each."""
 
     @abc.abstractmethod
-    def collective_rpc(self, method: str | Callable, timeout: float | None = None,
-                       args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> list[Any]:
         """Calls ``method`` (a ``Worker`` method name, or a function taking the worker first)
         on every worker; one result per rank, in rank order."""
 

@@ -87,15 +87,21 @@ def _worker_env() -> dict:
     env = dict(os.environ)
     paths = [os.path.abspath(p or os.getcwd()) for p in sys.path]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if os.path.isdir(p)))
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f]
+    flags = [
+        f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f
+    ]
     env["XLA_FLAGS"] = " ".join(flags)
     return env
 
 
 def start_worker(args: SpawnArgs) -> subprocess.Popen:
     """Starts one worker process with ``args`` pickled on its stdin."""
-    proc = subprocess.Popen([sys.executable, "-m", "jaxkv.executor.worker_proc"], stdin=subprocess.PIPE,
-                            env=_worker_env(), cwd=os.getcwd())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxkv.executor.worker_proc"],
+        stdin=subprocess.PIPE,
+        env=_worker_env(),
+        cwd=os.getcwd(),
+    )
     proc.stdin.write(pickle.dumps(args))
     proc.stdin.close()
     return proc
@@ -125,11 +131,11 @@ class _Control:
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a send to a gone peer raises
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises
         self.router.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-        self.procs: dict[int, subprocess.Popen] = {}     # rank -> this node's worker
-        self.ranks: list[int] = []                       # every rank that said READY
+        self.procs: dict[int, subprocess.Popen] = {}  # rank -> this node's worker
+        self.ranks: list[int] = []  # every rank that said READY
         self.closed = False
 
     def send(self, rank: int, payload: bytes) -> None:
@@ -166,27 +172,33 @@ class MultiprocExecutor(Executor):
     """See the module docstring. Deadlines are attributes (seconds), overridable per instance
     before use or on a subclass."""
 
-    startup_timeout_s: float = 180.0     # workers up, jax.distributed joined, model loaded
-    execute_timeout_s: float = 300.0     # one step (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
-    rpc_timeout_s: float = 900.0         # collective_rpc without its own timeout (warm-up compiles)
-    heartbeat_timeout_s: float = 5.0     # a worker silent this long is dead
-    poll_ms: int = 50                    # liveness is checked at least this often while waiting
+    startup_timeout_s: float = 180.0  # workers up, jax.distributed joined, model loaded
+    execute_timeout_s: float = 300.0  # one step (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
+    rpc_timeout_s: float = 900.0  # collective_rpc without its own timeout (warm-up compiles)
+    heartbeat_timeout_s: float = 5.0  # a worker silent this long is dead
+    poll_ms: int = 50  # liveness is checked at least this often while waiting
 
     def _init_executor(self, model) -> None:
-        self._kv_seen: dict[str, dict[str, int]] = {}   # KV transfers reported by some ranks
+        self._kv_seen: dict[str, dict[str, int]] = {}  # KV transfers reported by some ranks
         c = self.config
         if model is not None and not isinstance(getattr(c, "model", None), str):
-            raise ValueError("MultiprocExecutor loads the model in each worker process "
-                             "(EngineConfig.model); it cannot take a model built in this process")
-        del model   # the workers load config.model; a copy the front end loaded is not used here
+            raise ValueError(
+                "MultiprocExecutor loads the model in each worker process "
+                "(EngineConfig.model); it cannot take a model built in this process"
+            )
+        del model  # the workers load config.model; a copy the front end loaded is not used here
         if c.headless or c.node_rank != 0:
-            raise ValueError(f"the executor runs on node 0; node_rank={c.node_rank} "
-                             f"(headless={c.headless}) runs run_headless() / --headless instead")
+            raise ValueError(
+                f"the executor runs on node 0; node_rank={c.node_rank} "
+                f"(headless={c.headless}) runs run_headless() / --headless instead"
+            )
         per_worker = int(getattr(c, "devices_per_worker", 1) or 1)
         tp = c.tensor_parallel_size
         if tp % (per_worker * c.nnodes):
-            raise ValueError(f"tensor_parallel_size={tp} must split evenly over nnodes={c.nnodes} "
-                             f"with {per_worker} device(s) per worker")
+            raise ValueError(
+                f"tensor_parallel_size={tp} must split evenly over nnodes={c.nnodes} "
+                f"with {per_worker} device(s) per worker"
+            )
         self.world_size = tp // per_worker
         local = self.world_size // c.nnodes
         host = c.master_addr
@@ -196,18 +208,18 @@ class MultiprocExecutor(Executor):
             coord_port, control_port = _free_port(host), 0
         self._ids = itertools.count(1)
         self._replies: dict[int, dict[int, tuple]] = {}  # call id -> rank -> (ok, value)
-        self._ignored: set[int] = set()                  # calls whose replies nobody waits for
-        self._dropped: set[int] = set()                  # calls that raised: later replies dropped
-        self._unflushed: int | None = None               # a non-blocking step not yet asked for
+        self._ignored: set[int] = set()  # calls whose replies nobody waits for
+        self._dropped: set[int] = set()  # calls that raised: later replies dropped
+        self._unflushed: int | None = None  # a non-blocking step not yet asked for
         self._failure: str | None = None
-        self._info: dict[int, dict] = {}                 # rank -> {"pid", "host"}
+        self._info: dict[int, dict] = {}  # rank -> {"pid", "host"}
         self._last_beat: dict[int, float] = {}
         self._deferred_error: BaseException | None = None
         #: the driver's perf_counter() times of the last blocking step: its message arrived,
         #: dispatch began, collect ended, reply pickled; then when this process received it
         #: (one host's CLOCK_MONOTONIC): the step is (began, ended), the rest is the hop
         self.last_step_timing: tuple | None = None
-        self.last_send_time = 0.0   # perf_counter() when the last blocking step was sent
+        self.last_send_time = 0.0  # perf_counter() when the last blocking step was sent
         ctl = self._ctl = _Control()
         self._finalizer = weakref.finalize(self, ctl.close)
         if control_port:
@@ -218,13 +230,18 @@ class MultiprocExecutor(Executor):
         self.coordinator_address = f"{host}:{coord_port}"
         self.platform = default_platform()
         for local_rank in range(local):
-            args = SpawnArgs(rank=local_rank, local_rank=local_rank, world_size=self.world_size,
-                             coordinator_address=self.coordinator_address,
-                             control_address=self.control_address, platform=self.platform,
-                             devices_per_worker=per_worker,
-                             # past our own deadline, so a missing node is reported as such (below)
-                             # rather than as this node's worker giving up first
-                             init_timeout_s=int(self.startup_timeout_s) + 30)
+            args = SpawnArgs(
+                rank=local_rank,
+                local_rank=local_rank,
+                world_size=self.world_size,
+                coordinator_address=self.coordinator_address,
+                control_address=self.control_address,
+                platform=self.platform,
+                devices_per_worker=per_worker,
+                # past our own deadline, so a missing node is reported as such (below)
+                # rather than as this node's worker giving up first
+                init_timeout_s=int(self.startup_timeout_s) + 30,
+            )
             ctl.procs[local_rank] = start_worker(args)
         try:
             self._wait_ready(time.monotonic() + self.startup_timeout_s)
@@ -246,7 +263,7 @@ class MultiprocExecutor(Executor):
     def _fail(self, message: str, kind=WorkerDiedError):
         """The job is unusable: stop every process, refuse further calls, raise."""
         self._failure = message
-        self._ctl.close(grace_s=0.2)   # the job is broken: no graceful wait
+        self._ctl.close(grace_s=0.2)  # the job is broken: no graceful wait
         raise kind(message)
 
     def _fail_if_exited(self, rank: int, proc, wait_s: float = 0.0) -> None:
@@ -264,11 +281,13 @@ class MultiprocExecutor(Executor):
         for rank, proc in self._ctl.procs.items():
             self._fail_if_exited(rank, proc)
         now = time.monotonic()
-        for rank in self._ctl.ranks:   # local ones too: a stopped process has not exited
+        for rank in self._ctl.ranks:  # local ones too: a stopped process has not exited
             silent = now - max(self._last_beat.get(rank, since), since)
             if silent > self.heartbeat_timeout_s:
-                self._fail(f"{self._describe(rank)} sent no heartbeat for {silent:.1f} s "
-                           f"(hung, stopped or unreachable)")
+                self._fail(
+                    f"{self._describe(rank)} sent no heartbeat for {silent:.1f} s "
+                    f"(hung, stopped or unreachable)"
+                )
 
     def _drain(self, timeout_ms: int) -> None:
         """Receives whatever the workers sent (waiting up to ``timeout_ms`` for the first)."""
@@ -293,9 +312,9 @@ class MultiprocExecutor(Executor):
                 self._info[rank] = value
                 if rank not in self._ctl.ranks:
                     self._ctl.ranks.append(rank)
-            elif call_id in self._dropped:   # a call that already raised its first error
+            elif call_id in self._dropped:  # a call that already raised its first error
                 continue
-            elif call_id in self._ignored:   # errors surface at the next wait
+            elif call_id in self._ignored:  # errors surface at the next wait
                 seen = self._replies.setdefault(call_id, {})
                 seen[rank] = (ok, None)
                 if not ok and self._deferred_error is None:
@@ -315,12 +334,19 @@ class MultiprocExecutor(Executor):
                 missing = sorted(set(range(self.world_size)) - set(self._ctl.ranks))
                 remote = [r for r in missing if r not in self._ctl.procs]
                 c = self.config
-                hint = (f"; ranks {remote} run on other nodes: is `jaxkv generate --headless --nnodes "
-                        f"{c.nnodes} --node-rank N --master-addr {c.master_addr} --master-port "
-                        f"{c.master_port}` (or run_headless) running there? This node's workers wait "
-                        f"in jax.distributed.initialize until every rank joins" if remote else "")
-                self._fail(f"worker ranks {missing} did not start within {self.startup_timeout_s:.0f} s"
-                           f"{hint}", WorkerTimeoutError)
+                hint = (
+                    f"; ranks {remote} run on other nodes: is `jaxkv generate --headless --nnodes "
+                    f"{c.nnodes} --node-rank N --master-addr {c.master_addr} --master-port "
+                    f"{c.master_port}` (or run_headless) running there? This node's workers wait "
+                    f"in jax.distributed.initialize until every rank joins"
+                    if remote
+                    else ""
+                )
+                self._fail(
+                    f"worker ranks {missing} did not start within {self.startup_timeout_s:.0f} s"
+                    f"{hint}",
+                    WorkerTimeoutError,
+                )
             self._check_alive(start)
             self._drain(self.poll_ms)
         self._ctl.ranks.sort()
@@ -353,8 +379,10 @@ class MultiprocExecutor(Executor):
                 return [got[r][1] for r in range(self.world_size)]
             if time.monotonic() > deadline:
                 missing = [self._describe(r) for r in range(self.world_size) if r not in got]
-                self._fail(f"{what} got no answer within {timeout:.1f} s from {', '.join(missing)}",
-                           WorkerTimeoutError)
+                self._fail(
+                    f"{what} got no answer within {timeout:.1f} s from {', '.join(missing)}",
+                    WorkerTimeoutError,
+                )
             self._check_alive(start)
             self._drain(self.poll_ms)
 
@@ -369,38 +397,55 @@ class MultiprocExecutor(Executor):
         for rank in self._ctl.ranks:
             try:
                 self._ctl.send(rank, payload)
-            except zmq.ZMQError as exc:   # a local worker that died says how (it may not be reaped yet)
+            except (
+                zmq.ZMQError
+            ) as exc:  # a local worker that died says how (it may not be reaped yet)
                 if rank in self._ctl.procs:
                     self._fail_if_exited(rank, self._ctl.procs[rank], wait_s=1.0)
                 self._fail(f"{self._describe(rank)} is unreachable ({exc})")
-        self._unflushed = None   # any message makes the workers answer the step in flight
+        self._unflushed = None  # any message makes the workers answer the step in flight
         if timeout is not None:
             return self._wait(call_id, timeout, what or msg[0])
         return call_id
 
     # ---- the Executor interface -----------------------------------------------------------------
 
-    def collective_rpc(self, method: str | Callable, timeout: float | None = None,
-                       args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> list[Any]:
         name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
-        return self._call_all(("rpc", method, tuple(args), dict(kwargs or {})),
-                              self.rpc_timeout_s if timeout is None else timeout,
-                              what=f"collective_rpc({name!r})")
+        return self._call_all(
+            ("rpc", method, tuple(args), dict(kwargs or {})),
+            self.rpc_timeout_s if timeout is None else timeout,
+            what=f"collective_rpc({name!r})",
+        )
 
     def execute_model(self, scheduler_output, non_block: bool = False):
         if not non_block:
             self.last_send_time = time.perf_counter()
-            return self._kv_aggregate(self._call_all(("execute_model", scheduler_output, True),
-                                                     self.execute_timeout_s, what="execute_model"))
+            return self._kv_aggregate(
+                self._call_all(
+                    ("execute_model", scheduler_output, True),
+                    self.execute_timeout_s,
+                    what="execute_model",
+                )
+            )
         call_id = self._call_all(("execute_model", scheduler_output, False))
         self._unflushed = call_id
-        if scheduler_output.total_num_scheduled_tokens == 0 and getattr(self.config, "kv_transfer_config", None) is None:
-            self._ignored.add(call_id)   # nothing scheduled: no result (as UniProcExecutor)
+        if (
+            scheduler_output.total_num_scheduled_tokens == 0
+            and getattr(self.config, "kv_transfer_config", None) is None
+        ):
+            self._ignored.add(call_id)  # nothing scheduled: no result (as UniProcExecutor)
             return None
         return _PendingStep(self, call_id)
 
     def _step_result(self, call_id: int):
-        if self._unflushed == call_id:   # nothing sent since: ask for the step in flight
+        if self._unflushed == call_id:  # nothing sent since: ask for the step in flight
             self._call_all(("collect",))
         return self._kv_aggregate(self._wait(call_id, self.execute_timeout_s, "execute_model"))
 
@@ -445,29 +490,50 @@ class MultiprocExecutor(Executor):
 
 # ---- other nodes: the headless launcher ---------------------------------------------------------
 
-def run_headless(*, nnodes: int, node_rank: int, master_addr: str, master_port: int,
-                 tensor_parallel_size: int, devices_per_worker: int = 1, platform: str | None = None,
-                 init_timeout_s: int = 180) -> int:
+
+def run_headless(
+    *,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    tensor_parallel_size: int,
+    devices_per_worker: int = 1,
+    platform: str | None = None,
+    init_timeout_s: int = 180,
+) -> int:
     """Starts node ``node_rank``'s workers of a job whose engine core runs on node 0, and waits
     for them; returns their exit status (0 when the executor shut them down). A failed worker
     stops the node's others. SIGTERM / SIGINT stop them too."""
     if not 0 < node_rank < nnodes:
-        raise ValueError(f"a headless node has 0 < node_rank < nnodes, got node_rank={node_rank}, nnodes={nnodes}")
+        raise ValueError(
+            f"a headless node has 0 < node_rank < nnodes, got node_rank={node_rank}, nnodes={nnodes}"
+        )
     if not master_port:
         raise ValueError("a headless node needs --master-port (node 0's)")
     world = tensor_parallel_size // devices_per_worker
     if tensor_parallel_size % (devices_per_worker * nnodes):
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must split evenly over "
-                         f"nnodes={nnodes} with {devices_per_worker} device(s) per worker")
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} must split evenly over "
+            f"nnodes={nnodes} with {devices_per_worker} device(s) per worker"
+        )
     local = world // nnodes
     procs = []
     for local_rank in range(local):
-        procs.append(start_worker(SpawnArgs(
-            rank=node_rank * local + local_rank, local_rank=local_rank, world_size=world,
-            coordinator_address=f"{master_addr}:{master_port}",
-            control_address=f"tcp://{master_addr}:{master_port + 1}",
-            platform=platform or default_platform(), devices_per_worker=devices_per_worker,
-            init_timeout_s=init_timeout_s)))
+        procs.append(
+            start_worker(
+                SpawnArgs(
+                    rank=node_rank * local + local_rank,
+                    local_rank=local_rank,
+                    world_size=world,
+                    coordinator_address=f"{master_addr}:{master_port}",
+                    control_address=f"tcp://{master_addr}:{master_port + 1}",
+                    platform=platform or default_platform(),
+                    devices_per_worker=devices_per_worker,
+                    init_timeout_s=init_timeout_s,
+                )
+            )
+        )
 
     def stop(signum, frame):
         stop_processes(procs, grace_s=0.5)
@@ -489,8 +555,10 @@ def run_headless(*, nnodes: int, node_rank: int, master_addr: str, master_port: 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxkv.executor.multiproc",
-                                description="Run this node's jaxkv worker processes (vLLM's --headless).")
+    p = argparse.ArgumentParser(
+        prog="python -m jaxkv.executor.multiproc",
+        description="Run this node's jaxkv worker processes (vLLM's --headless).",
+    )
     p.add_argument("--headless", action="store_true", required=True)
     p.add_argument("--nnodes", type=int, required=True)
     p.add_argument("--node-rank", type=int, required=True)
@@ -499,9 +567,14 @@ def main(argv=None) -> int:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, required=True)
     p.add_argument("--devices-per-worker", type=int, default=1)
     a = p.parse_args(argv)
-    return run_headless(nnodes=a.nnodes, node_rank=a.node_rank, master_addr=a.master_addr,
-                        master_port=a.master_port, tensor_parallel_size=a.tensor_parallel_size,
-                        devices_per_worker=a.devices_per_worker)
+    return run_headless(
+        nnodes=a.nnodes,
+        node_rank=a.node_rank,
+        master_addr=a.master_addr,
+        master_port=a.master_port,
+        tensor_parallel_size=a.tensor_parallel_size,
+        devices_per_worker=a.devices_per_worker,
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,13 @@ class UniProcExecutor(Executor):
         """The worker's runner (in-process only: tests and benchmarks inspect it)."""
         return self.driver_worker.worker.model_runner
 
-    def collective_rpc(self, method: str | Callable, timeout: float | None = None,
-                       args: tuple = (), kwargs: dict | None = None) -> list:
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> list:
         return [self.driver_worker.execute_method(method, *args, **(kwargs or {}))]
 
     def execute_model(self, scheduler_output, non_block: bool = False):
@@ -45,7 +50,7 @@ class UniProcExecutor(Executor):
             return runner.execute_model(scheduler_output)
         handle = runner.dispatch(scheduler_output)
         if handle is None and runner.kv_connector_hooks is None:
-            return None   # nothing scheduled: nothing to update (a connector still reports)
+            return None  # nothing scheduled: nothing to update (a connector still reports)
         return _PendingStep(runner, handle)
 
     def shutdown(self) -> None:

@@ -50,14 +50,14 @@ HEARTBEAT_S = 0.5
 class SpawnArgs:
     """What a worker process needs before it can hear from the executor."""
 
-    rank: int                     # global rank: jax process id, index of its KV config
-    local_rank: int               # rank on this node
-    world_size: int               # worker processes in the job
-    coordinator_address: str      # jax.distributed coordinator "host:port" (in rank 0)
-    control_address: str          # the executor's zmq ROUTER, "tcp://host:port"
-    platform: str = "cpu"         # JAX_PLATFORMS of the worker
-    devices_per_worker: int = 1   # CPU host devices per process (GPU: one per process)
-    init_timeout_s: int = 120     # jax.distributed.initialize's deadline
+    rank: int  # global rank: jax process id, index of its KV config
+    local_rank: int  # rank on this node
+    world_size: int  # worker processes in the job
+    coordinator_address: str  # jax.distributed coordinator "host:port" (in rank 0)
+    control_address: str  # the executor's zmq ROUTER, "tcp://host:port"
+    platform: str = "cpu"  # JAX_PLATFORMS of the worker
+    devices_per_worker: int = 1  # CPU host devices per process (GPU: one per process)
+    init_timeout_s: int = 120  # jax.distributed.initialize's deadline
     wrapper_class: str = "jaxkv.worker.worker_base:WorkerWrapperBase"
 
 
@@ -66,7 +66,7 @@ def _set_parent_death_signal() -> None:
     try:
         import ctypes  # noqa: PLC0415
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
@@ -79,14 +79,20 @@ def _init_jax(args: SpawnArgs):
     if args.platform == "cpu":
         jax.config.update("jax_num_cpu_devices", args.devices_per_worker)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    n = args.devices_per_worker   # GPUs: this process's n of the host's, by local rank
-    local_ids = (list(range(args.local_rank * n, (args.local_rank + 1) * n))
-                 if args.platform in ("gpu", "cuda", "rocm") else None)
+    n = args.devices_per_worker  # GPUs: this process's n of the host's, by local rank
+    local_ids = (
+        list(range(args.local_rank * n, (args.local_rank + 1) * n))
+        if args.platform in ("gpu", "cuda", "rocm")
+        else None
+    )
     if args.world_size > 1:
-        jax.distributed.initialize(coordinator_address=args.coordinator_address,
-                                   num_processes=args.world_size, process_id=args.rank,
-                                   local_device_ids=local_ids,
-                                   initialization_timeout=args.init_timeout_s)
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator_address,
+            num_processes=args.world_size,
+            process_id=args.rank,
+            local_device_ids=local_ids,
+            initialization_timeout=args.init_timeout_s,
+        )
     return jax
 
 
@@ -117,7 +123,7 @@ class _Heartbeat(threading.Thread):
         payload = pickle.dumps(("hb", self.rank, os.getpid()))
         while not self.stop.wait(HEARTBEAT_S):
             if os.getppid() != self.parent:
-                os._exit(3)   # the executor (or launcher) died: no orphans
+                os._exit(3)  # the executor (or launcher) died: no orphans
             try:
                 sock.send(payload, zmq.NOBLOCK)
             except zmq.Again:
@@ -141,8 +147,8 @@ class _Loop:
 
     def __init__(self, sock, wrapper, rank: int, local_rank: int):
         self.sock, self.wrapper, self.rank, self.local_rank = sock, wrapper, rank, local_rank
-        self.in_flight = None   # (call id, StepHandle) of a dispatched step
-        self.received = 0.0     # perf_counter() when the message at hand arrived
+        self.in_flight = None  # (call id, StepHandle) of a dispatched step
+        self.received = 0.0  # perf_counter() when the message at hand arrived
 
     def reply(self, call_id: int, ok: bool, value, timing: tuple | None = None) -> None:
         if timing is not None:
@@ -150,7 +156,9 @@ class _Loop:
         try:
             blob = pickle.dumps(("reply", call_id, self.rank, ok, value, timing), protocol=5)
         except Exception as exc:  # noqa: BLE001 - a result that does not pickle is the call's error
-            err = TypeError(f"the worker's result of type {type(value).__name__} cannot be pickled: {exc}")
+            err = TypeError(
+                f"the worker's result of type {type(value).__name__} cannot be pickled: {exc}"
+            )
             blob = pickle.dumps(("reply", call_id, self.rank, False, _exception_payload(err), None))
         self.sock.send(blob)
 
@@ -176,7 +184,12 @@ class _Loop:
             return
         timing = (self.received, started, time.perf_counter()) if started is not None else None
         # Other ranks send only their KV connector's report (the executor aggregates them).
-        self.reply(call_id, True, out if self.rank == 0 else getattr(out, "kv_connector_output", None), timing)
+        self.reply(
+            call_id,
+            True,
+            out if self.rank == 0 else getattr(out, "kv_connector_output", None),
+            timing,
+        )
 
     def flush(self) -> None:
         if self.in_flight is not None:
@@ -195,21 +208,23 @@ class _Loop:
             try:
                 handle = self.wrapper.worker.dispatch(so)
             except BaseException as exc:  # noqa: BLE001
-                if prev is not None:   # the step before is answered first (its own result)
+                if prev is not None:  # the step before is answered first (its own result)
                     self.collect(prev)
                 self.reply(call_id, False, _exception_payload(exc))
                 return True
-            if prev is not None:   # dispatched this step first: the device runs it meanwhile
+            if prev is not None:  # dispatched this step first: the device runs it meanwhile
                 self.collect(prev)
             if block:
                 self.collect((call_id, handle), started)
             else:
                 self.in_flight = (call_id, handle)
             return True
-        self.flush()   # "collect", or an rpc: the step in flight is answered first
-        if kind == "init_worker":   # the wrapper's own: builds the Worker from the engine config
+        self.flush()  # "collect", or an rpc: the step in flight is answered first
+        if kind == "init_worker":  # the wrapper's own: builds the Worker from the engine config
             _, call_id, config = msg
-            self.run_call(call_id, lambda: self.wrapper.init_worker(config, local_rank=self.local_rank))
+            self.run_call(
+                call_id, lambda: self.wrapper.init_worker(config, local_rank=self.local_rank)
+            )
         if kind == "rpc":
             _, call_id, method, args, kwargs = msg
             self.run_call(call_id, lambda: self.wrapper.execute_method(method, *args, **kwargs))
@@ -217,7 +232,9 @@ class _Loop:
 
 
 def main() -> None:
-    args: SpawnArgs = pickle.loads(sys.stdin.buffer.read())   # imports from PYTHONPATH (the spawner's sys.path)
+    args: SpawnArgs = pickle.loads(
+        sys.stdin.buffer.read()
+    )  # imports from PYTHONPATH (the spawner's sys.path)
     _set_parent_death_signal()
     # Ctrl-C in a terminal reaches the whole process group: the engine core handles it (and
     # stops the workers); a worker interrupted on its own would only break the SPMD job.
@@ -226,17 +243,21 @@ def main() -> None:
 
     ctx = zmq.Context()
     beat = _Heartbeat(ctx, args.control_address, args.rank)
-    beat.start()   # before jax.distributed: a stuck initialisation still has a watched parent
+    beat.start()  # before jax.distributed: a stuck initialisation still has a watched parent
     _init_jax(args)
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, str(args.rank).encode())
     sock.setsockopt(zmq.LINGER, 2000)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)       # zmq pings the executor; no answer for
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)   # 5 s closes the connection (seen below)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # zmq pings the executor; no answer for
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)  # 5 s closes the connection (seen below)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sock.connect(args.control_address)
     wrapper = _import(args.wrapper_class)(rpc_rank=args.rank, global_rank=args.rank)
-    sock.send(pickle.dumps(("ready", 0, args.rank, True, {"pid": os.getpid(), "host": os.uname().nodename})))
+    sock.send(
+        pickle.dumps(
+            ("ready", 0, args.rank, True, {"pid": os.getpid(), "host": os.uname().nodename})
+        )
+    )
     loop = _Loop(sock, wrapper, args.rank, args.local_rank)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
@@ -252,7 +273,7 @@ def main() -> None:
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     connected = True
                 elif event == zmq.EVENT_DISCONNECTED and connected:
-                    os._exit(4)   # the executor's process is gone
+                    os._exit(4)  # the executor's process is gone
             if sock in events:
                 blob = sock.recv()
                 loop.received = time.perf_counter()

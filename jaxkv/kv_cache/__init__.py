@@ -1,4 +1,5 @@
 """KV-cache specs and configuration, shared by the host core and the worker (no jax import)."""
+
 from jaxkv.kv_cache.specs import (
     KV_DTYPE_BYTES,
     PAGE_ALIGN_BYTES,

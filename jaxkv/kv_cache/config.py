@@ -25,14 +25,20 @@ from jaxkv.kv_cache.specs import (
 
 def _check_specs(kv_cache_specs: Mapping[str, KVCacheSpec]) -> None:
     if not isinstance(kv_cache_specs, Mapping):
-        raise TypeError(f"kv_cache_specs must map layer names to specs, got {type(kv_cache_specs).__name__}")
+        raise TypeError(
+            f"kv_cache_specs must map layer names to specs, got {type(kv_cache_specs).__name__}"
+        )
     for name, spec in kv_cache_specs.items():
         if not hasattr(spec, "page_size_bytes"):
             raise TypeError(f"layer {name!r}: {spec!r} is not a KV-cache spec")
 
 
-def _max_memory(specs: Mapping[str, KVCacheSpec], max_model_len: int, max_num_batched_tokens: int) -> int:
-    return sum(s.max_memory_usage_bytes(max_model_len, max_num_batched_tokens) for s in specs.values())
+def _max_memory(
+    specs: Mapping[str, KVCacheSpec], max_model_len: int, max_num_batched_tokens: int
+) -> int:
+    return sum(
+        s.max_memory_usage_bytes(max_model_len, max_num_batched_tokens) for s in specs.values()
+    )
 
 
 def estimate_max_model_len(
@@ -73,7 +79,9 @@ def check_enough_kv_cache_memory(
     needed = _max_memory(kv_cache_specs, max_model_len, mnbt)
     if needed > available_memory:
         fits = estimate_max_model_len(
-            kv_cache_specs, available_memory, max_model_len=max_model_len,
+            kv_cache_specs,
+            available_memory,
+            max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
         )
         raise ValueError(
@@ -167,7 +175,10 @@ def get_kv_cache_configs(
         _check_specs(specs)
         try:
             check_enough_kv_cache_memory(
-                specs, mem, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens
+                specs,
+                mem,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
             )
         except ValueError as e:
             if len(specs_per_worker) == 1:
@@ -177,7 +188,9 @@ def get_kv_cache_configs(
     for specs in specs_per_worker:
         for name, spec in specs.items():
             if name in merged and merged[name] != spec:
-                raise ValueError(f"layer {name!r} has different specs on two workers: {merged[name]} vs {spec}")
+                raise ValueError(
+                    f"layer {name!r} has different specs on two workers: {merged[name]} vs {spec}"
+                )
             merged.setdefault(name, spec)
     global_groups = get_kv_cache_groups(merged)
     configs = []
@@ -209,21 +222,30 @@ def get_kv_cache_config(
 ) -> KVCacheConfig:
     """The single-worker case of :func:`get_kv_cache_configs`."""
     return get_kv_cache_configs(
-        [kv_cache_specs], [available_memory], max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens, num_gpu_blocks_override=num_gpu_blocks_override,
+        [kv_cache_specs],
+        [available_memory],
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_gpu_blocks_override=num_gpu_blocks_override,
     )[0]
 
 
-def blocks_per_request(config: KVCacheConfig, *, max_model_len: int, max_num_batched_tokens: int) -> int:
+def blocks_per_request(
+    config: KVCacheConfig, *, max_model_len: int, max_num_batched_tokens: int
+) -> int:
     """Blocks one request of ``max_model_len`` tokens needs across all groups."""
     return sum(
-        cdiv(g.kv_cache_spec.max_memory_usage_bytes(max_model_len, max_num_batched_tokens),
-             g.kv_cache_spec.page_size_bytes)
+        cdiv(
+            g.kv_cache_spec.max_memory_usage_bytes(max_model_len, max_num_batched_tokens),
+            g.kv_cache_spec.page_size_bytes,
+        )
         for g in config.kv_cache_groups
     )
 
 
-def get_max_concurrency(config: KVCacheConfig, *, max_model_len: int, max_num_batched_tokens: int) -> float:
+def get_max_concurrency(
+    config: KVCacheConfig, *, max_model_len: int, max_num_batched_tokens: int
+) -> float:
     """How many requests of ``max_model_len`` tokens fit at once (vLLM's formula).
 
     Example: max_model_len 16384, block_size 16, max_num_batched_tokens 1024: a full-attention

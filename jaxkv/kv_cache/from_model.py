@@ -14,8 +14,12 @@ def kv_cache_specs_from_layers(
     ``sliding_window`` (None for full attention), e.g. ``jaxkv.models.LayerKVInfo``."""
     specs: dict[str, KVCacheSpec] = {}
     for name, info in layer_infos.items():
-        common = dict(block_size=block_size, num_kv_heads=info.num_kv_heads,
-                      head_size=info.head_size, dtype=cache_dtype)
+        common = dict(
+            block_size=block_size,
+            num_kv_heads=info.num_kv_heads,
+            head_size=info.head_size,
+            dtype=cache_dtype,
+        )
         if info.sliding_window is None:
             specs[name] = FullAttentionSpec(**common)
         else:

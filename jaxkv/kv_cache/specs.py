@@ -110,7 +110,9 @@ class SlidingWindowSpec(FullAttentionSpec):
     def __post_init__(self):
         super().__post_init__()
         if self.sliding_window is None or self.sliding_window <= 0:
-            raise ValueError(f"SlidingWindowSpec needs sliding_window > 0, got {self.sliding_window}")
+            raise ValueError(
+                f"SlidingWindowSpec needs sliding_window > 0, got {self.sliding_window}"
+            )
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         # The window plus one step's new tokens, plus one block for a window that does not
@@ -166,7 +168,9 @@ class KVCacheConfig:
 
     def layer_binding(self) -> dict[str, tuple[int, int]]:
         """``layer_name -> (group index, tensor index)``, built once at start-up."""
-        tensor_of = {name: t for t, tensor in enumerate(self.kv_cache_tensors) for name in tensor.shared_by}
+        tensor_of = {
+            name: t for t, tensor in enumerate(self.kv_cache_tensors) for name in tensor.shared_by
+        }
         binding = {}
         for g, group in enumerate(self.kv_cache_groups):
             for name in group.layer_names:

@@ -7,8 +7,13 @@ import jax
 BACKENDS = ("auto", "xla", "cpu", "pallas", "reference")
 
 
-def resolve_backend(name: str, platform: str | None = None, *, head_size: int | None = None,
-                    block_size: int | None = None) -> tuple[str, bool]:
+def resolve_backend(
+    name: str,
+    platform: str | None = None,
+    *,
+    head_size: int | None = None,
+    block_size: int | None = None,
+) -> tuple[str, bool]:
     """("auto" | "xla" | "cpu" | "pallas" | "reference") -> (backend, interpret).
 
     "auto" is Pallas on GPU/TPU and, on CPU (where Pallas only runs in interpret mode, ~100x
@@ -24,6 +29,7 @@ def resolve_backend(name: str, platform: str | None = None, *, head_size: int | 
     if name == "auto":
         if platform == "tpu" and head_size is not None and block_size is not None:
             from jaxkv.pallas_kernels.mosaic_backend import check_shapes  # noqa: PLC0415
+
             try:
                 check_shapes(head_size=head_size, block_size=block_size)
             except ValueError:
@@ -31,6 +37,7 @@ def resolve_backend(name: str, platform: str | None = None, *, head_size: int | 
         if platform in ("gpu", "cuda", "rocm", "tpu"):
             return "pallas", False
         from jaxkv.pallas_kernels import cpu_backend  # noqa: PLC0415
+
         return ("cpu" if cpu_backend.available() else "xla"), False
     if name == "cpu" and platform != "cpu":
         raise ValueError(f"attention_backend='cpu' runs on the CPU platform only, not {platform!r}")

@@ -63,7 +63,7 @@ class BlockTableOpsLayout:
     writes (4 * num_writes)]``, row-major within each part.
     """
 
-    num_moves: int   # M
+    num_moves: int  # M
     num_clears: int  # C
     num_writes: int  # W
 
@@ -81,21 +81,23 @@ class BlockTableOpsLayout:
 
 def apply_block_table_ops(
     tables: tuple[jax.Array, ...],  # per group g: [R, B_g] int32
-    ops_flat: jax.Array,            # [layout.size] int32, from BlockTableStager.encode()
+    ops_flat: jax.Array,  # [layout.size] int32, from BlockTableStager.encode()
     *,
     layout: BlockTableOpsLayout,
-) -> tuple[jax.Array, ...]:         # per group g: [R, B_g] int32
+) -> tuple[jax.Array, ...]:  # per group g: [R, B_g] int32
     """Applies one encoded diff: moves, then clears, then writes (see the module docstring).
 
     Pure and jittable; ``layout`` must be static. With the tables donated every phase is an
     in-place scatter (the moved rows are gathered first, so moves read start-of-step rows).
     """
     if ops_flat.shape != (layout.size,):
-        raise ValueError(f"ops_flat has shape {ops_flat.shape}, layout {layout} needs ({layout.size},)")
+        raise ValueError(
+            f"ops_flat has shape {ops_flat.shape}, layout {layout} needs ({layout.size},)"
+        )
     ops_flat = ops_flat.astype(jnp.int32)
     m2 = _MOVE_FIELDS * layout.num_moves
-    moves = ops_flat[:m2].reshape(layout.num_moves, _MOVE_FIELDS)              # [M, 2]
-    clears = ops_flat[m2 : m2 + layout.num_clears]                            # [C]
+    moves = ops_flat[:m2].reshape(layout.num_moves, _MOVE_FIELDS)  # [M, 2]
+    clears = ops_flat[m2 : m2 + layout.num_clears]  # [C]
     writes = ops_flat[m2 + layout.num_clears :].reshape(layout.num_writes, _WRITE_FIELDS)  # [W, 4]
 
     out = []
@@ -107,7 +109,7 @@ def apply_block_table_ops(
 
         if layout.num_moves:
             src = jnp.clip(moves[:, 0], 0, num_rows - 1)  # padding gathers row 0, then drops
-            moved = table[src]                             # [M, B_g]
+            moved = table[src]  # [M, B_g]
             table = table.at[to_index(moves[:, 1])].set(moved, mode="drop")
         if layout.num_clears:
             table = table.at[to_index(clears)].set(NULL_BLOCK_ID, mode="drop")
@@ -149,7 +151,9 @@ class BlockTableStager:
         two at least this large, so the jitted step sees few layouts.
     """
 
-    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: Sequence[int], *, min_bucket: int = 8):
+    def __init__(
+        self, max_num_reqs: int, max_num_blocks_per_req: Sequence[int], *, min_bucket: int = 8
+    ):
         if max_num_reqs <= 0 or not max_num_blocks_per_req or min(max_num_blocks_per_req) <= 0:
             raise ValueError(
                 f"need max_num_reqs > 0 and positive widths per group, got max_num_reqs="
@@ -159,7 +163,9 @@ class BlockTableStager:
         self.max_num_blocks_per_req = tuple(int(b) for b in max_num_blocks_per_req)
         self.min_bucket = min_bucket
         #: Host mirror, per group: [R, B_g] int32. Equals the device tables after each encode().
-        self.tables = [np.full((max_num_reqs, b), NULL_BLOCK_ID, np.int32) for b in self.max_num_blocks_per_req]
+        self.tables = [
+            np.full((max_num_reqs, b), NULL_BLOCK_ID, np.int32) for b in self.max_num_blocks_per_req
+        ]
         #: Blocks in use per row, per group: [G, R] int32.
         self.num_blocks_per_row = np.zeros((self.num_groups, max_num_reqs), np.int32)
         self._start_num_blocks = self.num_blocks_per_row.copy()  # [G, R] at the start of the step
@@ -178,7 +184,9 @@ class BlockTableStager:
 
     def _check_groups(self, block_ids_per_group: Sequence[Sequence[int]]) -> None:
         if len(block_ids_per_group) != self.num_groups:
-            raise ValueError(f"expected block ids for {self.num_groups} groups, got {len(block_ids_per_group)}")
+            raise ValueError(
+                f"expected block ids for {self.num_groups} groups, got {len(block_ids_per_group)}"
+            )
 
     def clear_row(self, row: int) -> None:
         """The row becomes empty (all NULL_BLOCK_ID) in every group."""
@@ -193,7 +201,10 @@ class BlockTableStager:
         self._check_groups(block_ids_per_group)
         diff = self._row_diff(row)
         for g, ids in enumerate(block_ids_per_group):
-            start, end = int(self.num_blocks_per_row[g, row]), int(self.num_blocks_per_row[g, row]) + len(ids)
+            start, end = (
+                int(self.num_blocks_per_row[g, row]),
+                int(self.num_blocks_per_row[g, row]) + len(ids),
+            )
             if end > self.max_num_blocks_per_req[g]:
                 raise ValueError(
                     f"row {row} group {g}: {start} + {len(ids)} blocks exceed the table width "
@@ -250,7 +261,9 @@ class BlockTableStager:
                     clears.append(row)
             elif diff.origin != row:
                 moves.append((diff.origin, row))
-            writes.extend((g, row, col, block_id) for (g, col), block_id in sorted(diff.writes.items()))
+            writes.extend(
+                (g, row, col, block_id) for (g, col), block_id in sorted(diff.writes.items())
+            )
         return moves, clears, writes
 
     def encode_sizes(self) -> tuple[int, int, int]:
@@ -258,7 +271,9 @@ class BlockTableStager:
         moves, clears, writes = self._net_ops()
         return len(moves), len(clears), len(writes)
 
-    def encode(self, layout: BlockTableOpsLayout | None = None) -> tuple[np.ndarray, BlockTableOpsLayout]:
+    def encode(
+        self, layout: BlockTableOpsLayout | None = None
+    ) -> tuple[np.ndarray, BlockTableOpsLayout]:
         """Encodes the net effect of the ops staged since the last encode, and starts a new step.
 
         Args:
@@ -277,7 +292,11 @@ class BlockTableStager:
                 num_clears=pow2_at_least(len(clears), self.min_bucket),
                 num_writes=pow2_at_least(len(writes), self.min_bucket),
             )
-        elif len(moves) > layout.num_moves or len(clears) > layout.num_clears or len(writes) > layout.num_writes:
+        elif (
+            len(moves) > layout.num_moves
+            or len(clears) > layout.num_clears
+            or len(writes) > layout.num_writes
+        ):
             raise ValueError(
                 f"diff needs {len(moves)} moves, {len(clears)} clears, {len(writes)} writes; "
                 f"layout {layout} is too small"
@@ -294,12 +313,14 @@ class BlockTableStager:
         not fit (a layout with ``max_num_reqs`` of each always fits them)."""
         moves, clears, writes = self._net_ops()
         if len(moves) > layout.num_moves or len(clears) > layout.num_clears:
-            raise ValueError(f"diff needs {len(moves)} moves and {len(clears)} clears; layout {layout} "
-                             f"holds {layout.num_moves} and {layout.num_clears}")
+            raise ValueError(
+                f"diff needs {len(moves)} moves and {len(clears)} clears; layout {layout} "
+                f"holds {layout.num_moves} and {layout.num_clears}"
+            )
         w = layout.num_writes
         if writes and not w:
             raise ValueError(f"diff needs {len(writes)} writes; layout {layout} holds none")
-        parts = [writes[i: i + w] for i in range(0, len(writes), w)]
+        parts = [writes[i : i + w] for i in range(0, len(writes), w)]
         chunks = []
         for i, part in enumerate(parts or [[]]):
             chunks.append(_encode(moves if i == 0 else [], clears if i == 0 else [], part, layout))

@@ -28,12 +28,12 @@ class CachedRequestState:
     """What the worker remembers of a request between steps."""
 
     req_id: str
-    token_ids: list[int]             # prompt + generated tokens
+    token_ids: list[int]  # prompt + generated tokens
     num_prompt_tokens: int
     sampling_params: object
-    block_ids: list[list[int]]       # per KV-cache group
+    block_ids: list[list[int]]  # per KV-cache group
     num_computed_tokens: int
-    pooling: PoolAccumulator | None = None   # pooling requests only
+    pooling: PoolAccumulator | None = None  # pooling requests only
 
     @property
     def pools_now(self) -> bool:
@@ -50,9 +50,9 @@ class StepHandle:
     """A dispatched step whose results are still on the device (``ModelRunner.collect``)."""
 
     plan: StepPlan
-    states: list[CachedRequestState]       # the step's rows, in row order
-    sample_rows: dict[str, int]            # req id -> its row, for rows that sample
-    results: dict                          # device arrays to fetch: "tokens", "accepted", ...
+    states: list[CachedRequestState]  # the step's rows, in row order
+    sample_rows: dict[str, int]  # req id -> its row, for rows that sample
+    results: dict  # device arrays to fetch: "tokens", "accepted", ...
 
     @property
     def req_ids(self) -> list[str]:
@@ -65,7 +65,9 @@ def fetch_results(results: dict, to_host: Callable) -> dict:
     host = {}
     for name, value in results.items():
         if name in ("logprobs", "prompt"):
-            host[name] = {f.name: to_host(getattr(value, f.name)) for f in dataclasses.fields(value)}
+            host[name] = {
+                f.name: to_host(getattr(value, f.name)) for f in dataclasses.fields(value)
+            }
         else:
             host[name] = to_host(value)
     return host
@@ -76,20 +78,21 @@ class Collected:
     """:func:`collect_rows`'s answer: the output, and per batch row the tokens to append."""
 
     output: ModelRunnerOutput
-    rows: list[int]                 # persistent-batch rows still holding their request
-    row_tokens: list[list[int]]     # ... and each one's new tokens
-    num_drafts: int = 0             # drafts scored and, of those, accepted
+    rows: list[int]  # persistent-batch rows still holding their request
+    row_tokens: list[list[int]]  # ... and each one's new tokens
+    num_drafts: int = 0  # drafts scored and, of those, accepted
     num_accepted: int = 0
 
 
-def collect_rows(handle: StepHandle, results: dict, *, row_of: dict[str, int],
-                 propose: Callable | None) -> Collected:
+def collect_rows(
+    handle: StepHandle, results: dict, *, row_of: dict[str, int], propose: Callable | None
+) -> Collected:
     """Per row of the step: its new tokens (appended to the request's state), logprobs,
     prompt logprobs and pooled vector. ``row_of``: the persistent batch's ``req_id -> row``
     now (a request that left it gets no row); ``propose``: ``state -> drafts`` for the next
     step (speculative decoding; None without it). An error is blamed on the request at hand."""
     plan, states = handle.plan, handle.states
-    accepted = results.get("accepted")       # [P] bool with drafts
+    accepted = results.get("accepted")  # [P] bool with drafts
     start = plan.spec_start if plan.spec_start is not None else np.arange(len(states))
     want_lp = "logprobs" in results
     toks = results["tokens"].tolist() if "tokens" in results else []
@@ -105,14 +108,15 @@ def collect_rows(handle: StepHandle, results: dict, *, row_of: dict[str, int],
             s = states[i]
             current = s.req_id
             prompt_lp[s.req_id] = prompt_logprobs.collect(
-                s, results["prompt"], int(plan.qsl[i]), int(plan.q_lens[i]), int(plan.computed[i]))
+                s, results["prompt"], int(plan.qsl[i]), int(plan.q_lens[i]), int(plan.computed[i])
+            )
         if plan.pool_rows:
             hidden = np.asarray(results["hidden"], np.float32)
         for i in plan.pool_rows:
             s = states[i]
             current = s.req_id
             first = int(plan.qsl[i])
-            vec = s.pooling.add(hidden[first: first + int(plan.q_lens[i])], int(plan.computed[i]))
+            vec = s.pooling.add(hidden[first : first + int(plan.q_lens[i])], int(plan.computed[i]))
             if vec is not None:
                 pooled[s.req_id] = vec
         for i, s in enumerate(states):
@@ -129,11 +133,17 @@ def collect_rows(handle: StepHandle, results: dict, *, row_of: dict[str, int],
                     got.rows.append(row)
                     got.row_tokens.append(new)
                 out_tokens.append(new)
-                if want_lp:   # one entry per new token: its position's logprobs
+                if want_lp:  # one entry per new token: its position's logprobs
                     k = s.sampling_params.logprobs
-                    logprobs_out.append([row_logprobs(results["logprobs"], int(start[i]) + j, k)
-                                         for j in range(len(new))] if k is not None else [])
-            else:                                # a partial prefill chunk: nothing sampled
+                    logprobs_out.append(
+                        [
+                            row_logprobs(results["logprobs"], int(start[i]) + j, k)
+                            for j in range(len(new))
+                        ]
+                        if k is not None
+                        else []
+                    )
+            else:  # a partial prefill chunk: nothing sampled
                 out_tokens.append([])
                 if want_lp:
                     logprobs_out.append([])
@@ -143,8 +153,13 @@ def collect_rows(handle: StepHandle, results: dict, *, row_of: dict[str, int],
         blame(exc, current)
         raise
     req_ids = handle.req_ids
-    got.output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                   sampled_token_ids=out_tokens, logprobs=logprobs_out,
-                                   prompt_logprobs_dict=prompt_lp, spec_token_ids=spec_out,
-                                   pooler_output=pooled)
+    got.output = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=out_tokens,
+        logprobs=logprobs_out,
+        prompt_logprobs_dict=prompt_lp,
+        spec_token_ids=spec_out,
+        pooler_output=pooled,
+    )
     return got

@@ -34,14 +34,14 @@ from jaxkv.worker.packing import PackSpec, pack_record, unpack_record
 class ForwardInputs:
     """What the host sends the forward program (numpy on the host, jax arrays inside)."""
 
-    input_ids: np.ndarray        # [T] int32 (padding: 0)
-    prev_rows: np.ndarray        # [T] int32: the ``last_sampled`` row holding this token, -1: input_ids
+    input_ids: np.ndarray  # [T] int32 (padding: 0)
+    prev_rows: np.ndarray  # [T] int32: the ``last_sampled`` row holding this token, -1: input_ids
     query_start_loc: np.ndarray  # [S + 1] int32
-    num_computed: np.ndarray     # [S] int32: tokens cached before this step, per row
-    num_seqs: np.ndarray         # [1] int32: real rows
-    block_ops: np.ndarray        # [ops.size] int32: the block-table diff (BlockTableStager.encode)
-    zero_blocks: np.ndarray      # [Z] int32: pages to zero, -1 padded
-    sample_index: np.ndarray     # [P] int32: the token of each sampled position (padding: 0)
+    num_computed: np.ndarray  # [S] int32: tokens cached before this step, per row
+    num_seqs: np.ndarray  # [1] int32: real rows
+    block_ops: np.ndarray  # [ops.size] int32: the block-table diff (BlockTableStager.encode)
+    zero_blocks: np.ndarray  # [Z] int32: pages to zero, -1 padded
+    sample_index: np.ndarray  # [P] int32: the token of each sampled position (padding: 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,32 +49,48 @@ class ForwardDims:
     """The fixed sizes of one forward program: every field but ``num_tokens`` follows from it
     and the engine's limits (``ForwardDims.for_tokens``)."""
 
-    num_tokens: int              # T: the token bucket
-    num_seqs: int                # S = min(T, max_num_seqs)
-    num_zero: int                # Z: pages the step zeroes itself (more are zeroed before it)
-    num_sampled: int             # P: hidden rows handed to the sampling program
-    ops: BlockTableOpsLayout     # the block-table diff's capacities
+    num_tokens: int  # T: the token bucket
+    num_seqs: int  # S = min(T, max_num_seqs)
+    num_zero: int  # Z: pages the step zeroes itself (more are zeroed before it)
+    num_sampled: int  # P: hidden rows handed to the sampling program
+    ops: BlockTableOpsLayout  # the block-table diff's capacities
 
     @classmethod
-    def for_tokens(cls, num_tokens: int, *, max_num_seqs: int, block_size: int, num_groups: int,
-                   num_sampled: int, ops: BlockTableOpsLayout) -> ForwardDims:
+    def for_tokens(
+        cls,
+        num_tokens: int,
+        *,
+        max_num_seqs: int,
+        block_size: int,
+        num_groups: int,
+        num_sampled: int,
+        ops: BlockTableOpsLayout,
+    ) -> ForwardDims:
         """A step of T tokens runs at most S = min(T, max_num_seqs) rows, and a row's q new
         tokens need at most ceil(q / bs) new blocks per group: Z = groups * min(T, T // bs + S)
         pages to zero (Z = groups x S for a decode step)."""
         s = min(num_tokens, max_num_seqs)
-        return cls(num_tokens=num_tokens, num_seqs=s,
-                   num_zero=num_groups * min(num_tokens, num_tokens // block_size + s),
-                   num_sampled=num_sampled, ops=ops)
+        return cls(
+            num_tokens=num_tokens,
+            num_seqs=s,
+            num_zero=num_groups * min(num_tokens, num_tokens // block_size + s),
+            num_sampled=num_sampled,
+            ops=ops,
+        )
 
     def empty(self) -> ForwardInputs:
         """Inputs of a step with no request in it (every entry padding); the host fills a copy."""
         t, s = self.num_tokens, self.num_seqs
         return ForwardInputs(
-            input_ids=np.zeros(t, np.int32), prev_rows=np.full(t, -1, np.int32),
-            query_start_loc=np.zeros(s + 1, np.int32), num_computed=np.zeros(s, np.int32),
-            num_seqs=np.zeros(1, np.int32), block_ops=_no_ops(self.ops),
+            input_ids=np.zeros(t, np.int32),
+            prev_rows=np.full(t, -1, np.int32),
+            query_start_loc=np.zeros(s + 1, np.int32),
+            num_computed=np.zeros(s, np.int32),
+            num_seqs=np.zeros(1, np.int32),
+            block_ops=_no_ops(self.ops),
             zero_blocks=np.full(self.num_zero, -1, np.int32),
-            sample_index=np.zeros(self.num_sampled, np.int32))
+            sample_index=np.zeros(self.num_sampled, np.int32),
+        )
 
     @property
     def spec(self) -> PackSpec:
@@ -135,26 +151,37 @@ def build_forward_fn(graphdef, *, binding, page_bytes: int, dims: ForwardDims):
         x = unpack_record(packed, spec, ForwardInputs)
         tables = apply_block_table_ops(tables, x.block_ops, layout=dims.ops)
         if dims.num_zero:
-            buffers = kv_memory.zero_blocks_all(buffers, x.zero_blocks, page_bytes=page_bytes,
-                                                cpu_kernel=binding.cpu_kernels, mesh=binding.mesh)
+            buffers = kv_memory.zero_blocks_all(
+                buffers,
+                x.zero_blocks,
+                page_bytes=page_bytes,
+                cpu_kernel=binding.cpu_kernels,
+                mesh=binding.mesh,
+            )
         num_seqs = x.num_seqs[0]
-        qsl = x.query_start_loc                           # [S + 1]
+        qsl = x.query_start_loc  # [S + 1]
         q_len = qsl[1:] - qsl[:-1]
         seq_lens = jnp.where(q_len > 0, x.num_computed + q_len, 0)
         seq, positions, valid = token_positions(qsl, x.num_computed, num_seqs, T)
         mds = []
         for table in tables:
-            bt = table[:S]                                # [S, B]
-            mds.append(AttentionMetadata(
-                seq_lens=seq_lens, query_start_loc=qsl, block_tables=bt,
-                slot_mapping=slot_mapping(bt, seq, positions, valid, binding.block_size),
-                num_seqs=num_seqs, max_q_len=T))
+            bt = table[:S]  # [S, B]
+            mds.append(
+                AttentionMetadata(
+                    seq_lens=seq_lens,
+                    query_start_loc=qsl,
+                    block_tables=bt,
+                    slot_mapping=slot_mapping(bt, seq, positions, valid, binding.block_size),
+                    num_seqs=num_seqs,
+                    max_q_len=T,
+                )
+            )
         model = nnx.merge(graphdef, state)
-        prev = x.prev_rows                                # [T] row of last_sampled, or -1
+        prev = x.prev_rows  # [T] row of last_sampled, or -1
         input_ids = jnp.where(prev >= 0, last_sampled[jnp.maximum(prev, 0)], x.input_ids)
         hidden, buffers = model(input_ids, positions, tuple(buffers), tuple(mds), binding)
-        hidden = replicated(hidden, binding.mesh)         # [T, hidden]
-        selected = hidden[jnp.clip(x.sample_index, 0, T - 1)]   # [P, hidden]
+        hidden = replicated(hidden, binding.mesh)  # [T, hidden]
+        selected = hidden[jnp.clip(x.sample_index, 0, T - 1)]  # [P, hidden]
         return buffers, tables, hidden, selected
 
     return forward

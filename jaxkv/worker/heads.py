@@ -31,7 +31,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxkv.models.sharding import TP_AXIS
 from jaxkv.worker.logits_ops import compute_logprobs
 from jaxkv.worker.packing import PackSpec, pack_record, unpack_record
-from jaxkv.worker.sampler import SamplerOutput, SamplingRows, sample, sample_and_verify, sample_greedy_vocab_major
+from jaxkv.worker.sampler import (
+    SamplerOutput,
+    SamplingRows,
+    sample,
+    sample_and_verify,
+    sample_greedy_vocab_major,
+)
 from jaxkv.worker.sampling_state import PAD_TOKEN_ID, SamplingState
 
 
@@ -55,7 +61,9 @@ class LogitsHead:
 
     def _used_leaves(self, leaves, hidden_size: int) -> list[int]:
         h = jax.ShapeDtypeStruct((2, hidden_size), jnp.float32)
-        closed = jax.make_jaxpr(lambda ls, x: self._merge(ls, range(len(ls))).compute_logits(x))(leaves, h)
+        closed = jax.make_jaxpr(lambda ls, x: self._merge(ls, range(len(ls))).compute_logits(x))(
+            leaves, h
+        )
         jaxpr = closed.jaxpr
         read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
         return [i for i, v in enumerate(jaxpr.invars[: len(leaves)]) if id(v) in read]
@@ -85,7 +93,11 @@ class LogitsHead:
 
 
 def _replicated(x, mesh):
-    return x if mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+    return (
+        x
+        if mesh is None
+        else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+    )
 
 
 # ---- inputs ------------------------------------------------------------------------------------
@@ -95,62 +107,73 @@ def _replicated(x, mesh):
 class SampleInputs:
     """Per sampled row of a ``sample[S]`` step (numpy on the host, jax arrays inside)."""
 
-    slots: np.ndarray               # [S] int32 sampling-state slot (padding: the neutral slot)
-    num_output_tokens: np.ndarray   # [S] int32 outputs so far (those of the step in flight included)
+    slots: np.ndarray  # [S] int32 sampling-state slot (padding: the neutral slot)
+    num_output_tokens: np.ndarray  # [S] int32 outputs so far (those of the step in flight included)
     num_history_tokens: np.ndarray  # [S] int32 prompt + outputs so far (the same)
-    num_logprobs: np.ndarray        # [S] int32 logprobs asked for, -1: none
-    samples: np.ndarray             # [S] bool: the row keeps its token (not a partial prefill)
+    num_logprobs: np.ndarray  # [S] int32 logprobs asked for, -1: none
+    samples: np.ndarray  # [S] bool: the row keeps its token (not a partial prefill)
 
     @classmethod
     def empty(cls, num_rows: int, neutral_slot: int) -> SampleInputs:
-        return cls(slots=np.full(num_rows, neutral_slot, np.int32),
-                   num_output_tokens=np.zeros(num_rows, np.int32),
-                   num_history_tokens=np.zeros(num_rows, np.int32),
-                   num_logprobs=np.full(num_rows, -1, np.int32), samples=np.zeros(num_rows, bool))
+        return cls(
+            slots=np.full(num_rows, neutral_slot, np.int32),
+            num_output_tokens=np.zeros(num_rows, np.int32),
+            num_history_tokens=np.zeros(num_rows, np.int32),
+            num_logprobs=np.full(num_rows, -1, np.int32),
+            samples=np.zeros(num_rows, bool),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class VerifyInputs:
     """Per scored position of a ``verify[P]`` step: a row's last confirmed token, then its drafts."""
 
-    slots: np.ndarray               # [P] int32 its request's slot (padding: the neutral slot)
-    num_output_tokens: np.ndarray   # [P] int32 the row's outputs + the position's offset
+    slots: np.ndarray  # [P] int32 its request's slot (padding: the neutral slot)
+    num_output_tokens: np.ndarray  # [P] int32 the row's outputs + the position's offset
     num_history_tokens: np.ndarray  # [P] int32 the row's tokens so far (without its drafts)
-    num_logprobs: np.ndarray        # [P] int32, -1: none
-    drafts: np.ndarray              # [P] int32 the draft the position checks, PAD: none
-    prior_drafts: np.ndarray        # [P, k] int32 the row's drafts before the position, PAD
-    offsets: np.ndarray             # [P] int32 the position's offset in its row (0: first)
-    samples: np.ndarray             # [P] bool: a real position of a sampling row
-    row_last: np.ndarray            # [R] int32 each batch row's last (bonus) position, -1: none
+    num_logprobs: np.ndarray  # [P] int32, -1: none
+    drafts: np.ndarray  # [P] int32 the draft the position checks, PAD: none
+    prior_drafts: np.ndarray  # [P, k] int32 the row's drafts before the position, PAD
+    offsets: np.ndarray  # [P] int32 the position's offset in its row (0: first)
+    samples: np.ndarray  # [P] bool: a real position of a sampling row
+    row_last: np.ndarray  # [R] int32 each batch row's last (bonus) position, -1: none
 
     @classmethod
-    def empty(cls, num_positions: int, num_drafts: int, num_rows: int, neutral_slot: int) -> VerifyInputs:
+    def empty(
+        cls, num_positions: int, num_drafts: int, num_rows: int, neutral_slot: int
+    ) -> VerifyInputs:
         p = num_positions
-        return cls(slots=np.full(p, neutral_slot, np.int32), num_output_tokens=np.zeros(p, np.int32),
-                   num_history_tokens=np.zeros(p, np.int32), num_logprobs=np.full(p, -1, np.int32),
-                   drafts=np.full(p, PAD_TOKEN_ID, np.int32),
-                   prior_drafts=np.full((p, num_drafts), PAD_TOKEN_ID, np.int32),
-                   offsets=np.zeros(p, np.int32), samples=np.zeros(p, bool),
-                   row_last=np.full(num_rows, -1, np.int32))
+        return cls(
+            slots=np.full(p, neutral_slot, np.int32),
+            num_output_tokens=np.zeros(p, np.int32),
+            num_history_tokens=np.zeros(p, np.int32),
+            num_logprobs=np.full(p, -1, np.int32),
+            drafts=np.full(p, PAD_TOKEN_ID, np.int32),
+            prior_drafts=np.full((p, num_drafts), PAD_TOKEN_ID, np.int32),
+            offsets=np.zeros(p, np.int32),
+            samples=np.zeros(p, bool),
+            row_last=np.full(num_rows, -1, np.int32),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptLogprobsInputs:
-    targets: np.ndarray   # [T] int32 the next prompt token of each token, -1: none
+    targets: np.ndarray  # [T] int32 the next prompt token of each token, -1: none
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptLogprobs:
     """What ``prompt_logprobs[T]`` returns (device arrays; fetched when a row asked)."""
 
-    logprob: jax.Array       # [T] float32 of each token's target
-    rank: jax.Array          # [T] int32 the target's rank
-    topk_ids: jax.Array      # [T, K] int32
+    logprob: jax.Array  # [T] float32 of each token's target
+    rank: jax.Array  # [T] int32 the target's rank
+    topk_ids: jax.Array  # [T, K] int32
     topk_logprobs: jax.Array  # [T, K] float32
 
 
-jax.tree_util.register_dataclass(PromptLogprobs, data_fields=["logprob", "rank", "topk_ids", "topk_logprobs"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(
+    PromptLogprobs, data_fields=["logprob", "rank", "topk_ids", "topk_logprobs"], meta_fields=[]
+)
 
 
 def spec_of(record) -> PackSpec:
@@ -163,7 +186,9 @@ def spec_of(record) -> PackSpec:
 def _append_history(state: SamplingState, slots, positions, tokens, keep) -> SamplingState:
     """history[slot, position] = token where ``keep`` (the sampled tokens, in place)."""
     rows = jnp.where(keep, slots, state.num_slots)
-    return dataclasses.replace(state, history=state.history.at[rows, positions].set(tokens, mode="drop"))
+    return dataclasses.replace(
+        state, history=state.history.at[rows, positions].set(tokens, mode="drop")
+    )
 
 
 def first_rows(selected: jax.Array, n: int) -> jax.Array:
@@ -179,7 +204,9 @@ def build_greedy_fn(head: LogitsHead, *, num_rows: int):
     """``greedy(head_params, selected [P, hidden], last_sampled [R]) -> (last_sampled, tokens [S])``."""
 
     def greedy(head_params, selected, last_sampled):
-        logits_t = head.logits(head_params, first_rows(selected, num_rows), vocab_major=True)   # [V, S]
+        logits_t = head.logits(
+            head_params, first_rows(selected, num_rows), vocab_major=True
+        )  # [V, S]
         tokens = _replicated(sample_greedy_vocab_major(logits_t), head.mesh)
         rows = min(num_rows, last_sampled.shape[0])
         return jax.lax.dynamic_update_slice(last_sampled, tokens[:rows], (0,)), tokens
@@ -187,29 +214,50 @@ def build_greedy_fn(head: LogitsHead, *, num_rows: int):
     return greedy
 
 
-def build_sample_fn(head: LogitsHead, *, num_rows: int, num_logprobs: int, logprobs_mode: str, neutral_slot: int):
+def build_sample_fn(
+    head: LogitsHead, *, num_rows: int, num_logprobs: int, logprobs_mode: str, neutral_slot: int
+):
     """``sample(head_params, selected, state, last_sampled, packed) -> (state, last_sampled,
     SamplerOutput)`` over S = ``num_rows`` rows."""
     spec = spec_of(SampleInputs.empty(num_rows, neutral_slot))
 
     def sample_rows(head_params, selected, state, last_sampled, packed):
         x = unpack_record(packed, spec, SampleInputs)
-        logits = head.logits(head_params, first_rows(selected, num_rows))                  # [S, V]
-        rows = SamplingRows(state=state, slots=x.slots, num_output_tokens=x.num_output_tokens,
-                            num_history_tokens=x.num_history_tokens, num_logprobs=x.num_logprobs,
-                            prior_drafts=jnp.zeros((num_rows, 0), jnp.int32))
-        out = jax.tree.map(lambda a: _replicated(a, head.mesh),
-                           sample(logits, rows, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode))
-        state = _append_history(state, x.slots, x.num_history_tokens, out.sampled_token_ids, x.samples)
+        logits = head.logits(head_params, first_rows(selected, num_rows))  # [S, V]
+        rows = SamplingRows(
+            state=state,
+            slots=x.slots,
+            num_output_tokens=x.num_output_tokens,
+            num_history_tokens=x.num_history_tokens,
+            num_logprobs=x.num_logprobs,
+            prior_drafts=jnp.zeros((num_rows, 0), jnp.int32),
+        )
+        out = jax.tree.map(
+            lambda a: _replicated(a, head.mesh),
+            sample(logits, rows, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode),
+        )
+        state = _append_history(
+            state, x.slots, x.num_history_tokens, out.sampled_token_ids, x.samples
+        )
         rows_ = min(num_rows, last_sampled.shape[0])
-        last_sampled = jax.lax.dynamic_update_slice(last_sampled, out.sampled_token_ids[:rows_], (0,))
+        last_sampled = jax.lax.dynamic_update_slice(
+            last_sampled, out.sampled_token_ids[:rows_], (0,)
+        )
         return state, last_sampled, out
 
     return sample_rows
 
 
-def build_verify_fn(head: LogitsHead, *, num_positions: int, num_drafts: int, num_rows: int,
-                    num_logprobs: int, logprobs_mode: str, neutral_slot: int):
+def build_verify_fn(
+    head: LogitsHead,
+    *,
+    num_positions: int,
+    num_drafts: int,
+    num_rows: int,
+    num_logprobs: int,
+    logprobs_mode: str,
+    neutral_slot: int,
+):
     """``verify(head_params, selected, state, last_sampled, packed) -> (state, last_sampled,
     SamplerOutput, accepted [P] bool)`` over P = ``num_positions`` scored positions.
 
@@ -221,21 +269,31 @@ def build_verify_fn(head: LogitsHead, *, num_positions: int, num_drafts: int, nu
 
     def verify(head_params, selected, state, last_sampled, packed):
         x = unpack_record(packed, spec, VerifyInputs)
-        logits = head.logits(head_params, first_rows(selected, num_positions))            # [P, V]
-        rows = SamplingRows(state=state, slots=x.slots, num_output_tokens=x.num_output_tokens,
-                            num_history_tokens=x.num_history_tokens, num_logprobs=x.num_logprobs,
-                            prior_drafts=x.prior_drafts)
-        out, accepted = sample_and_verify(logits, rows, x.drafts, num_logprobs=num_logprobs,
-                                          logprobs_mode=logprobs_mode)
+        logits = head.logits(head_params, first_rows(selected, num_positions))  # [P, V]
+        rows = SamplingRows(
+            state=state,
+            slots=x.slots,
+            num_output_tokens=x.num_output_tokens,
+            num_history_tokens=x.num_history_tokens,
+            num_logprobs=x.num_logprobs,
+            prior_drafts=x.prior_drafts,
+        )
+        out, accepted = sample_and_verify(
+            logits, rows, x.drafts, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode
+        )
         out = jax.tree.map(lambda a: _replicated(a, head.mesh), out)
         accepted = _replicated(accepted, head.mesh)
         # kept: no rejection among the row's earlier positions (they are contiguous)
         rejected = (~accepted).astype(jnp.int32)
-        before = jnp.cumsum(rejected) - rejected                                        # exclusive
+        before = jnp.cumsum(rejected) - rejected  # exclusive
         first = jnp.arange(num_positions, dtype=jnp.int32) - x.offsets
         kept = x.samples & (before == before[jnp.clip(first, 0, num_positions - 1)])
-        state = _append_history(state, x.slots, x.num_history_tokens + x.offsets, out.sampled_token_ids, kept)
-        last = jnp.where(x.row_last >= 0, out.sampled_token_ids[jnp.maximum(x.row_last, 0)], last_sampled)
+        state = _append_history(
+            state, x.slots, x.num_history_tokens + x.offsets, out.sampled_token_ids, kept
+        )
+        last = jnp.where(
+            x.row_last >= 0, out.sampled_token_ids[jnp.maximum(x.row_last, 0)], last_sampled
+        )
         return state, last, out, accepted
 
     return verify
@@ -248,7 +306,7 @@ def build_prompt_logprobs_fn(head: LogitsHead, *, num_tokens: int, num_logprobs:
 
     def prompt_logprobs(head_params, hidden, packed):
         x = unpack_record(packed, spec, PromptLogprobsInputs)
-        logits = head.logits(head_params, hidden)                                    # [T, V]
+        logits = head.logits(head_params, hidden)  # [T, V]
         k = min(num_logprobs, logits.shape[1])
         lp, rank, ids, lps = compute_logprobs(logits, jnp.maximum(x.targets, 0), k)
         return jax.tree.map(lambda a: _replicated(a, head.mesh), PromptLogprobs(lp, rank, ids, lps))
@@ -268,7 +326,9 @@ def row_logprobs(out: dict, row: int, k: int) -> tuple[list[int], list[float], l
     return ids, lps, ranks
 
 
-def prompt_row(out: dict, token: int, target: int, k: int) -> tuple[list[int], list[float], list[int]]:
+def prompt_row(
+    out: dict, token: int, target: int, k: int
+) -> tuple[list[int], list[float], list[int]]:
     """TokenLogprobs of one prompt position: its target (the next prompt token), then top k."""
     ids = [int(target)] + out["topk_ids"][token, :k].tolist()
     lps = [float(out["logprob"][token])] + out["topk_logprobs"][token, :k].tolist()
@@ -276,6 +336,17 @@ def prompt_row(out: dict, token: int, target: int, k: int) -> tuple[list[int], l
     return ids, lps, ranks
 
 
-__all__ = ["LogitsHead", "SampleInputs", "VerifyInputs", "PromptLogprobsInputs", "PromptLogprobs",
-           "SamplerOutput", "build_greedy_fn", "build_sample_fn", "build_verify_fn",
-           "build_prompt_logprobs_fn", "row_logprobs", "prompt_row"]
+__all__ = [
+    "LogitsHead",
+    "SampleInputs",
+    "VerifyInputs",
+    "PromptLogprobsInputs",
+    "PromptLogprobs",
+    "SamplerOutput",
+    "build_greedy_fn",
+    "build_sample_fn",
+    "build_verify_fn",
+    "build_prompt_logprobs_fn",
+    "row_logprobs",
+    "prompt_row",
+]

@@ -52,17 +52,23 @@ class InputBatch:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.engine_seed = engine_seed
-        self.block_table = BlockTableStager(max_num_reqs, max_num_blocks_per_req, min_bucket=min_bucket)
+        self.block_table = BlockTableStager(
+            max_num_reqs, max_num_blocks_per_req, min_bucket=min_bucket
+        )
 
         self._req_ids: list[str | None] = [None] * max_num_reqs  # row -> request id
         self.req_id_to_index: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs))  # min-heap of free rows
 
-        self.token_ids_cpu = np.zeros((max_num_reqs, max_model_len), np.int32)  # [R, Lmax] prompt+output
-        self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)      # [R]
-        self.num_tokens = np.zeros(max_num_reqs, np.int32)             # [R] prompt + output so far
-        self.num_computed_tokens_cpu = np.zeros(max_num_reqs, np.int32)  # [R] tokens with KV in cache
-        self.request_keys = np.zeros((max_num_reqs, 2), np.uint32)     # [R, 2] threefry key data
+        self.token_ids_cpu = np.zeros(
+            (max_num_reqs, max_model_len), np.int32
+        )  # [R, Lmax] prompt+output
+        self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)  # [R]
+        self.num_tokens = np.zeros(max_num_reqs, np.int32)  # [R] prompt + output so far
+        self.num_computed_tokens_cpu = np.zeros(
+            max_num_reqs, np.int32
+        )  # [R] tokens with KV in cache
+        self.request_keys = np.zeros((max_num_reqs, 2), np.uint32)  # [R, 2] threefry key data
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs  # [R]
 
     # ---- membership ----------------------------------------------------------------------
@@ -98,10 +104,15 @@ class InputBatch:
         ``make_unseeded_request_key(engine_seed, req_id)``; both are stable across re-adds.
         """
         if req_id in self.req_id_to_index:
-            raise ValueError(f"request {req_id!r} is already in the batch (row {self.req_id_to_index[req_id]})")
+            raise ValueError(
+                f"request {req_id!r} is already in the batch (row {self.req_id_to_index[req_id]})"
+            )
         if not self._free_rows:
             raise ValueError(f"the batch is full ({self.max_num_reqs} rows); cannot add {req_id!r}")
-        num_prompt, num_tokens = len(prompt_token_ids), len(prompt_token_ids) + len(output_token_ids)
+        num_prompt, num_tokens = (
+            len(prompt_token_ids),
+            len(prompt_token_ids) + len(output_token_ids),
+        )
         if num_tokens > self.max_model_len:
             raise ValueError(
                 f"request {req_id!r} has {num_tokens} tokens, more than max_model_len={self.max_model_len}"
@@ -110,7 +121,8 @@ class InputBatch:
         if request_key is None:
             seed = getattr(params, "seed", None)
             request_key = (
-                make_request_key(seed) if seed is not None
+                make_request_key(seed)
+                if seed is not None
                 else make_unseeded_request_key(self.engine_seed, req_id)
             )
 
@@ -174,7 +186,12 @@ class InputBatch:
         req_id = self._req_ids[src]
         n = int(self.num_tokens[src])
         self.token_ids_cpu[dst, :n] = self.token_ids_cpu[src, :n]
-        for arr in (self.num_prompt_tokens, self.num_tokens, self.num_computed_tokens_cpu, self.request_keys):
+        for arr in (
+            self.num_prompt_tokens,
+            self.num_tokens,
+            self.num_computed_tokens_cpu,
+            self.request_keys,
+        ):
             arr[dst] = arr[src]
             arr[src] = 0
         self.sampling_params[dst], self.sampling_params[src] = self.sampling_params[src], None
@@ -184,7 +201,9 @@ class InputBatch:
 
     # ---- per-step updates ------------------------------------------------------------------
 
-    def append_block_ids(self, req_id: str, new_block_ids_per_group: Sequence[Sequence[int]]) -> None:
+    def append_block_ids(
+        self, req_id: str, new_block_ids_per_group: Sequence[Sequence[int]]
+    ) -> None:
         """A running request's newly allocated blocks (staged as an append on the tables)."""
         self.block_table.append_row(self.req_id_to_index[req_id], new_block_ids_per_group)
 
@@ -193,8 +212,10 @@ class InputBatch:
         ends = self.num_tokens[rows]
         if ends.size and int(ends.max()) >= self.max_model_len:
             row = int(rows[int(np.argmax(ends))])
-            raise ValueError(f"request {self._req_ids[row]!r} would have {int(ends.max()) + 1} tokens "
-                             f"> max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"request {self._req_ids[row]!r} would have {int(ends.max()) + 1} tokens "
+                f"> max_model_len={self.max_model_len}"
+            )
         self.token_ids_cpu[rows, ends] = token_ids
         self.num_tokens[rows] = ends + 1
 

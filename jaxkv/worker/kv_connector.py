@@ -36,7 +36,9 @@ def _read_all(buffers, ids, *, page_bytes):
 
 
 def _write_all(buffers, ids, pages, *, page_bytes):
-    return tuple(kv_memory.write_blocks(b, ids, p, page_bytes=page_bytes) for b, p in zip(buffers, pages))
+    return tuple(
+        kv_memory.write_blocks(b, ids, p, page_bytes=page_bytes) for b, p in zip(buffers, pages)
+    )
 
 
 class PagedKVCaches:
@@ -60,10 +62,20 @@ class PagedKVCaches:
         n = self.num_tensors
         if self.mesh is not None:
             shard = PartitionSpec(TP_AXIS)
-            read = jax.shard_map(read, mesh=self.mesh, in_specs=((shard,) * n, PartitionSpec()),
-                                 out_specs=(shard,) * n, check_vma=False)
-            write = jax.shard_map(write, mesh=self.mesh, in_specs=((shard,) * n, PartitionSpec(), (shard,) * n),
-                                  out_specs=(shard,) * n, check_vma=False)
+            read = jax.shard_map(
+                read,
+                mesh=self.mesh,
+                in_specs=((shard,) * n, PartitionSpec()),
+                out_specs=(shard,) * n,
+                check_vma=False,
+            )
+            write = jax.shard_map(
+                write,
+                mesh=self.mesh,
+                in_specs=((shard,) * n, PartitionSpec(), (shard,) * n),
+                out_specs=(shard,) * n,
+                check_vma=False,
+            )
             self.page_sharding = NamedSharding(self.mesh, shard)
             pages, ids = self.page_sharding, NamedSharding(self.mesh, PartitionSpec())
         else:
@@ -73,10 +85,14 @@ class PagedKVCaches:
         # committed, which differs between the warm-up's arrays (fresh buffers, gathered
         # pages) and a load's (the step's outputs, pages put from the host), and every load
         # compiled the scatter again.
-        self.read_fn, self.write_fn = read, write   # unjitted (a compile for another device)
+        self.read_fn, self.write_fn = read, write  # unjitted (a compile for another device)
         self._read = jax.jit(read, in_shardings=((pages,) * n, ids), out_shardings=(pages,) * n)
-        self._write = jax.jit(write, in_shardings=((pages,) * n, ids, (pages,) * n),
-                              out_shardings=(pages,) * n, donate_argnums=0)
+        self._write = jax.jit(
+            write,
+            in_shardings=((pages,) * n, ids, (pages,) * n),
+            out_shardings=(pages,) * n,
+            donate_argnums=0,
+        )
 
     @property
     def buffers(self) -> tuple[jax.Array, ...]:
@@ -89,8 +105,10 @@ class PagedKVCaches:
     def page_specs(self, num_blocks: int) -> list[jax.ShapeDtypeStruct]:
         """What a gather of ``num_blocks`` blocks returns, one per KV tensor (to pull into)."""
         sharding = self.page_sharding or jax.sharding.SingleDeviceSharding(self._device())
-        return [jax.ShapeDtypeStruct(self.page_shape(num_blocks), np.uint8, sharding=sharding)
-                for _ in range(self.num_tensors)]
+        return [
+            jax.ShapeDtypeStruct(self.page_shape(num_blocks), np.uint8, sharding=sharding)
+            for _ in range(self.num_tensors)
+        ]
 
     def _device(self):
         return next(iter(self.buffers[0].sharding.device_set))
@@ -109,9 +127,13 @@ class PagedKVCaches:
         of -1 skips its row."""
         pages = tuple(pages)
         want = self.page_shape(len(block_ids))
-        if len(pages) != self.num_tensors or any(p.shape != want or p.dtype != np.uint8 for p in pages):
-            raise ValueError(f"expected {self.num_tensors} uint8 page arrays of shape {want}, got "
-                             f"{[(p.dtype.name, p.shape) for p in pages]}")
+        if len(pages) != self.num_tensors or any(
+            p.shape != want or p.dtype != np.uint8 for p in pages
+        ):
+            raise ValueError(
+                f"expected {self.num_tensors} uint8 page arrays of shape {want}, got "
+                f"{[(p.dtype.name, p.shape) for p in pages]}"
+            )
         self._runner.buffers = self._write(self.buffers, self._ids(block_ids), pages)
 
     def warm_up(self) -> int:
@@ -139,7 +161,9 @@ class PagedKVCaches:
                 out[f"t{t}_s{shard}"] = np.asarray(s.data)
         return out
 
-    def pages_from_host(self, host: dict[str, np.ndarray], num_blocks: int) -> tuple[jax.Array, ...]:
+    def pages_from_host(
+        self, host: dict[str, np.ndarray], num_blocks: int
+    ) -> tuple[jax.Array, ...]:
         """``pages_to_host``'s inverse for ``num_blocks`` blocks (KeyError / ValueError when the
         host copy is not this layout's)."""
         shape = self.page_shape(num_blocks)
@@ -149,7 +173,9 @@ class PagedKVCaches:
             if self.page_sharding is None:
                 data = host[f"t{t}_s0"]
                 if data.shape != shape:
-                    raise ValueError(f"stored pages of tensor {t} have shape {data.shape}, expected {shape}")
+                    raise ValueError(
+                        f"stored pages of tensor {t} have shape {data.shape}, expected {shape}"
+                    )
                 out.append(jax.device_put(data, self._device()))
                 continue
             arrays = []
@@ -157,8 +183,10 @@ class PagedKVCaches:
                 shard = (index[0].start or 0) // rows
                 data = host[f"t{t}_s{shard}"]
                 if data.shape != (rows, self.page_bytes):
-                    raise ValueError(f"stored pages t{t}_s{shard} have shape {data.shape}, "
-                                     f"expected {(rows, self.page_bytes)}")
+                    raise ValueError(
+                        f"stored pages t{t}_s{shard} have shape {data.shape}, "
+                        f"expected {(rows, self.page_bytes)}"
+                    )
                 arrays.append(jax.device_put(data, device))
             out.append(jax.make_array_from_single_device_arrays(shape, self.page_sharding, arrays))
         return tuple(out)
@@ -179,19 +207,28 @@ class PagedKVCaches:
         shape = self.page_shape(num_blocks)
         rows = shape[0] // self.tp
         devices = self._local_devices_in_order(shape)
-        return [jax.ShapeDtypeStruct((rows, self.page_bytes), np.uint8,
-                                     sharding=jax.sharding.SingleDeviceSharding(d))
-                for _ in range(self.num_tensors) for d in devices]
+        return [
+            jax.ShapeDtypeStruct(
+                (rows, self.page_bytes), np.uint8, sharding=jax.sharding.SingleDeviceSharding(d)
+            )
+            for _ in range(self.num_tensors)
+            for d in devices
+        ]
 
-    def from_local_shards(self, shards: Sequence[jax.Array], num_blocks: int) -> tuple[jax.Array, ...]:
+    def from_local_shards(
+        self, shards: Sequence[jax.Array], num_blocks: int
+    ) -> tuple[jax.Array, ...]:
         """``local_shards``' inverse: gathered pages for ``write_pages``."""
         shape = self.page_shape(num_blocks)
         if self.page_sharding is None:
             return tuple(shards)
         per = len(shards) // self.num_tensors
-        return tuple(jax.make_array_from_single_device_arrays(shape, self.page_sharding,
-                                                              list(shards[t * per:(t + 1) * per]))
-                     for t in range(self.num_tensors))
+        return tuple(
+            jax.make_array_from_single_device_arrays(
+                shape, self.page_sharding, list(shards[t * per : (t + 1) * per])
+            )
+            for t in range(self.num_tensors)
+        )
 
     def _local_devices_in_order(self, shape) -> list:
         if self.page_sharding is None:
@@ -202,8 +239,13 @@ class PagedKVCaches:
     def layout(self) -> dict:
         """What must match for pages to move between two engines (checked by connectors)."""
         c = self.kv_cache_config
-        return {"page_bytes": self.page_bytes, "num_tensors": self.num_tensors, "tp": self.tp,
-                "block_size": self.block_size, "num_groups": len(c.kv_cache_groups)}
+        return {
+            "page_bytes": self.page_bytes,
+            "num_tensors": self.num_tensors,
+            "tp": self.tp,
+            "block_size": self.block_size,
+            "num_groups": len(c.kv_cache_groups),
+        }
 
 
 class ConnectorHooks:
@@ -225,8 +267,11 @@ class ConnectorHooks:
         c = self.connector
         sending, recving = c.get_finished(self._finished)
         self._finished = set()
-        out = KVConnectorOutput(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
-                                invalid_block_ids=set(c.get_block_ids_with_load_errors()),
-                                stats=c.get_kv_connector_stats() or {})
+        out = KVConnectorOutput(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            invalid_block_ids=set(c.get_block_ids_with_load_errors()),
+            stats=c.get_kv_connector_stats() or {},
+        )
         c.clear_connector_metadata()
         return out

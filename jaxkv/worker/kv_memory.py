@@ -59,8 +59,13 @@ def allocate_kv_buffers(config: KVCacheConfig, *, mesh=None) -> tuple[jax.Array,
             buffers.append(jnp.zeros((t.size,), jnp.uint8))
         else:
             shards = mesh.shape[TP_AXIS]
-            buffers.append(jnp.zeros((shards * t.size,), jnp.uint8,
-                                     device=NamedSharding(mesh, PartitionSpec(TP_AXIS))))
+            buffers.append(
+                jnp.zeros(
+                    (shards * t.size,),
+                    jnp.uint8,
+                    device=NamedSharding(mesh, PartitionSpec(TP_AXIS)),
+                )
+            )
     return tuple(buffers)
 
 
@@ -78,8 +83,9 @@ def _safe_ids(block_ids: jax.Array, num_blocks: int) -> jax.Array:
     return jnp.where(block_ids < 0, num_blocks, block_ids)
 
 
-def zero_blocks(buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int,
-                cpu_kernel: bool = False) -> jax.Array:
+def zero_blocks(
+    buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int, cpu_kernel: bool = False
+) -> jax.Array:
     """Zeroes whole pages in place.
 
     Args:
@@ -101,23 +107,35 @@ def zero_blocks(buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int,
     return pages.at[ids].set(jnp.uint8(0), mode="drop").reshape(-1)
 
 
-def zero_blocks_all(buffers: tuple[jax.Array, ...],  # per KV tensor: [N * page_bytes] uint8
-                    block_ids: jax.Array,             # [K] int32, as in zero_blocks
-                    *, page_bytes: int, cpu_kernel: bool = False, mesh=None,
-                    ) -> tuple[jax.Array, ...]:
+def zero_blocks_all(
+    buffers: tuple[jax.Array, ...],  # per KV tensor: [N * page_bytes] uint8
+    block_ids: jax.Array,  # [K] int32, as in zero_blocks
+    *,
+    page_bytes: int,
+    cpu_kernel: bool = False,
+    mesh=None,
+) -> tuple[jax.Array, ...]:
     """``zero_blocks`` on every KV tensor's buffer (a block id names one page in each).
 
     With a tensor-parallel ``mesh`` (buffers split over ``"tp"`` as ``allocate_kv_buffers``
     makes them) each device zeroes the pages in its own shard.
     """
+
     def zero(bufs, ids):
-        return tuple(zero_blocks(b, ids, page_bytes=page_bytes, cpu_kernel=cpu_kernel) for b in bufs)
+        return tuple(
+            zero_blocks(b, ids, page_bytes=page_bytes, cpu_kernel=cpu_kernel) for b in bufs
+        )
 
     if mesh is None:
         return zero(tuple(buffers), block_ids)
     shard = PartitionSpec(TP_AXIS)
-    return jax.shard_map(zero, mesh=mesh, in_specs=((shard,) * len(buffers), PartitionSpec()),
-                         out_specs=(shard,) * len(buffers), check_vma=False)(tuple(buffers), block_ids)
+    return jax.shard_map(
+        zero,
+        mesh=mesh,
+        in_specs=((shard,) * len(buffers), PartitionSpec()),
+        out_specs=(shard,) * len(buffers),
+        check_vma=False,
+    )(tuple(buffers), block_ids)
 
 
 def read_blocks(buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int) -> jax.Array:
@@ -127,7 +145,9 @@ def read_blocks(buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int) -> 
     return pages.at[ids].get(mode="fill", fill_value=0)
 
 
-def write_blocks(buffer: jax.Array, block_ids: jax.Array, data: jax.Array, *, page_bytes: int) -> jax.Array:
+def write_blocks(
+    buffer: jax.Array, block_ids: jax.Array, data: jax.Array, *, page_bytes: int
+) -> jax.Array:
     """Writes whole pages in place: ``data`` [K, page_bytes] uint8 into ``block_ids`` [K]."""
     pages = _paged(buffer, page_bytes)
     if data.shape != (block_ids.shape[0], page_bytes) or data.dtype != jnp.uint8:

@@ -42,11 +42,11 @@ _PLACEHOLDER_BLOCKS = 2
 class StepMemory:
     """One compiled program's memory on one device (``memory_analysis()``), in bytes."""
 
-    program: str               # its key, e.g. "forward[2048]"
-    temp_bytes: int            # XLA's scratch for the program: what the KV budget must leave free
-    argument_bytes: int        # weights + KV cache + inputs (the placeholder cache here)
+    program: str  # its key, e.g. "forward[2048]"
+    temp_bytes: int  # XLA's scratch for the program: what the KV budget must leave free
+    argument_bytes: int  # weights + KV cache + inputs (the placeholder cache here)
     output_bytes: int
-    alias_bytes: int           # outputs that reuse donated inputs (the KV buffers)
+    alias_bytes: int  # outputs that reuse donated inputs (the KV buffers)
 
 
 def largest_program_keys(runner: ModelRunner) -> list[ProgramKey]:
@@ -60,19 +60,39 @@ def largest_program_keys(runner: ModelRunner) -> list[ProgramKey]:
     return keys + [ProgramKey(PROMPT_LOGPROBS, b.tokens[-1])]
 
 
-def placeholder_runner(model, kv_cache_specs: Mapping[str, KVCacheSpec], *, max_num_seqs: int,
-                       max_num_batched_tokens: int, max_model_len: int, mesh=None, **runner_kwargs) -> ModelRunner:
+def placeholder_runner(
+    model,
+    kv_cache_specs: Mapping[str, KVCacheSpec],
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    mesh=None,
+    **runner_kwargs,
+) -> ModelRunner:
     """The engine's ``ModelRunner`` on a two-block plan of ``kv_cache_specs`` (arguments as
     :func:`profile_largest_programs`)."""
-    plan = get_kv_cache_config(kv_cache_specs, 1 << 62, max_model_len=max_model_len,
-                               max_num_batched_tokens=max_num_batched_tokens,
-                               num_gpu_blocks_override=_PLACEHOLDER_BLOCKS)
-    return ModelRunner(model, plan, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       max_model_len=max_model_len, mesh=mesh, **runner_kwargs)
+    plan = get_kv_cache_config(
+        kv_cache_specs,
+        1 << 62,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_gpu_blocks_override=_PLACEHOLDER_BLOCKS,
+    )
+    return ModelRunner(
+        model,
+        plan,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        mesh=mesh,
+        **runner_kwargs,
+    )
 
 
-def profile_largest_programs(model, kv_cache_specs: Mapping[str, KVCacheSpec], *, num_blocks: int | None = None,
-                             **kwargs) -> tuple[StepMemory, ...]:
+def profile_largest_programs(
+    model, kv_cache_specs: Mapping[str, KVCacheSpec], *, num_blocks: int | None = None, **kwargs
+) -> tuple[StepMemory, ...]:
     """Compiles (never runs) the largest programs the engine can run and reads their memory.
 
     Args:
@@ -93,9 +113,15 @@ def profile_largest_programs(model, kv_cache_specs: Mapping[str, KVCacheSpec], *
     out = []
     for key in largest_program_keys(runner):
         ma = compile_program(runner, key, num_blocks=num_blocks).memory_analysis()
-        out.append(StepMemory(program=str(key), temp_bytes=int(ma.temp_size_in_bytes),
-                              argument_bytes=int(ma.argument_size_in_bytes),
-                              output_bytes=int(ma.output_size_in_bytes), alias_bytes=int(ma.alias_size_in_bytes)))
+        out.append(
+            StepMemory(
+                program=str(key),
+                temp_bytes=int(ma.temp_size_in_bytes),
+                argument_bytes=int(ma.argument_size_in_bytes),
+                output_bytes=int(ma.output_size_in_bytes),
+                alias_bytes=int(ma.alias_size_in_bytes),
+            )
+        )
     return tuple(out)
 
 
@@ -103,10 +129,14 @@ def largest_step_temp_bytes(model, kv_cache_specs: Mapping[str, KVCacheSpec], **
     """The temp memory of the largest program the engine will compile, per device: the max of
     ``profile_largest_programs(model, kv_cache_specs, **kwargs)``'s ``temp_bytes`` (same
     arguments). What ``available_kv_bytes`` subtracts, as vLLM subtracts its profiled peak."""
-    return max(step.temp_bytes for step in profile_largest_programs(model, kv_cache_specs, **kwargs))
+    return max(
+        step.temp_bytes for step in profile_largest_programs(model, kv_cache_specs, **kwargs)
+    )
 
 
-def compile_program(runner: ModelRunner, key: ProgramKey, *, num_blocks: int | None = None, binding=None):
+def compile_program(
+    runner: ModelRunner, key: ProgramKey, *, num_blocks: int | None = None, binding=None
+):
     """``runner``'s program ``key`` lowered with abstract arguments and compiled for the
     runner's devices; ``num_blocks``: for KV buffers of that many blocks per device instead of
     the runner's own (none of that size is allocated); ``binding``: another attention binding
@@ -115,10 +145,16 @@ def compile_program(runner: ModelRunner, key: ProgramKey, *, num_blocks: int | N
     if blocks < 2:
         raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {blocks}")
     shards = 1 if runner.mesh is None else runner.mesh.shape[TP_AXIS]
-    buffers = tuple(jax.ShapeDtypeStruct((shards * blocks * runner.page_bytes,), np.uint8,
-                                         sharding=b.sharding) for b in runner.buffers)
+    buffers = tuple(
+        jax.ShapeDtypeStruct((shards * blocks * runner.page_bytes,), np.uint8, sharding=b.sharding)
+        for b in runner.buffers
+    )
     program = build_program(runner, key, binding=binding, buffers=buffers)
-    return jax.jit(program.fn, donate_argnums=program.donate_argnums).lower(*program.abstract_args()).compile()
+    return (
+        jax.jit(program.fn, donate_argnums=program.donate_argnums)
+        .lower(*program.abstract_args())
+        .compile()
+    )
 
 
 def device_weight_bytes(model_or_state) -> int:
@@ -131,9 +167,15 @@ def device_weight_bytes(model_or_state) -> int:
     return max(per_device.values(), default=0)
 
 
-def available_kv_bytes(device_memory_stats: Mapping[str, int] | None, *, gpu_memory_utilization: float,
-                       kv_cache_memory_bytes: int | None, weights_bytes: int, step_temp_bytes: int,
-                       cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES) -> int:
+def available_kv_bytes(
+    device_memory_stats: Mapping[str, int] | None,
+    *,
+    gpu_memory_utilization: float,
+    kv_cache_memory_bytes: int | None,
+    weights_bytes: int,
+    step_temp_bytes: int,
+    cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES,
+) -> int:
     """Bytes this worker's KV cache may take on one device, with vLLM's semantics.
 
     ``kv_cache_memory_bytes`` wins when given. Else, a device with memory stats (jax's
@@ -148,9 +190,12 @@ def available_kv_bytes(device_memory_stats: Mapping[str, int] | None, *, gpu_mem
       ValueError: a negative count, a utilization outside (0, 1], or nothing left for the KV
         cache (the message prints each term).
     """
-    for name, value in (("weights_bytes", weights_bytes), ("step_temp_bytes", step_temp_bytes),
-                        ("cpu_kv_cache_bytes", cpu_kv_cache_bytes),
-                        ("kv_cache_memory_bytes", kv_cache_memory_bytes)):
+    for name, value in (
+        ("weights_bytes", weights_bytes),
+        ("step_temp_bytes", step_temp_bytes),
+        ("cpu_kv_cache_bytes", cpu_kv_cache_bytes),
+        ("kv_cache_memory_bytes", kv_cache_memory_bytes),
+    ):
         if value is None and name == "kv_cache_memory_bytes":
             continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -165,9 +210,14 @@ def available_kv_bytes(device_memory_stats: Mapping[str, int] | None, *, gpu_mem
         if cpu_kv_cache_bytes <= 0:
             raise ValueError(f"cpu_kv_cache_bytes must be positive, got {cpu_kv_cache_bytes}")
         return int(cpu_kv_cache_bytes)
-    if (isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float))
-            or not 0.0 < gpu_memory_utilization <= 1.0):
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    if (
+        isinstance(gpu_memory_utilization, bool)
+        or not isinstance(gpu_memory_utilization, (int, float))
+        or not 0.0 < gpu_memory_utilization <= 1.0
+    ):
+        raise ValueError(
+            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}"
+        )
     limit = int(device_memory_stats["bytes_limit"])
     requested = int(limit * gpu_memory_utilization)
     available = requested - int(weights_bytes) - int(step_temp_bytes)
@@ -177,5 +227,6 @@ def available_kv_bytes(device_memory_stats: Mapping[str, int] | None, *, gpu_mem
             f"{gpu_memory_utilization} = {requested}, minus weights {weights_bytes}, minus the "
             f"largest step's temp memory {step_temp_bytes} = {available} bytes. Raise "
             f"gpu_memory_utilization, lower max_num_batched_tokens / max_num_seqs, or use more "
-            f"devices (tensor_parallel_size)")
+            f"devices (tensor_parallel_size)"
+        )
     return available

@@ -90,12 +90,26 @@ class ModelRunner:
         ``kv_cache_config`` is then one device's plan (its own KV heads).
     """
 
-    def __init__(self, model, kv_cache_config: KVCacheConfig, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, attention_backend: str = "auto",
-                 cache_dtype: str = "float32", seed: int = 0, eos_token_id: int | None = None,
-                 k_scale: float | None = None, v_scale: float | None = None, min_token_bucket: int = 16,
-                 speculative_config: SpeculativeConfig | None = None, logprobs_mode: str = "raw_logprobs",
-                 max_logprobs: int = 20, mesh=None):
+    def __init__(
+        self,
+        model,
+        kv_cache_config: KVCacheConfig,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        attention_backend: str = "auto",
+        cache_dtype: str = "float32",
+        seed: int = 0,
+        eos_token_id: int | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        min_token_bucket: int = 16,
+        speculative_config: SpeculativeConfig | None = None,
+        logprobs_mode: str = "raw_logprobs",
+        max_logprobs: int = 20,
+        mesh=None,
+    ):
         self.config = kv_cache_config
         self.model_config = model.config
         self.max_num_seqs = max_num_seqs
@@ -104,69 +118,100 @@ class ModelRunner:
         self.block_size = kv_cache_config.block_size
         self.num_groups = len(kv_cache_config.kv_cache_groups)
         self.vocab_size = model.config.vocab_size
-        backend, interpret = resolve_backend(attention_backend, head_size=model.config.head_dim,
-                                             block_size=self.block_size)
+        backend, interpret = resolve_backend(
+            attention_backend, head_size=model.config.head_dim, block_size=self.block_size
+        )
         self.backend = backend
         self.binding = KVCacheBinding(
             layers=tuple((name, g, t) for name, (g, t) in kv_cache_config.layer_binding().items()),
-            block_size=self.block_size, cache_dtype=cache_dtype, backend=backend,
-            interpret=interpret, k_scale=k_scale, v_scale=v_scale, mesh=mesh)
+            block_size=self.block_size,
+            cache_dtype=cache_dtype,
+            backend=backend,
+            interpret=interpret,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            mesh=mesh,
+        )
         self.page_bytes = kv_memory.page_size_bytes(kv_cache_config)
 
         self.graphdef, self.state = nnx.split(model)
-        if mesh is not None:   # tensor parallel: weights split by models.sharding's rules
+        if mesh is not None:  # tensor parallel: weights split by models.sharding's rules
             self.state = shard_state(self.state, mesh, getattr(model, "tp_partition_rules", None))
         self.mesh = mesh
-        self.placement = HostPlacement(mesh)   # host inputs / results, one process or SPMD
+        self.placement = HostPlacement(mesh)  # host inputs / results, one process or SPMD
         self.buffers = kv_memory.allocate_kv_buffers(kv_cache_config, mesh=mesh)
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
-        self.persistent = PersistentBatch(InputBatch(max_num_seqs, max_model_len,
-                                                     [self.max_blocks_per_req] * self.num_groups,
-                                                     engine_seed=seed))
+        self.persistent = PersistentBatch(
+            InputBatch(
+                max_num_seqs,
+                max_model_len,
+                [self.max_blocks_per_req] * self.num_groups,
+                engine_seed=seed,
+            )
+        )
         self.input_batch = self.persistent.input_batch
-        self.requests = self.persistent.requests   # req id -> CachedRequestState
-        self.slots = self.persistent.slots         # req id <-> sampling-state slot
+        self.requests = self.persistent.requests  # req id -> CachedRequestState
+        self.slots = self.persistent.slots  # req id <-> sampling-state slot
         self.stager = self.input_batch.block_table
         self.tables = self.stager.device_tables(self.placement.to_device)
-        self.last_sampled = self.placement.zeros(max_num_seqs, jnp.int32)   # [R] the last step's tokens by row
+        self.last_sampled = self.placement.zeros(
+            max_num_seqs, jnp.int32
+        )  # [R] the last step's tokens by row
         # Sampling options by slot (max_num_seqs slots + the neutral one), written at entry.
-        self.sampling_state = allocate_state(max_num_seqs + 1, self.vocab_size, max_model_len,
-                                             put=self.placement.to_device)
+        self.sampling_state = allocate_state(
+            max_num_seqs + 1, self.vocab_size, max_model_len, put=self.placement.to_device
+        )
         self.neutral_slot = max_num_seqs
-        self._in_flight: StepHandle | None = None   # dispatched, not yet collected
+        self._in_flight: StepHandle | None = None  # dispatched, not yet collected
         self.eos_token_id = eos_token_id
         self.speculative_config = speculative_config
-        self.num_speculative_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
-        self.num_draft_tokens = 0       # drafts scored, and of those accepted (vLLM's spec metrics)
+        self.num_speculative_tokens = (
+            speculative_config.num_speculative_tokens if speculative_config else 0
+        )
+        self.num_draft_tokens = 0  # drafts scored, and of those accepted (vLLM's spec metrics)
         self.num_accepted_tokens = 0
         self.logprobs_mode = logprobs_mode
-        self.num_logprobs = self.vocab_size if max_logprobs == -1 else min(max_logprobs, self.vocab_size)
+        self.num_logprobs = (
+            self.vocab_size if max_logprobs == -1 else min(max_logprobs, self.vocab_size)
+        )
 
-        self.buckets = buckets_for(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   num_speculative_tokens=self.num_speculative_tokens,
-                                   min_token_bucket=min_token_bucket)
+        self.buckets = buckets_for(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_speculative_tokens=self.num_speculative_tokens,
+            min_token_bucket=min_token_bucket,
+        )
         # A step's block-table diff has a fixed capacity (one move, clear and write per row:
         # any decode step); more writes (new or resumed rows of many blocks) are applied by
         # the table_ops program before the step, in chunks of the same layout.
-        self.ops_layout = BlockTableOpsLayout(num_moves=max_num_seqs, num_clears=max_num_seqs,
-                                              num_writes=max_num_seqs * self.num_groups)
-        self.zero_chunk = max_num_seqs * self.num_groups   # pages the zero_pages program zeroes a call
+        self.ops_layout = BlockTableOpsLayout(
+            num_moves=max_num_seqs,
+            num_clears=max_num_seqs,
+            num_writes=max_num_seqs * self.num_groups,
+        )
+        self.zero_chunk = (
+            max_num_seqs * self.num_groups
+        )  # pages the zero_pages program zeroes a call
         self.update_slots, self.update_entries = max_num_seqs, UPDATE_ENTRIES
         #: ``jaxkv.worker.kv_connector.ConnectorHooks`` when a KV connector is set (Worker).
         self.kv_connector_hooks = None
         forward = build_program(self, ProgramKey(FORWARD, self.buckets.tokens[0]))
-        hidden = jax.eval_shape(forward.fn, *forward.abstract_args())[2]     # [T, hidden]
+        hidden = jax.eval_shape(forward.fn, *forward.abstract_args())[2]  # [T, hidden]
         self.hidden_size, self.hidden_dtype = hidden.shape[1], hidden.dtype
         self.head = LogitsHead(self.graphdef, self.state, self.hidden_size, mesh=mesh)
-        self.head_params = self.head.params(self.state)   # the weights never change: picked once
+        self.head_params = self.head.params(self.state)  # the weights never change: picked once
         self.programs = ProgramSet(lambda key: build_program(self, key))
 
     # ---- programs -----------------------------------------------------------------------------
 
     def program_keys(self, *, generate: bool = True) -> list[ProgramKey]:
         """Every program this runner can run (``generate=False``: pooling requests only)."""
-        return program_keys(token_buckets=self.buckets.tokens, seq_buckets=self.buckets.seqs,
-                            spec_buckets=self.buckets.spec, generate=generate)
+        return program_keys(
+            token_buckets=self.buckets.tokens,
+            seq_buckets=self.buckets.seqs,
+            spec_buckets=self.buckets.spec,
+            generate=generate,
+        )
 
     def warmup(self, *, progress: bool = True, generate: bool = True) -> None:
         """Compiles every program of ``program_keys``: after it nothing compiles."""
@@ -201,8 +246,12 @@ class ModelRunner:
     def _write_slots(self) -> None:
         """Writes the sampling slots of the requests that entered the batch this step."""
         inits = self.persistent.take_slot_inits()
-        for update in build_updates(inits, num_updates=self.update_slots, num_entries=self.update_entries,
-                                    eos_token_id=self.eos_token_id):
+        for update in build_updates(
+            inits,
+            num_updates=self.update_slots,
+            num_entries=self.update_entries,
+            eos_token_id=self.eos_token_id,
+        ):
             packed = self._to_device(SamplingStateUpdate(**update))
             self.sampling_state = self._run(SAMPLING_UPDATE, 0, self.sampling_state, packed)
 
@@ -214,7 +263,7 @@ class ModelRunner:
         """Zeroes pages outside a step, ``zero_chunk`` at a time."""
         for i in range(0, len(zero_ids), self.zero_chunk):
             ids = np.full(self.zero_chunk, -1, np.int32)
-            part = zero_ids[i: i + self.zero_chunk]
+            part = zero_ids[i : i + self.zero_chunk]
             ids[: len(part)] = part
             self.buffers = self._run(ZERO_PAGES, 0, self.buffers, self.placement.to_device(ids))
 
@@ -223,26 +272,35 @@ class ModelRunner:
         None when nothing is scheduled."""
         zero_ids = self._update_states(so)
         hooks = self.kv_connector_hooks
-        if hooks is not None:   # loads land before the step (their pages are not in zero_ids)
+        if hooks is not None:  # loads land before the step (their pages are not in zero_ids)
             hooks.before_step(so)
         batch = self.input_batch
         self._write_slots()
         if batch.num_reqs == 0 or so.total_num_scheduled_tokens == 0:
             if self.stager.has_pending_ops():
                 self._apply_table_ops(self.stager.encode_chunks(self.ops_layout))
-            if zero_ids:   # a step with nothing scheduled still hands out blocks (remote loads)
+            if zero_ids:  # a step with nothing scheduled still hands out blocks (remote loads)
                 self._zero_now(zero_ids)
             return None
         prev = self._in_flight
         states = [self.requests[r] for r in batch.req_ids]
-        plan = plan_step(batch, states, so, prev.sample_rows if prev is not None else None,
-                         dims_for=lambda t: forward_dims(self, t), seq_buckets=self.buckets.seqs,
-                         spec_buckets=self.buckets.spec, slots=self.slots.slot_of,
-                         neutral_slot=self.neutral_slot, num_speculative_tokens=self.num_speculative_tokens,
-                         max_num_seqs=self.max_num_seqs, token_buckets=self.buckets.tokens)
+        plan = plan_step(
+            batch,
+            states,
+            so,
+            prev.sample_rows if prev is not None else None,
+            dims_for=lambda t: forward_dims(self, t),
+            seq_buckets=self.buckets.seqs,
+            spec_buckets=self.buckets.spec,
+            slots=self.slots.slot_of,
+            neutral_slot=self.neutral_slot,
+            num_speculative_tokens=self.num_speculative_tokens,
+            max_num_seqs=self.max_num_seqs,
+            token_buckets=self.buckets.tokens,
+        )
         x = plan.forward
         chunks = self.stager.encode_chunks(self.ops_layout)
-        self._apply_table_ops(chunks[:-1])   # what does not fit the step goes first
+        self._apply_table_ops(chunks[:-1])  # what does not fit the step goes first
         x.block_ops[:] = chunks[-1]
         room = x.zero_blocks.shape[0]
         if len(zero_ids) > room:
@@ -251,17 +309,22 @@ class ModelRunner:
         x.zero_blocks[: len(zero_ids)] = zero_ids
         T = plan.num_tokens
         self.buffers, self.tables, hidden, selected = self._run(
-            FORWARD, T, self.state, self.buffers, self.tables, self.last_sampled, self._to_device(x))
-        if hooks is not None:   # saves read the buffers the step returned
+            FORWARD, T, self.state, self.buffers, self.tables, self.last_sampled, self._to_device(x)
+        )
+        if hooks is not None:  # saves read the buffers the step returned
             hooks.after_dispatch()
         results = self._dispatch_heads(plan, hidden, selected)
         n = len(states)
         ends = plan.computed + plan.q_lens
-        batch.num_computed_tokens_cpu[:n] = ends   # progress advances at dispatch, as in the core
+        batch.num_computed_tokens_cpu[:n] = ends  # progress advances at dispatch, as in the core
         for st, end in zip(states, ends.tolist()):
             st.num_computed_tokens = end
-        handle = StepHandle(plan=plan, states=states, results=results,
-                            sample_rows={states[i].req_id: i for i in np.flatnonzero(plan.samples).tolist()})
+        handle = StepHandle(
+            plan=plan,
+            states=states,
+            results=results,
+            sample_rows={states[i].req_id: i for i in np.flatnonzero(plan.samples).tolist()},
+        )
         self._in_flight = handle
         return handle
 
@@ -271,16 +334,23 @@ class ModelRunner:
         head = self.head_params
         if plan.head in (SAMPLE, VERIFY):
             self.sampling_state, self.last_sampled, *out = self._run(
-                plan.head, plan.head_size, head, selected, self.sampling_state, self.last_sampled,
-                self._to_device(plan.head_inputs))
+                plan.head,
+                plan.head_size,
+                head,
+                selected,
+                self.sampling_state,
+                self.last_sampled,
+                self._to_device(plan.head_inputs),
+            )
             results["tokens"] = out[0].sampled_token_ids
             if plan.want_logprobs:
                 results["logprobs"] = out[0]
             if plan.head == VERIFY:
                 results["accepted"] = out[1]
         elif plan.head:
-            self.last_sampled, results["tokens"] = self._run(plan.head, plan.head_size, head, selected,
-                                                             self.last_sampled)
+            self.last_sampled, results["tokens"] = self._run(
+                plan.head, plan.head_size, head, selected, self.last_sampled
+            )
         if plan.prompt_targets is not None:
             targets = self.placement.to_device(plan.prompt_targets)
             results["prompt"] = self._run(PROMPT_LOGPROBS, plan.num_tokens, head, hidden, targets)
@@ -305,14 +375,17 @@ class ModelRunner:
             if self.speculative_config is not None:
                 may = batch_may_speculate(self.speculative_config, len(handle.states))
                 propose = self._propose if may else (lambda s: [])
-            got = collect_rows(handle, self._fetch(handle.results), row_of=batch.req_id_to_index,
-                               propose=propose)
+            got = collect_rows(
+                handle, self._fetch(handle.results), row_of=batch.req_id_to_index, propose=propose
+            )
             self.num_draft_tokens += got.num_drafts
             self.num_accepted_tokens += got.num_accepted
-            for r in range(max(map(len, got.row_tokens), default=0)):   # each row's r-th new token
+            for r in range(max(map(len, got.row_tokens), default=0)):  # each row's r-th new token
                 sel = [j for j, t in enumerate(got.row_tokens) if len(t) > r]
-                batch.append_one_token_per_row(np.asarray([got.rows[j] for j in sel]),
-                                               np.asarray([got.row_tokens[j][r] for j in sel], np.int32))
+                batch.append_one_token_per_row(
+                    np.asarray([got.rows[j] for j in sel]),
+                    np.asarray([got.row_tokens[j][r] for j in sel], np.int32),
+                )
             out = got.output
         out.num_compiles = self.programs.num_compiles
         if self.kv_connector_hooks is not None:
@@ -320,8 +393,13 @@ class ModelRunner:
         return out
 
     def _propose(self, s: CachedRequestState) -> list[int]:
-        return propose_drafts(self.speculative_config, s.token_ids, getattr(s.sampling_params, "max_tokens", None),
-                              s.num_generated, self.max_model_len)
+        return propose_drafts(
+            self.speculative_config,
+            s.token_ids,
+            getattr(s.sampling_params, "max_tokens", None),
+            s.num_generated,
+            self.max_model_len,
+        )
 
     # ---- failure recovery ---------------------------------------------------------------------
 
@@ -342,8 +420,12 @@ class ModelRunner:
         if _lost(self.last_sampled):
             self.last_sampled = self.placement.zeros(self.max_num_seqs, jnp.int32)
         if any(_lost(x) for x in jax.tree_util.tree_leaves(self.sampling_state)):
-            self.sampling_state = allocate_state(self.max_num_seqs + 1, self.vocab_size, self.max_model_len,
-                                                 put=self.placement.to_device)
+            self.sampling_state = allocate_state(
+                self.max_num_seqs + 1,
+                self.vocab_size,
+                self.max_model_len,
+                put=self.placement.to_device,
+            )
         if any(_lost(b) for b in self.buffers):
             self.buffers = kv_memory.allocate_kv_buffers(self.config, mesh=self.mesh)
             return True

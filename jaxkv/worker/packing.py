@@ -46,7 +46,9 @@ def pack(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, PackSpec]:
         else:
             dtype = a.dtype.name
             if dtype not in _FOUR_BYTE:
-                raise TypeError(f"cannot pack {name!r} of dtype {dtype}; use int32, uint32, float32 or bool")
+                raise TypeError(
+                    f"cannot pack {name!r} of dtype {dtype}; use int32, uint32, float32 or bool"
+                )
         flat = np.ascontiguousarray(a).reshape(-1).view(np.int32)
         parts.append(flat)
         fields.append((name, tuple(int(d) for d in a.shape), dtype, offset))
@@ -102,6 +104,7 @@ def pack_device(arrays: Mapping[str, jax.Array]) -> tuple[jax.Array, PackSpec]:
 
 
 # ---- typed records: a dataclass of arrays packed the same way ------------------------------------
+
 
 def record_arrays(record) -> dict:
     """A dataclass record's fields as ``{name: array}`` in field order (no copies)."""

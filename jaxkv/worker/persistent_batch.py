@@ -57,12 +57,21 @@ class PersistentBatch:
         request that left its slot earlier in this step takes the same one back: a token the
         step in flight samples for it lands in that slot's history."""
         row = self.input_batch.add_request(
-            s.req_id, s.token_ids[: s.num_prompt_tokens], s.block_ids, s.sampling_params,
-            output_token_ids=s.token_ids[s.num_prompt_tokens:], num_computed_tokens=s.num_computed_tokens)
+            s.req_id,
+            s.token_ids[: s.num_prompt_tokens],
+            s.block_ids,
+            s.sampling_params,
+            output_token_ids=s.token_ids[s.num_prompt_tokens :],
+            num_computed_tokens=s.num_computed_tokens,
+        )
         slot = self.slots.take(s.req_id, prefer=released.pop(s.req_id, None))
-        self.slot_inits[s.req_id] = SlotInit(slot=slot, params=s.sampling_params,
-                                              key_data=self.input_batch.request_keys[row],
-                                              token_ids=s.token_ids, num_prompt_tokens=s.num_prompt_tokens)
+        self.slot_inits[s.req_id] = SlotInit(
+            slot=slot,
+            params=s.sampling_params,
+            key_data=self.input_batch.request_keys[row],
+            token_ids=s.token_ids,
+            num_prompt_tokens=s.num_prompt_tokens,
+        )
 
     def _leave(self, req_id: str, released: dict[str, int]) -> None:
         if self.input_batch.remove_request(req_id) is not None:
@@ -103,10 +112,13 @@ class PersistentBatch:
         for new in so.scheduled_new_reqs:
             self.handling = new.req_id
             s = CachedRequestState(
-                req_id=new.req_id, token_ids=list(new.prompt_token_ids),
-                num_prompt_tokens=len(new.prompt_token_ids), sampling_params=new.sampling_params,
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                sampling_params=new.sampling_params,
                 block_ids=[list(ids) for ids in new.block_ids],
-                num_computed_tokens=new.num_computed_tokens)
+                num_computed_tokens=new.num_computed_tokens,
+            )
             if new.pooling_params is not None:
                 s.pooling = PoolAccumulator(new.pooling_params, len(new.prompt_token_ids))
             self.requests[new.req_id] = s
@@ -120,8 +132,8 @@ class PersistentBatch:
             resumed = cached.resumed_from_preemption[i]
             if resumed:
                 s.block_ids = [list(ids) for ids in new_ids]
-                if req_id in cached.all_token_ids:   # the core's tokens: a token sampled by a
-                    s.token_ids = list(cached.all_token_ids[req_id])   # step in flight at the
+                if req_id in cached.all_token_ids:  # the core's tokens: a token sampled by a
+                    s.token_ids = list(cached.all_token_ids[req_id])  # step in flight at the
                     # preemption was dropped there, and is sampled again
             elif new_ids is not None:
                 for g, ids in enumerate(new_ids):

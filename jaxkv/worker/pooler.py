@@ -22,11 +22,11 @@ from jaxkv.pooling_params import PoolingParams
 class PoolAccumulator:
     """One pooling request's partial result across its prompt's chunks (host side)."""
 
-    params: PoolingParams            # resolved: task, pooling_type and normalize set
+    params: PoolingParams  # resolved: task, pooling_type and normalize set
     num_prompt_tokens: int
     total: np.ndarray | None = None  # MEAN: [hidden] running sum
     first: np.ndarray | None = None  # CLS: [hidden]
-    rows: np.ndarray | None = None   # ALL: [num_prompt_tokens, hidden]
+    rows: np.ndarray | None = None  # ALL: [num_prompt_tokens, hidden]
 
     def add(self, rows: np.ndarray, computed: int) -> np.ndarray | None:
         """Takes the hidden states of the prompt positions ``computed .. computed + q_len`` a
@@ -34,7 +34,7 @@ class PoolAccumulator:
         prompt ends in this step, else None."""
         kind = self.params.pooling_type
         q_len = rows.shape[0]
-        if computed == 0:                       # a fresh start (first chunk, or after preemption)
+        if computed == 0:  # a fresh start (first chunk, or after preemption)
             self.total = self.first = None
         if kind == "MEAN":
             part = rows.sum(axis=0, dtype=np.float32)
@@ -44,7 +44,7 @@ class PoolAccumulator:
         elif kind == "ALL":
             if self.rows is None:
                 self.rows = np.zeros((self.num_prompt_tokens, rows.shape[1]), np.float32)
-            self.rows[computed: computed + q_len] = rows
+            self.rows[computed : computed + q_len] = rows
         if computed + q_len < self.num_prompt_tokens:
             return None
         if kind == "MEAN":

@@ -40,7 +40,13 @@ import jax
 
 logger = logging.getLogger("jaxkv")
 
-FORWARD, GREEDY, SAMPLE, VERIFY, PROMPT_LOGPROBS = "forward", "greedy", "sample", "verify", "prompt_logprobs"
+FORWARD, GREEDY, SAMPLE, VERIFY, PROMPT_LOGPROBS = (
+    "forward",
+    "greedy",
+    "sample",
+    "verify",
+    "prompt_logprobs",
+)
 TABLE_OPS, ZERO_PAGES, SAMPLING_UPDATE = "table_ops", "zero_pages", "sampling_update"
 
 
@@ -55,14 +61,21 @@ class ProgramKey:
         return f"{self.kind}[{self.size}]" if self.size else self.kind
 
 
-def program_keys(*, token_buckets: Iterable[int], seq_buckets: Iterable[int], spec_buckets: Iterable[int] = (),
-                 generate: bool = True) -> list[ProgramKey]:
+def program_keys(
+    *,
+    token_buckets: Iterable[int],
+    seq_buckets: Iterable[int],
+    spec_buckets: Iterable[int] = (),
+    generate: bool = True,
+) -> list[ProgramKey]:
     """Every program an engine with these buckets can run (``generate=False``: a pooling-only
     engine, which never samples). Forwards first: they are the longest compiles."""
     token_buckets, seq_buckets = list(token_buckets), list(seq_buckets)
     keys = [ProgramKey(FORWARD, t) for t in token_buckets]
     if generate:
-        keys += [ProgramKey(GREEDY, s) for s in seq_buckets] + [ProgramKey(SAMPLE, s) for s in seq_buckets]
+        keys += [ProgramKey(GREEDY, s) for s in seq_buckets] + [
+            ProgramKey(SAMPLE, s) for s in seq_buckets
+        ]
         keys += [ProgramKey(VERIFY, p) for p in spec_buckets]
         keys += [ProgramKey(PROMPT_LOGPROBS, t) for t in token_buckets]
     keys += [ProgramKey(TABLE_OPS), ProgramKey(ZERO_PAGES)]
@@ -71,8 +84,13 @@ def program_keys(*, token_buckets: Iterable[int], seq_buckets: Iterable[int], sp
     return keys
 
 
-def num_programs(*, num_token_buckets: int, num_seq_buckets: int, num_spec_buckets: int = 0,
-                 generate: bool = True) -> int:
+def num_programs(
+    *,
+    num_token_buckets: int,
+    num_seq_buckets: int,
+    num_spec_buckets: int = 0,
+    generate: bool = True,
+) -> int:
     """``len(program_keys(...))``: 2 F + 2 Q + V + 3 when generating, F + 2 for pooling only."""
     if not generate:
         return num_token_buckets + 2
@@ -85,7 +103,7 @@ class Program:
 
     fn: Callable
     donate_argnums: tuple[int, ...]
-    abstract_args: Callable[[], tuple]   # ShapeDtypeStructs (with shardings) of its arguments
+    abstract_args: Callable[[], tuple]  # ShapeDtypeStructs (with shardings) of its arguments
 
 
 class ProgramSet:
@@ -99,9 +117,9 @@ class ProgramSet:
         self._build = build
         self._compiled: dict[ProgramKey, object] = {}
         self._lock = threading.Lock()
-        self.num_compiles = 0         # programs compiled (or read from the persistent cache)
-        self.compile_seconds = 0.0    # wall time spent compiling them (warm-up: all threads')
-        self.late_compiles: list[str] = []   # programs compiled after warm-up (names)
+        self.num_compiles = 0  # programs compiled (or read from the persistent cache)
+        self.compile_seconds = 0.0  # wall time spent compiling them (warm-up: all threads')
+        self.late_compiles: list[str] = []  # programs compiled after warm-up (names)
         self.warmed_up = False
 
     def __contains__(self, key: ProgramKey) -> bool:
@@ -122,8 +140,11 @@ class ProgramSet:
         if compiled is None:
             if self.warmed_up:
                 self.late_compiles.append(str(key))
-                logger.warning("jaxkv: compiling %s after warm-up: a program the warm-up did not "
-                               "cover (a bug: please report it with the engine's configuration)", key)
+                logger.warning(
+                    "jaxkv: compiling %s after warm-up: a program the warm-up did not "
+                    "cover (a bug: please report it with the engine's configuration)",
+                    key,
+                )
             t0 = time.perf_counter()
             compiled = self._lower(key).compile()
             self.compile_seconds += time.perf_counter() - t0
@@ -134,20 +155,33 @@ class ProgramSet:
     def __call__(self, key: ProgramKey, *args):
         return self.get(key)(*args)
 
-    def warm_up(self, keys: Iterable[ProgramKey], *, progress: bool = True, workers: int | None = None) -> None:
+    def warm_up(
+        self, keys: Iterable[ProgramKey], *, progress: bool = True, workers: int | None = None
+    ) -> None:
         """Compiles every key not compiled yet: lowered one after another (tracing holds the
         GIL), each compiled in a thread pool as soon as it is lowered; then later compiles are
         counted as late. A progress line on stderr when ``progress``."""
         todo = [k for k in dict.fromkeys(keys) if k not in self._compiled]
-        workers = workers or max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                        else (os.cpu_count() or 1), 8))
+        workers = workers or max(
+            1,
+            min(
+                len(os.sched_getaffinity(0))
+                if hasattr(os, "sched_getaffinity")
+                else (os.cpu_count() or 1),
+                8,
+            ),
+        )
         t0 = time.perf_counter()
         done = [0]
 
         def show():
             if progress:
-                print(f"\rjaxkv: compiling programs {done[0]}/{len(todo)} ({time.perf_counter() - t0:.1f} s)",
-                      end="", file=sys.stderr, flush=True)
+                print(
+                    f"\rjaxkv: compiling programs {done[0]}/{len(todo)} ({time.perf_counter() - t0:.1f} s)",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         def compile_one(key, lowered):
             compiled = lowered.compile()
@@ -160,7 +194,7 @@ class ProgramSet:
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
             futures = [pool.submit(compile_one, key, self._lower(key)) for key in todo]
             for future in futures:
-                future.result()   # re-raises a failed compile
+                future.result()  # re-raises a failed compile
         self.num_compiles += len(todo)
         self.compile_seconds += time.perf_counter() - t0
         self.warmed_up = True

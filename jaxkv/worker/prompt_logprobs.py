@@ -16,8 +16,10 @@ from jaxkv.worker.heads import prompt_row
 
 def wants(s) -> bool:
     """The request asks for prompt logprobs and is still in its prompt."""
-    return (getattr(s.sampling_params, "prompt_logprobs", None) is not None
-            and s.num_computed_tokens < s.num_prompt_tokens)
+    return (
+        getattr(s.sampling_params, "prompt_logprobs", None) is not None
+        and s.num_computed_tokens < s.num_prompt_tokens
+    )
 
 
 def targets(states: Sequence, qsl: np.ndarray, q_lens: np.ndarray, T: int) -> np.ndarray:
@@ -37,5 +39,8 @@ def collect(s, results, start: int, q_len: int, computed: int) -> list:
     """TokenLogprobs of the prompt positions computed this step (``computed`` tokens were
     cached before it; targets = next prompt token)."""
     k = s.sampling_params.prompt_logprobs
-    return [prompt_row(results, start + j, s.token_ids[computed + j + 1], k)
-            for j in range(q_len) if computed + j + 1 < s.num_prompt_tokens]
+    return [
+        prompt_row(results, start + j, s.token_ids[computed + j + 1], k)
+        for j in range(q_len)
+        if computed + j + 1 < s.num_prompt_tokens
+    ]

@@ -66,11 +66,11 @@ class SamplingRows:
     """
 
     state: SamplingState
-    slots: jax.Array               # [S] int32 (padding rows: the neutral slot)
-    num_output_tokens: jax.Array   # [S] int32 outputs before this token (key fold-in, min_tokens)
+    slots: jax.Array  # [S] int32 (padding rows: the neutral slot)
+    num_output_tokens: jax.Array  # [S] int32 outputs before this token (key fold-in, min_tokens)
     num_history_tokens: jax.Array  # [S] int32 tokens (prompt + outputs) before ``prior_drafts``
-    num_logprobs: jax.Array        # [S] int32 logprobs the row asks for, -1: none
-    prior_drafts: jax.Array        # [S, k] int32 drafts before this position, PAD (k = 0: none)
+    num_logprobs: jax.Array  # [S] int32 logprobs the row asks for, -1: none
+    prior_drafts: jax.Array  # [S, k] int32 drafts before this position, PAD (k = 0: none)
 
     def get(self, name: str) -> jax.Array:
         """The rows' value of a per-slot scalar field of the state: [S]."""
@@ -78,22 +78,25 @@ class SamplingRows:
 
 
 jax.tree_util.register_dataclass(
-    SamplingRows, data_fields=[f.name for f in dataclasses.fields(SamplingRows)], meta_fields=[])
+    SamplingRows, data_fields=[f.name for f in dataclasses.fields(SamplingRows)], meta_fields=[]
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
     """Sampled tokens and their logprobs (zeros for every row when no row asks)."""
 
-    sampled_token_ids: jax.Array   # [S] int32
-    logprobs: jax.Array            # [S, K + 1] float32: sampled token first, then the top K
-    logprob_token_ids: jax.Array   # [S, K + 1] int32, token ids of ``logprobs``
-    sampled_rank: jax.Array        # [S] int32, 1-based rank of the sampled token
+    sampled_token_ids: jax.Array  # [S] int32
+    logprobs: jax.Array  # [S, K + 1] float32: sampled token first, then the top K
+    logprob_token_ids: jax.Array  # [S, K + 1] int32, token ids of ``logprobs``
+    sampled_rank: jax.Array  # [S] int32, 1-based rank of the sampled token
 
 
 jax.tree_util.register_dataclass(
-    SamplerOutput, data_fields=["sampled_token_ids", "logprobs", "logprob_token_ids", "sampled_rank"],
-    meta_fields=[])
+    SamplerOutput,
+    data_fields=["sampled_token_ids", "logprobs", "logprob_token_ids", "sampled_rank"],
+    meta_fields=[],
+)
 
 
 def _when(pred, fn, x):
@@ -102,22 +105,31 @@ def _when(pred, fn, x):
 
 
 def processed_logits(
-    logits: jax.Array,   # [S, V] float32, raw
+    logits: jax.Array,  # [S, V] float32, raw
     rows: SamplingRows,
-) -> jax.Array:          # [S, V] float32: what greedy rows take the argmax of (steps 2-3)
+) -> jax.Array:  # [S, V] float32: what greedy rows take the argmax of (steps 2-3)
     """Allow-lists and logit bias, bans (min_tokens, bad words), then penalties; each part
     runs only when some row of the step has it."""
     state, slots = rows.state, rows.slots
     logits = _when(jnp.any(rows.get("biased")), lambda x: x + state.bias[slots], logits)
     min_tokens = rows.get("min_tokens")
-    banning = rows.num_output_tokens < min_tokens                                      # [S]
-    logits = _when(jnp.any(banning),
-                   lambda x: jnp.where(state.stop_mask[slots] & banning[:, None], -jnp.inf, x), logits)
-    words = state.bad_words[slots]                                                     # [S, BW, BL]
+    banning = rows.num_output_tokens < min_tokens  # [S]
+    logits = _when(
+        jnp.any(banning),
+        lambda x: jnp.where(state.stop_mask[slots] & banning[:, None], -jnp.inf, x),
+        logits,
+    )
+    words = state.bad_words[slots]  # [S, BW, BL]
 
     def ban_words(x):
-        latest = latest_outputs(state.history, slots, rows.get("num_prompt_tokens"),
-                                rows.num_history_tokens, rows.prior_drafts, words.shape[2] - 1)
+        latest = latest_outputs(
+            state.history,
+            slots,
+            rows.get("num_prompt_tokens"),
+            rows.num_history_tokens,
+            rows.prior_drafts,
+            words.shape[2] - 1,
+        )
         return apply_banned_tokens(x, bad_word_bans(words, latest))
 
     logits = _when(jnp.any(words[:, :, -1] >= 0), ban_words, logits)
@@ -126,16 +138,24 @@ def processed_logits(
     penalised = (presence != 0) | (frequency != 0) | (repetition != 1)
 
     def penalise(x):
-        return apply_penalties(x, state.history[slots], rows.get("num_prompt_tokens"),
-                               rows.num_history_tokens, rows.prior_drafts, presence, frequency, repetition)
+        return apply_penalties(
+            x,
+            state.history[slots],
+            rows.get("num_prompt_tokens"),
+            rows.num_history_tokens,
+            rows.prior_drafts,
+            presence,
+            frequency,
+            repetition,
+        )
 
     return _when(jnp.any(penalised), penalise, logits)
 
 
 def scaled_logits(
-    logits: jax.Array,   # [S, V] float32, processed
+    logits: jax.Array,  # [S, V] float32, processed
     rows: SamplingRows,
-) -> jax.Array:          # [S, V] float32: the distribution random rows draw from (step 5)
+) -> jax.Array:  # [S, V] float32: the distribution random rows draw from (step 5)
     """Temperature (1 for greedy rows), then min_p, then top_k / top_p (when a random row
     truncates)."""
     temperature = rows.get("temperature")
@@ -146,8 +166,15 @@ def scaled_logits(
     return _when(jnp.any(truncates), lambda x: apply_top_k_top_p(x, top_k, top_p), scaled)
 
 
-def _with_logprobs(raw: jax.Array, processed: jax.Array, token_ids: jax.Array, rows: SamplingRows,
-                   *, num_logprobs: int, mode: str) -> SamplerOutput:
+def _with_logprobs(
+    raw: jax.Array,
+    processed: jax.Array,
+    token_ids: jax.Array,
+    rows: SamplingRows,
+    *,
+    num_logprobs: int,
+    mode: str,
+) -> SamplerOutput:
     """The sampled tokens with their logprobs (``mode``: one of ``LOGPROBS_MODES``), computed
     only when some row asks; K = ``num_logprobs`` columns for every row (each keeps its own)."""
     if mode not in LOGPROBS_MODES:
@@ -157,28 +184,37 @@ def _with_logprobs(raw: jax.Array, processed: jax.Array, token_ids: jax.Array, r
 
     def compute(_):
         source = raw if mode.startswith("raw") else processed
-        lp, rank, ids, lps = compute_logprobs(source, token_ids, k, normalize=mode.endswith("logprobs"))
-        return (jnp.concatenate([lp[:, None], lps], axis=-1),
-                jnp.concatenate([token_ids[:, None], ids], axis=-1), rank)
+        lp, rank, ids, lps = compute_logprobs(
+            source, token_ids, k, normalize=mode.endswith("logprobs")
+        )
+        return (
+            jnp.concatenate([lp[:, None], lps], axis=-1),
+            jnp.concatenate([token_ids[:, None], ids], axis=-1),
+            rank,
+        )
 
     def skip(_):
-        return (jnp.zeros((num_rows, k + 1), jnp.float32), jnp.zeros((num_rows, k + 1), jnp.int32),
-                jnp.zeros((num_rows,), jnp.int32))
+        return (
+            jnp.zeros((num_rows, k + 1), jnp.float32),
+            jnp.zeros((num_rows, k + 1), jnp.int32),
+            jnp.zeros((num_rows,), jnp.int32),
+        )
 
     logprobs, ids, rank = lax.cond(jnp.any(rows.num_logprobs >= 0), compute, skip, None)
     return SamplerOutput(token_ids, logprobs, ids, rank)
 
 
 def sample(
-    logits: jax.Array,     # [S, V] float (one row per request row)
+    logits: jax.Array,  # [S, V] float (one row per request row)
     rows: SamplingRows,
-    *, num_logprobs: int,  # static K: logprob columns (the engine's max_logprobs)
-    logprobs_mode: str = "raw_logprobs",   # static, one of LOGPROBS_MODES
+    *,
+    num_logprobs: int,  # static K: logprob columns (the engine's max_logprobs)
+    logprobs_mode: str = "raw_logprobs",  # static, one of LOGPROBS_MODES
 ) -> SamplerOutput:
     """Samples one token per row (see the module docstring for the order). Jittable."""
     raw = logits.astype(jnp.float32)
     processed = processed_logits(raw, rows)
-    greedy_ids = argmax(processed)   # greedy: exact argmax
+    greedy_ids = argmax(processed)  # greedy: exact argmax
     temperature = rows.get("temperature")
     is_random = temperature >= SAMPLING_EPS
 
@@ -189,14 +225,17 @@ def sample(
 
     # greedy rows' distribution: temperature 1, untruncated
     token_ids, scaled = lax.cond(jnp.any(is_random), draw, lambda _: (greedy_ids, processed), None)
-    return _with_logprobs(raw, scaled, token_ids, rows, num_logprobs=num_logprobs, mode=logprobs_mode)
+    return _with_logprobs(
+        raw, scaled, token_ids, rows, num_logprobs=num_logprobs, mode=logprobs_mode
+    )
 
 
 def sample_and_verify(
-    logits: jax.Array,     # [P, V] float: one row per scored position
-    rows: SamplingRows,    # P positions: each one's request slot, ``num_output_tokens`` its own
+    logits: jax.Array,  # [P, V] float: one row per scored position
+    rows: SamplingRows,  # P positions: each one's request slot, ``num_output_tokens`` its own
     draft_ids: jax.Array,  # [P] int32: the draft token at the position, PAD for none
-    *, num_logprobs: int,
+    *,
+    num_logprobs: int,
     logprobs_mode: str = "raw_logprobs",
 ) -> tuple[SamplerOutput, jax.Array]:  # (tokens [P], accepted [P] bool)
     """Speculative sampling against drafts that came with no probabilities (n-gram drafts,
@@ -219,23 +258,30 @@ def sample_and_verify(
     def draw(_):
         scaled = scaled_logits(processed, rows)
         keys = request_keys(rows.get("key_data"), rows.num_output_tokens)
-        p_draft = jnp.take_along_axis(jax.nn.softmax(scaled, axis=-1),
-                                      jnp.maximum(draft_ids, 0)[:, None], axis=-1)[:, 0]   # [P]
-        uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)     # [P]
+        p_draft = jnp.take_along_axis(
+            jax.nn.softmax(scaled, axis=-1), jnp.maximum(draft_ids, 0)[:, None], axis=-1
+        )[:, 0]  # [P]
+        uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys)  # [P]
         take_draft = has_draft & (uniform < p_draft)
         is_draft = has_draft[:, None] & (jnp.arange(scaled.shape[1])[None, :] == draft_ids[:, None])
         # p without the draft; at positions without one it is p itself (the plain draw)
-        drawn = random_sample(jnp.where(is_draft, -jnp.inf, scaled), rows.get("key_data"),
-                              rows.num_output_tokens)
+        drawn = random_sample(
+            jnp.where(is_draft, -jnp.inf, scaled), rows.get("key_data"), rows.num_output_tokens
+        )
         random_ids = jnp.where(take_draft, draft_ids, drawn)
-        return (jnp.where(is_random, random_ids, greedy_ids),
-                jnp.where(is_random, take_draft, has_draft & (greedy_ids == draft_ids)), scaled)
+        return (
+            jnp.where(is_random, random_ids, greedy_ids),
+            jnp.where(is_random, take_draft, has_draft & (greedy_ids == draft_ids)),
+            scaled,
+        )
 
     def greedy(_):
         return greedy_ids, has_draft & (greedy_ids == draft_ids), processed
 
     token_ids, accepted, scaled = lax.cond(jnp.any(is_random), draw, greedy, None)
-    out = _with_logprobs(raw, scaled, token_ids, rows, num_logprobs=num_logprobs, mode=logprobs_mode)
+    out = _with_logprobs(
+        raw, scaled, token_ids, rows, num_logprobs=num_logprobs, mode=logprobs_mode
+    )
     return out, accepted
 
 

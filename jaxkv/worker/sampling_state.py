@@ -56,8 +56,18 @@ MAX_BAD_WORD_TOKENS = 16
 #: Entry kinds of an update, applied in this order within one update (and sent in this order).
 ENTRY_ALLOW, ENTRY_BIAS, ENTRY_STOP, ENTRY_HISTORY = 0, 1, 2, 3
 
-_SCALARS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "min_tokens", "num_prompt_tokens", "biased")
+_SCALARS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "num_prompt_tokens",
+    "biased",
+)
 _INT_SCALARS = ("top_k", "min_tokens", "num_prompt_tokens")
 
 
@@ -65,21 +75,21 @@ _INT_SCALARS = ("top_k", "min_tokens", "num_prompt_tokens")
 class SamplingState:
     """Sampling options of every slot (see the module docstring for the fields)."""
 
-    temperature: jax.Array          # [R1] float32
-    top_k: jax.Array                # [R1] int32
-    top_p: jax.Array                # [R1] float32
-    min_p: jax.Array                # [R1] float32
-    presence_penalty: jax.Array     # [R1] float32
-    frequency_penalty: jax.Array    # [R1] float32
-    repetition_penalty: jax.Array   # [R1] float32
-    min_tokens: jax.Array           # [R1] int32
-    num_prompt_tokens: jax.Array    # [R1] int32
-    biased: jax.Array               # [R1] bool
-    key_data: jax.Array             # [R1, 2] uint32
-    bias: jax.Array                 # [R1, V] float32
-    stop_mask: jax.Array            # [R1, V] bool
-    history: jax.Array              # [R1, L] int32
-    bad_words: jax.Array            # [R1, BW, BL] int32
+    temperature: jax.Array  # [R1] float32
+    top_k: jax.Array  # [R1] int32
+    top_p: jax.Array  # [R1] float32
+    min_p: jax.Array  # [R1] float32
+    presence_penalty: jax.Array  # [R1] float32
+    frequency_penalty: jax.Array  # [R1] float32
+    repetition_penalty: jax.Array  # [R1] float32
+    min_tokens: jax.Array  # [R1] int32
+    num_prompt_tokens: jax.Array  # [R1] int32
+    biased: jax.Array  # [R1] bool
+    key_data: jax.Array  # [R1, 2] uint32
+    bias: jax.Array  # [R1, V] float32
+    stop_mask: jax.Array  # [R1, V] bool
+    history: jax.Array  # [R1, L] int32
+    bad_words: jax.Array  # [R1, BW, BL] int32
 
     @property
     def num_slots(self) -> int:
@@ -92,10 +102,13 @@ class SamplingState:
 
 
 jax.tree_util.register_dataclass(
-    SamplingState, data_fields=[f.name for f in dataclasses.fields(SamplingState)], meta_fields=[])
+    SamplingState, data_fields=[f.name for f in dataclasses.fields(SamplingState)], meta_fields=[]
+)
 
 
-def state_shapes(num_slots: int, vocab_size: int, max_model_len: int) -> dict[str, tuple[tuple, np.dtype]]:
+def state_shapes(
+    num_slots: int, vocab_size: int, max_model_len: int
+) -> dict[str, tuple[tuple, np.dtype]]:
     """Each field's (shape, dtype) for ``num_slots`` slots (R1, the neutral one included)."""
     f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
     out = {name: ((num_slots,), i32 if name in _INT_SCALARS else f32) for name in _SCALARS}
@@ -110,13 +123,20 @@ def state_shapes(num_slots: int, vocab_size: int, max_model_len: int) -> dict[st
 
 def state_bytes(num_slots: int, vocab_size: int, max_model_len: int) -> int:
     """Device bytes of a SamplingState (one copy; replicated on every device of a mesh)."""
-    return sum(int(np.prod(s)) * d.itemsize for s, d in state_shapes(num_slots, vocab_size, max_model_len).values())
+    return sum(
+        int(np.prod(s)) * d.itemsize
+        for s, d in state_shapes(num_slots, vocab_size, max_model_len).values()
+    )
 
 
-def neutral_host_state(num_slots: int, vocab_size: int, max_model_len: int) -> dict[str, np.ndarray]:
+def neutral_host_state(
+    num_slots: int, vocab_size: int, max_model_len: int
+) -> dict[str, np.ndarray]:
     """Every slot neutral, as numpy arrays keyed by field name."""
-    out = {name: np.zeros(shape, dtype) for name, (shape, dtype) in
-           state_shapes(num_slots, vocab_size, max_model_len).items()}
+    out = {
+        name: np.zeros(shape, dtype)
+        for name, (shape, dtype) in state_shapes(num_slots, vocab_size, max_model_len).items()
+    }
     out["top_p"][:] = 1.0
     out["repetition_penalty"][:] = 1.0
     out["history"][:] = PAD_TOKEN_ID
@@ -124,7 +144,9 @@ def neutral_host_state(num_slots: int, vocab_size: int, max_model_len: int) -> d
     return out
 
 
-def allocate_state(num_slots: int, vocab_size: int, max_model_len: int, put=jnp.asarray) -> SamplingState:
+def allocate_state(
+    num_slots: int, vocab_size: int, max_model_len: int, put=jnp.asarray
+) -> SamplingState:
     """A SamplingState with every slot neutral; ``put`` places each field (a mesh's
     replicated placement, or the default device)."""
     host = neutral_host_state(num_slots, vocab_size, max_model_len)
@@ -142,35 +164,37 @@ class SamplingStateUpdate:
     Padding slots and entries are -1 and touch nothing.
     """
 
-    slots: jax.Array               # [U] int32, -1: padding
-    temperature: jax.Array         # [U] float32
-    top_k: jax.Array               # [U] int32
-    top_p: jax.Array               # [U] float32
-    min_p: jax.Array               # [U] float32
-    presence_penalty: jax.Array    # [U] float32
-    frequency_penalty: jax.Array   # [U] float32
+    slots: jax.Array  # [U] int32, -1: padding
+    temperature: jax.Array  # [U] float32
+    top_k: jax.Array  # [U] int32
+    top_p: jax.Array  # [U] float32
+    min_p: jax.Array  # [U] float32
+    presence_penalty: jax.Array  # [U] float32
+    frequency_penalty: jax.Array  # [U] float32
     repetition_penalty: jax.Array  # [U] float32
-    min_tokens: jax.Array          # [U] int32
-    num_prompt_tokens: jax.Array   # [U] int32
-    biased: jax.Array              # [U] bool
-    has_allowed: jax.Array         # [U] bool: the bias row starts at -inf
-    key_data: jax.Array            # [U, 2] uint32
-    bad_words: jax.Array           # [U, BW, BL] int32
-    entry_slot: jax.Array          # [E] int32, -1: padding
-    entry_kind: jax.Array          # [E] int32, ENTRY_*
-    entry_index: jax.Array         # [E] int32: a token id (ALLOW, BIAS, STOP) or a position (HISTORY)
-    entry_value: jax.Array         # [E] int32: the token id (HISTORY) or the bias's float32 bits (BIAS)
+    min_tokens: jax.Array  # [U] int32
+    num_prompt_tokens: jax.Array  # [U] int32
+    biased: jax.Array  # [U] bool
+    has_allowed: jax.Array  # [U] bool: the bias row starts at -inf
+    key_data: jax.Array  # [U, 2] uint32
+    bad_words: jax.Array  # [U, BW, BL] int32
+    entry_slot: jax.Array  # [E] int32, -1: padding
+    entry_kind: jax.Array  # [E] int32, ENTRY_*
+    entry_index: jax.Array  # [E] int32: a token id (ALLOW, BIAS, STOP) or a position (HISTORY)
+    entry_value: jax.Array  # [E] int32: the token id (HISTORY) or the bias's float32 bits (BIAS)
 
 
 jax.tree_util.register_dataclass(
-    SamplingStateUpdate, data_fields=[f.name for f in dataclasses.fields(SamplingStateUpdate)],
-    meta_fields=[])
+    SamplingStateUpdate,
+    data_fields=[f.name for f in dataclasses.fields(SamplingStateUpdate)],
+    meta_fields=[],
+)
 
 
 def apply_update(state: SamplingState, update: SamplingStateUpdate) -> SamplingState:
     """``state`` with ``update`` applied (jittable; donate ``state`` to update it in place)."""
     num_slots = state.num_slots
-    slots = jnp.where(update.slots < 0, num_slots, update.slots)          # padding -> dropped
+    slots = jnp.where(update.slots < 0, num_slots, update.slots)  # padding -> dropped
     fields = {}
     for name in _SCALARS + ("key_data", "bad_words"):
         fields[name] = getattr(state, name).at[slots].set(getattr(update, name), mode="drop")
@@ -178,13 +202,16 @@ def apply_update(state: SamplingState, update: SamplingStateUpdate) -> SamplingS
     bias = bias.at[jnp.where(update.has_allowed, slots, num_slots)].set(-jnp.inf, mode="drop")
     stop_mask = state.stop_mask.at[slots].set(False, mode="drop")
 
-    def rows_of(kind):   # entries of one kind: their slot, others dropped
-        return jnp.where((update.entry_kind == kind) & (update.entry_slot >= 0), update.entry_slot, num_slots)
+    def rows_of(kind):  # entries of one kind: their slot, others dropped
+        return jnp.where(
+            (update.entry_kind == kind) & (update.entry_slot >= 0), update.entry_slot, num_slots
+        )
 
     tok = update.entry_index
     bias = bias.at[rows_of(ENTRY_ALLOW), tok].set(0.0, mode="drop")
     bias = bias.at[rows_of(ENTRY_BIAS), tok].add(
-        jax.lax.bitcast_convert_type(update.entry_value, jnp.float32), mode="drop")
+        jax.lax.bitcast_convert_type(update.entry_value, jnp.float32), mode="drop"
+    )
     stop_mask = stop_mask.at[rows_of(ENTRY_STOP), tok].set(True, mode="drop")
     history = state.history.at[rows_of(ENTRY_HISTORY), tok].set(update.entry_value, mode="drop")
     return SamplingState(**fields, bias=bias, stop_mask=stop_mask, history=history)

@@ -61,8 +61,11 @@ def make_unseeded_request_key(engine_seed: int, req_id: str) -> np.ndarray:  # [
 
 def uses_penalties(params) -> bool:
     """Whether sampling reads the request's tokens (repetition, frequency or presence penalty)."""
-    return (getattr(params, "presence_penalty", 0.0) != 0 or getattr(params, "frequency_penalty", 0.0) != 0
-            or getattr(params, "repetition_penalty", 1.0) != 1)
+    return (
+        getattr(params, "presence_penalty", 0.0) != 0
+        or getattr(params, "frequency_penalty", 0.0) != 0
+        or getattr(params, "repetition_penalty", 1.0) != 1
+    )
 
 
 def bad_words_of(params) -> list[list[int]]:
@@ -81,17 +84,24 @@ def check_bad_words(words: Sequence[Sequence[int]]) -> None:
         raise ValueError(f"bad_words: {len(words)} words, at most {MAX_BAD_WORDS} per request")
     longest = max((len(w) for w in words), default=0)
     if longest > MAX_BAD_WORD_TOKENS:
-        raise ValueError(f"bad_words: a word of {longest} tokens, at most {MAX_BAD_WORD_TOKENS} per word")
+        raise ValueError(
+            f"bad_words: a word of {longest} tokens, at most {MAX_BAD_WORD_TOKENS} per word"
+        )
 
 
 def needs_processing(params, num_outputs: int) -> bool:
     """Whether a row's next token needs more than the argmax of its raw logits: it samples,
     or has penalties, an allow-list, a logit bias, bad words, min_tokens still banning stop
     ids, or asks for logprobs. Rows that do not take the greedy program."""
-    return (getattr(params, "temperature", 0.0) >= SAMPLING_EPS or uses_penalties(params)
-            or bool(getattr(params, "allowed_token_ids", None)) or bool(getattr(params, "logit_bias", None))
-            or bool(bad_words_of(params)) or num_outputs < getattr(params, "min_tokens", 0)
-            or getattr(params, "logprobs", None) is not None)
+    return (
+        getattr(params, "temperature", 0.0) >= SAMPLING_EPS
+        or uses_penalties(params)
+        or bool(getattr(params, "allowed_token_ids", None))
+        or bool(getattr(params, "logit_bias", None))
+        or bool(bad_words_of(params))
+        or num_outputs < getattr(params, "min_tokens", 0)
+        or getattr(params, "logprobs", None) is not None
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +109,9 @@ class SlotInit:
     """One request entering a slot."""
 
     slot: int
-    params: object                 # SamplingParams (or duck-typed)
-    key_data: np.ndarray           # [2] uint32
-    token_ids: Sequence[int]       # prompt then outputs on the host (history, when needed)
+    params: object  # SamplingParams (or duck-typed)
+    key_data: np.ndarray  # [2] uint32
+    token_ids: Sequence[int]  # prompt then outputs on the host (history, when needed)
     num_prompt_tokens: int
 
 
@@ -127,20 +137,34 @@ def empty_update(num_updates: int, num_entries: int) -> dict[str, np.ndarray]:
     """A ``SamplingStateUpdate`` (as numpy arrays by field) of U slots and E entries, all padding."""
     u, e, f32, i32 = num_updates, num_entries, np.float32, np.int32
     return {
-        "slots": np.full(u, -1, i32), "temperature": np.zeros(u, f32), "top_k": np.zeros(u, i32),
-        "top_p": np.ones(u, f32), "min_p": np.zeros(u, f32), "presence_penalty": np.zeros(u, f32),
-        "frequency_penalty": np.zeros(u, f32), "repetition_penalty": np.ones(u, f32),
-        "min_tokens": np.zeros(u, i32), "num_prompt_tokens": np.zeros(u, i32),
-        "biased": np.zeros(u, bool), "has_allowed": np.zeros(u, bool),
+        "slots": np.full(u, -1, i32),
+        "temperature": np.zeros(u, f32),
+        "top_k": np.zeros(u, i32),
+        "top_p": np.ones(u, f32),
+        "min_p": np.zeros(u, f32),
+        "presence_penalty": np.zeros(u, f32),
+        "frequency_penalty": np.zeros(u, f32),
+        "repetition_penalty": np.ones(u, f32),
+        "min_tokens": np.zeros(u, i32),
+        "num_prompt_tokens": np.zeros(u, i32),
+        "biased": np.zeros(u, bool),
+        "has_allowed": np.zeros(u, bool),
         "key_data": np.zeros((u, 2), np.uint32),
         "bad_words": np.full((u, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), PAD_TOKEN_ID, i32),
-        "entry_slot": np.full(e, -1, i32), "entry_kind": np.zeros(e, i32),
-        "entry_index": np.zeros(e, i32), "entry_value": np.zeros(e, i32),
+        "entry_slot": np.full(e, -1, i32),
+        "entry_kind": np.zeros(e, i32),
+        "entry_index": np.zeros(e, i32),
+        "entry_value": np.zeros(e, i32),
     }
 
 
-def build_updates(inits: Sequence[SlotInit], *, num_updates: int, num_entries: int,
-                  eos_token_id: int | None = None) -> list[dict[str, np.ndarray]]:
+def build_updates(
+    inits: Sequence[SlotInit],
+    *,
+    num_updates: int,
+    num_entries: int,
+    eos_token_id: int | None = None,
+) -> list[dict[str, np.ndarray]]:
     """The updates that write ``inits`` (at most ``num_updates`` U of them): the first holds
     every slot's scalars and bad words plus the first E entries, each further one E more
     entries (sorted by kind, so across updates they apply in kind order). Empty for no inits."""
@@ -169,18 +193,18 @@ def build_updates(inits: Sequence[SlotInit], *, num_updates: int, num_entries: i
         words = bad_words_of(p)
         check_bad_words(words)
         for b, w in enumerate(words):
-            first["bad_words"][i, b, MAX_BAD_WORD_TOKENS - len(w):] = w
+            first["bad_words"][i, b, MAX_BAD_WORD_TOKENS - len(w) :] = w
         entries += _entries(init, eos_token_id=eos_token_id)
     entries.sort(key=lambda e: e[0])
     updates = [first]
     for start in range(0, len(entries), num_entries):
         if start:
             updates.append(empty_update(num_updates, num_entries))
-        chunk = np.asarray(entries[start: start + num_entries], np.int64).reshape(-1, 4)
+        chunk = np.asarray(entries[start : start + num_entries], np.int64).reshape(-1, 4)
         u, n = updates[-1], chunk.shape[0]
         u["entry_kind"][:n], u["entry_slot"][:n] = chunk[:, 0], chunk[:, 1]
         u["entry_index"][:n] = chunk[:, 2]
-        u["entry_value"][:n] = chunk[:, 3]   # int32 values (a bias's float32 bits may be negative)
+        u["entry_value"][:n] = chunk[:, 3]  # int32 values (a bias's float32 bits may be negative)
     return updates
 
 
@@ -189,7 +213,7 @@ class SlotAllocator:
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))   # pop() gives the lowest
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest
         self.slot_of: dict[str, int] = {}
 
     def take(self, req_id: str, prefer: int | None = None) -> int:

@@ -54,17 +54,23 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
         if not _is_pos_int(self.num_speculative_tokens):
-            raise ValueError(f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}")
+            raise ValueError(
+                f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}"
+            )
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5
         lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
         if not _is_pos_int(lo) or not _is_pos_int(hi) or lo > hi:
-            raise ValueError(f"prompt_lookup_min / prompt_lookup_max must be ints with 1 <= min <= max, "
-                             f"got {self.prompt_lookup_min!r} / {self.prompt_lookup_max!r}")
+            raise ValueError(
+                f"prompt_lookup_min / prompt_lookup_max must be ints with 1 <= min <= max, "
+                f"got {self.prompt_lookup_min!r} / {self.prompt_lookup_max!r}"
+            )
         if self.disable_by_batch_size is not None and not _is_pos_int(self.disable_by_batch_size):
-            raise ValueError(f"disable_by_batch_size must be an int >= 1 or None, "
-                             f"got {self.disable_by_batch_size!r}")
+            raise ValueError(
+                f"disable_by_batch_size must be an int >= 1 or None, "
+                f"got {self.disable_by_batch_size!r}"
+            )
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
 
@@ -98,8 +104,8 @@ def propose_ngram(
         return []
     # Where an earlier occurrence of the last token ends (it must be followed by a token):
     # one O(L) comparison, then the candidates' match lengths grow backwards, at most max_n.
-    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])    # [C]
-    matched = np.ones(ends.shape[0], np.int32)                          # [C] suffix match length
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # [C]
+    matched = np.ones(ends.shape[0], np.int32)  # [C] suffix match length
     alive = np.ones(ends.shape[0], bool)
     for j in range(1, min(max_n, length - 1)):
         ok = alive & (ends >= j)
@@ -110,7 +116,7 @@ def propose_ngram(
         hits = ends[matched >= n]
         if hits.size:
             start = int(hits[-1]) + 1
-            return tokens[start: start + k].tolist()
+            return tokens[start : start + k].tolist()
     return []
 
 
@@ -122,12 +128,18 @@ def batch_may_speculate(config: SpeculativeConfig, num_requests: int) -> bool:
 
 # ---- a step with drafts: which positions it scores, and which tokens it keeps ------------------
 
-def verify_inputs(qsl: np.ndarray,                 # [n + 1] int32 query start of each row (at least)
-                  drafts: list[list[int]],          # [n] each row's drafts scored this step
-                  rows: dict[str, np.ndarray],      # per row [n]: slots, num_output_tokens,
-                                                    #   num_history_tokens, num_logprobs, samples
-                  *, buckets, num_drafts: int, num_batch_rows: int, neutral_slot: int,
-                  ) -> tuple[VerifyInputs, np.ndarray, np.ndarray]:
+
+def verify_inputs(
+    qsl: np.ndarray,  # [n + 1] int32 query start of each row (at least)
+    drafts: list[list[int]],  # [n] each row's drafts scored this step
+    rows: dict[str, np.ndarray],  # per row [n]: slots, num_output_tokens,
+    #   num_history_tokens, num_logprobs, samples
+    *,
+    buckets,
+    num_drafts: int,
+    num_batch_rows: int,
+    neutral_slot: int,
+) -> tuple[VerifyInputs, np.ndarray, np.ndarray]:
     """The positions a step with drafts scores: P = rows + drafts, padded to a bucket.
 
     Row i with m drafts scores its last m + 1 tokens (its last confirmed token, then the
@@ -139,22 +151,22 @@ def verify_inputs(qsl: np.ndarray,                 # [n + 1] int32 query start o
     and ``start`` [n] int32.
     """
     n = len(drafts)
-    counts = np.array([len(d) + 1 for d in drafts], np.int32)     # [n]
+    counts = np.array([len(d) + 1 for d in drafts], np.int32)  # [n]
     start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
     total = int(counts.sum())
     x = VerifyInputs.empty(pick_bucket(total, buckets), num_drafts, num_batch_rows, neutral_slot)
-    row = np.repeat(np.arange(n), counts)                          # [total] its row
+    row = np.repeat(np.arange(n), counts)  # [total] its row
     offset = np.arange(total) - np.repeat(start, counts)
     x.offsets[:total] = offset
     for name in ("slots", "num_history_tokens", "num_logprobs", "samples"):
         getattr(x, name)[:total] = rows[name][row]
     x.num_output_tokens[:total] = rows["num_output_tokens"][row] + offset
-    last = np.maximum(qsl[1: n + 1] - 1, 0)       # [n] each row's last scheduled token
+    last = np.maximum(qsl[1 : n + 1] - 1, 0)  # [n] each row's last scheduled token
     index = np.zeros(x.slots.shape[0], np.int32)
     index[:total] = np.repeat(last - counts + 1, counts) + offset
     for i, d in enumerate(drafts):
-        x.drafts[start[i]: start[i] + len(d)] = d
-        for j in range(1, len(d) + 1):            # position start_i + j follows drafts[:j]
+        x.drafts[start[i] : start[i] + len(d)] = d
+        for j in range(1, len(d) + 1):  # position start_i + j follows drafts[:j]
             x.prior_drafts[start[i] + j, :j] = d[:j]
     x.row_last[:n] = start + counts - 1
     return x, index, start
@@ -173,8 +185,13 @@ def accepted_tokens(tokens: list[int], accepted, start: int, drafts) -> list[int
     return new
 
 
-def propose_drafts(cfg: SpeculativeConfig, token_ids: list[int], max_tokens: int | None, num_generated: int,
-                   max_model_len: int) -> list[int]:
+def propose_drafts(
+    cfg: SpeculativeConfig,
+    token_ids: list[int],
+    max_tokens: int | None,
+    num_generated: int,
+    max_model_len: int,
+) -> list[int]:
     """Drafts for a request's next step (n-gram lookup over its tokens), within its
     max_tokens and max_model_len (the step's own sample comes on top of them)."""
     room = max_model_len - 1 - len(token_ids)
@@ -183,4 +200,6 @@ def propose_drafts(cfg: SpeculativeConfig, token_ids: list[int], max_tokens: int
     k = min(cfg.num_speculative_tokens, room)
     if k <= 0:
         return []
-    return propose_ngram(np.asarray(token_ids, np.int32), cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
+    return propose_ngram(
+        np.asarray(token_ids, np.int32), cfg.prompt_lookup_min, cfg.prompt_lookup_max, k
+    )

@@ -68,14 +68,23 @@ class Buckets:
         return max(self.seqs[-1], self.spec[-1] if self.spec else 0)
 
 
-def buckets_for(*, max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int = 0,
-                min_token_bucket: int = 16) -> Buckets:
+def buckets_for(
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    num_speculative_tokens: int = 0,
+    min_token_bucket: int = 16,
+) -> Buckets:
     seqs = pow2_buckets(1, max_num_seqs)
-    tokens = sorted(set(seqs) | set(token_buckets(min(min_token_bucket, max_num_batched_tokens),
-                                                 max_num_batched_tokens)))
+    tokens = sorted(
+        set(seqs)
+        | set(token_buckets(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens))
+    )
     spec = ()
     if num_speculative_tokens:
-        spec = pow2_buckets(1, min(max_num_seqs * (num_speculative_tokens + 1), max_num_batched_tokens))
+        spec = pow2_buckets(
+            1, min(max_num_seqs * (num_speculative_tokens + 1), max_num_batched_tokens)
+        )
     return Buckets(tokens=tuple(tokens), seqs=tuple(seqs), spec=tuple(spec))
 
 
@@ -83,10 +92,12 @@ def abstract(tree):
     """Every array leaf as a ShapeDtypeStruct with its sharding if it is committed to one
     (an uncommitted array, ``jnp.zeros`` on the default device, follows the others as in the
     engine's own call); abstract leaves stay."""
+
     def leaf(x):
         if isinstance(x, jax.ShapeDtypeStruct):
             return x
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None)
+
     return jax.tree.map(leaf, tree)
 
 
@@ -95,9 +106,14 @@ def _packed(record) -> jax.ShapeDtypeStruct:
 
 
 def forward_dims(runner, num_tokens: int) -> ForwardDims:
-    return ForwardDims.for_tokens(num_tokens, max_num_seqs=runner.max_num_seqs, block_size=runner.block_size,
-                                  num_groups=runner.num_groups, num_sampled=runner.buckets.num_sampled,
-                                  ops=runner.ops_layout)
+    return ForwardDims.for_tokens(
+        num_tokens,
+        max_num_seqs=runner.max_num_seqs,
+        block_size=runner.block_size,
+        num_groups=runner.num_groups,
+        num_sampled=runner.buckets.num_sampled,
+        ops=runner.ops_layout,
+    )
 
 
 def build_program(runner, key: ProgramKey, *, binding=None, buffers=None) -> Program:
@@ -109,16 +125,26 @@ def build_program(runner, key: ProgramKey, *, binding=None, buffers=None) -> Pro
     kind, size = key.kind, key.size
     if kind == FORWARD:
         dims = forward_dims(runner, size)
-        fn = build_forward_fn(runner.graphdef, binding=binding, page_bytes=runner.page_bytes, dims=dims)
-        state, tables, last = abstract(runner.state), abstract(runner.tables), abstract(runner.last_sampled)
+        fn = build_forward_fn(
+            runner.graphdef, binding=binding, page_bytes=runner.page_bytes, dims=dims
+        )
+        state, tables, last = (
+            abstract(runner.state),
+            abstract(runner.tables),
+            abstract(runner.last_sampled),
+        )
         return Program(fn, (1, 2), lambda: (state, buffers, tables, last, _packed(dims.empty())))
     if kind == TABLE_OPS:
         fn = functools.partial(apply_block_table_ops, layout=runner.ops_layout)
         ops = jax.ShapeDtypeStruct((runner.ops_layout.size,), np.int32)
         return Program(fn, (0,), lambda: (abstract(runner.tables), ops))
     if kind == ZERO_PAGES:
-        fn = functools.partial(kv_memory.zero_blocks_all, page_bytes=runner.page_bytes,
-                               cpu_kernel=binding.cpu_kernels, mesh=runner.mesh)
+        fn = functools.partial(
+            kv_memory.zero_blocks_all,
+            page_bytes=runner.page_bytes,
+            cpu_kernel=binding.cpu_kernels,
+            mesh=runner.mesh,
+        )
         ids = jax.ShapeDtypeStruct((runner.zero_chunk,), np.int32)
         return Program(fn, (0,), lambda: (buffers, ids))
     sampling = abstract(runner.sampling_state)
@@ -128,27 +154,46 @@ def build_program(runner, key: ProgramKey, *, binding=None, buffers=None) -> Pro
         def update(state_, packed):
             return apply_update(state_, unpack_record(packed, spec, SamplingStateUpdate))
 
-        return Program(update, (0,), lambda: (sampling, jax.ShapeDtypeStruct((spec.size,), np.int32)))
+        return Program(
+            update, (0,), lambda: (sampling, jax.ShapeDtypeStruct((spec.size,), np.int32))
+        )
     # the programs after the forward: the LM head's parameters and the forward's hidden states
     head = abstract(runner.head_params)
     last = abstract(runner.last_sampled)
-    selected = jax.ShapeDtypeStruct((runner.buckets.num_sampled, runner.hidden_size), runner.hidden_dtype)
-    common = dict(num_logprobs=runner.num_logprobs, logprobs_mode=runner.logprobs_mode,
-                  neutral_slot=runner.neutral_slot)
+    selected = jax.ShapeDtypeStruct(
+        (runner.buckets.num_sampled, runner.hidden_size), runner.hidden_dtype
+    )
+    common = dict(
+        num_logprobs=runner.num_logprobs,
+        logprobs_mode=runner.logprobs_mode,
+        neutral_slot=runner.neutral_slot,
+    )
     if kind == GREEDY:
-        return Program(build_greedy_fn(runner.head, num_rows=size), (2,), lambda: (head, selected, last))
+        return Program(
+            build_greedy_fn(runner.head, num_rows=size), (2,), lambda: (head, selected, last)
+        )
     if kind == SAMPLE:
         fn = build_sample_fn(runner.head, num_rows=size, **common)
         packed = _packed(SampleInputs.empty(size, runner.neutral_slot))
         return Program(fn, (2, 3), lambda: (head, selected, sampling, last, packed))
     if kind == VERIFY:
-        fn = build_verify_fn(runner.head, num_positions=size, num_drafts=runner.num_speculative_tokens,
-                             num_rows=runner.max_num_seqs, **common)
-        packed = _packed(VerifyInputs.empty(size, runner.num_speculative_tokens, runner.max_num_seqs,
-                                            runner.neutral_slot))
+        fn = build_verify_fn(
+            runner.head,
+            num_positions=size,
+            num_drafts=runner.num_speculative_tokens,
+            num_rows=runner.max_num_seqs,
+            **common,
+        )
+        packed = _packed(
+            VerifyInputs.empty(
+                size, runner.num_speculative_tokens, runner.max_num_seqs, runner.neutral_slot
+            )
+        )
         return Program(fn, (2, 3), lambda: (head, selected, sampling, last, packed))
     if kind == PROMPT_LOGPROBS:
-        fn = build_prompt_logprobs_fn(runner.head, num_tokens=size, num_logprobs=runner.num_logprobs)
+        fn = build_prompt_logprobs_fn(
+            runner.head, num_tokens=size, num_logprobs=runner.num_logprobs
+        )
         h = jax.ShapeDtypeStruct((size, runner.hidden_size), runner.hidden_dtype)
         packed = _packed(PromptLogprobsInputs(targets=np.zeros(size, np.int32)))
         return Program(fn, (), lambda: (head, h, packed))
@@ -157,4 +202,6 @@ def build_program(runner, key: ProgramKey, *, binding=None, buffers=None) -> Pro
 
 def update_spec(runner):
     """The packed layout of one ``SamplingStateUpdate`` of the runner's capacities."""
-    return pack_record(SamplingStateUpdate(**empty_update(runner.update_slots, runner.update_entries)))[1]
+    return pack_record(
+        SamplingStateUpdate(**empty_update(runner.update_slots, runner.update_entries))
+    )[1]

@@ -18,7 +18,11 @@ import jax
 from jaxkv.engine_config import DEFAULT_CPU_KV_CACHE_BYTES
 from jaxkv.kv_cache import KVCacheConfig, kv_cache_specs_from_layers
 from jaxkv.models.sharding import make_tp_mesh
-from jaxkv.worker.memory_profile import available_kv_bytes, device_weight_bytes, largest_step_temp_bytes
+from jaxkv.worker.memory_profile import (
+    available_kv_bytes,
+    device_weight_bytes,
+    largest_step_temp_bytes,
+)
 from jaxkv.worker.model_runner import ModelRunner
 from jaxkv.worker.sampling_state import state_bytes
 
@@ -41,10 +45,10 @@ class Worker:
         self.model = model
         self.model_config = model.config if model is not None else None
         self.mesh = None
-        self.devices: list = []   # this process's devices of the worker (init_device)
+        self.devices: list = []  # this process's devices of the worker (init_device)
         self.kv_cache_config: KVCacheConfig | None = None
         self.model_runner: ModelRunner | None = None
-        self.kv_connector = None   # the worker side of the KV connector (kv_transfer_config)
+        self.kv_connector = None  # the worker side of the KV connector (kv_transfer_config)
 
     # ---- start-up -----------------------------------------------------------------------------
 
@@ -52,13 +56,15 @@ class Worker:
         """The ``"tp"`` mesh over ``tensor_parallel_size`` devices (None for one device) and
         this process's devices of it (``devices``: whose memory the worker measures)."""
         cache = getattr(self.config, "compile_cache_dir", None)
-        if cache:   # before the first compile of this process (the weights' init)
+        if cache:  # before the first compile of this process (the weights' init)
             from jaxkv.compile_cache import enable  # noqa: PLC0415
 
             enable(cache)
         tp = self.config.tensor_parallel_size
         self.mesh = make_tp_mesh(tp) if tp > 1 else None
-        self.devices = list(self.mesh.local_devices) if self.mesh is not None else [jax.local_devices()[0]]
+        self.devices = (
+            list(self.mesh.local_devices) if self.mesh is not None else [jax.local_devices()[0]]
+        )
 
     def load_model(self) -> None:
         """Loads ``config.model`` onto the mesh (``init_device`` first): each parameter is
@@ -68,15 +74,18 @@ class Worker:
         if self.model is None:
             from jaxkv.models.registry import load_model  # noqa: PLC0415 - the engine depends on models
 
-            self.model, self.model_config, _ = load_model(self.config.model, dtype=self.config.dtype,
-                                                          seed=self.config.seed, mesh=self.mesh)
+            self.model, self.model_config, _ = load_model(
+                self.config.model, dtype=self.config.dtype, seed=self.config.seed, mesh=self.mesh
+            )
 
     def get_kv_cache_spec(self) -> dict:
         """``{layer name: KVCacheSpec}`` of this rank's share of the KV heads."""
         c = self.config
         return kv_cache_specs_from_layers(
             per_device_layers(self.model, self.model_config, c.tensor_parallel_size),
-            block_size=c.block_size, cache_dtype=c.cache_dtype)
+            block_size=c.block_size,
+            cache_dtype=c.cache_dtype,
+        )
 
     def device_memory_stats(self) -> dict | None:
         """``memory_stats()`` of this worker's device with the smallest ``bytes_limit``, or
@@ -103,40 +112,67 @@ class Worker:
         weights = temp = 0
         if stats is not None:
             weights = device_weight_bytes(self.model) + state_bytes(
-                c.max_num_seqs + 1, self.model_config.vocab_size, c.max_model_len)
+                c.max_num_seqs + 1, self.model_config.vocab_size, c.max_model_len
+            )
             temp = largest_step_temp_bytes(
-                self.model, self.get_kv_cache_spec(), max_num_seqs=c.max_num_seqs,
-                max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
-                mesh=self.mesh, **self._runner_kwargs())
+                self.model,
+                self.get_kv_cache_spec(),
+                max_num_seqs=c.max_num_seqs,
+                max_num_batched_tokens=c.max_num_batched_tokens,
+                max_model_len=c.max_model_len,
+                mesh=self.mesh,
+                **self._runner_kwargs(),
+            )
         elif c.kv_cache_memory_bytes is None and c.verbose:
-            print(f"jaxkv: device reports no memory stats; KV cache budget "
-                  f"{DEFAULT_CPU_KV_CACHE_BYTES / 2**20:.0f} MiB (set kv_cache_memory_bytes)", file=sys.stderr)
-        available = available_kv_bytes(stats, gpu_memory_utilization=c.gpu_memory_utilization,
-                                       kv_cache_memory_bytes=c.kv_cache_memory_bytes, weights_bytes=weights,
-                                       step_temp_bytes=temp, cpu_kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES)
+            print(
+                f"jaxkv: device reports no memory stats; KV cache budget "
+                f"{DEFAULT_CPU_KV_CACHE_BYTES / 2**20:.0f} MiB (set kv_cache_memory_bytes)",
+                file=sys.stderr,
+            )
+        available = available_kv_bytes(
+            stats,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+            weights_bytes=weights,
+            step_temp_bytes=temp,
+            cpu_kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
+        )
         if stats is not None and c.verbose:
-            print(f"jaxkv: rank {self.rank}: {stats['bytes_limit'] / 2**30:.2f} GiB x "
-                  f"{c.gpu_memory_utilization} - weights and sampling state {weights / 2**30:.2f} GiB - largest step's temp "
-                  f"{temp / 2**30:.2f} GiB = {available / 2**30:.2f} GiB for the KV cache", file=sys.stderr)
+            print(
+                f"jaxkv: rank {self.rank}: {stats['bytes_limit'] / 2**30:.2f} GiB x "
+                f"{c.gpu_memory_utilization} - weights and sampling state {weights / 2**30:.2f} GiB - largest step's temp "
+                f"{temp / 2**30:.2f} GiB = {available / 2**30:.2f} GiB for the KV cache",
+                file=sys.stderr,
+            )
         return available
 
     def _runner_kwargs(self) -> dict:
         """The ``ModelRunner`` arguments besides the model and the plan (the profiled step
         is the one the engine compiles)."""
         c = self.config
-        return dict(attention_backend=c.attention_backend, cache_dtype=c.cache_dtype, seed=c.seed,
-                    eos_token_id=c.eos_token_ids[0] if c.eos_token_ids else None,
-                    speculative_config=c.speculative_config, logprobs_mode=c.logprobs_mode,
-                    max_logprobs=c.max_logprobs)
+        return dict(
+            attention_backend=c.attention_backend,
+            cache_dtype=c.cache_dtype,
+            seed=c.seed,
+            eos_token_id=c.eos_token_ids[0] if c.eos_token_ids else None,
+            speculative_config=c.speculative_config,
+            logprobs_mode=c.logprobs_mode,
+            max_logprobs=c.max_logprobs,
+        )
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         """Builds the runner on this rank's plan: its buffers are allocated here."""
         c = self.config
         self.kv_cache_config = kv_cache_config
         self.model_runner = ModelRunner(
-            self.model, kv_cache_config, max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
-            mesh=self.mesh, **self._runner_kwargs())
+            self.model,
+            kv_cache_config,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=c.max_model_len,
+            mesh=self.mesh,
+            **self._runner_kwargs(),
+        )
         if getattr(c, "kv_transfer_config", None) is not None:
             self._init_kv_connector()
 
@@ -146,8 +182,12 @@ class Worker:
         from jaxkv.worker.kv_connector import ConnectorHooks, PagedKVCaches  # noqa: PLC0415
 
         connector = KVConnectorFactory.create_connector(
-            self.config.kv_transfer_config, KVConnectorRole.WORKER, self.kv_cache_config,
-            rank=self.rank, world_size=jax.process_count())
+            self.config.kv_transfer_config,
+            KVConnectorRole.WORKER,
+            self.kv_cache_config,
+            rank=self.rank,
+            world_size=jax.process_count(),
+        )
         self.kv_pages = PagedKVCaches(self.model_runner)
         connector.register_kv_caches(self.kv_pages)
         self.kv_connector = connector
@@ -168,7 +208,7 @@ class Worker:
         compiles while it works. Returns the programs compiled so far."""
         c = self.config
         if c.warmup:
-            progress = c.verbose or sys.stderr.isatty()   # a terminal sees the compiles progress
+            progress = c.verbose or sys.stderr.isatty()  # a terminal sees the compiles progress
             self.model_runner.warmup(progress=progress, generate=c.runner != "pooling")
             if self.kv_connector is not None:
                 self.kv_pages.warm_up()
@@ -192,9 +232,14 @@ class Worker:
 
     def runner_stats(self) -> dict:
         r = self.model_runner
-        return dict(num_compiles=r.num_compiles, compile_seconds=r.compile_seconds,
-                    late_compiles=list(r.programs.late_compiles), num_programs=len(r.program_keys()),
-                    num_draft_tokens=r.num_draft_tokens, num_accepted_tokens=r.num_accepted_tokens)
+        return dict(
+            num_compiles=r.num_compiles,
+            compile_seconds=r.compile_seconds,
+            late_compiles=list(r.programs.late_compiles),
+            num_programs=len(r.program_keys()),
+            num_draft_tokens=r.num_draft_tokens,
+            num_accepted_tokens=r.num_accepted_tokens,
+        )
 
 
 def per_device_layers(model, model_config, tp: int) -> dict:
@@ -209,7 +254,11 @@ def per_device_layers(model, model_config, tp: int) -> dict:
         raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads={heads}")
     for name, info in infos.items():
         if info.num_kv_heads % tp:
-            raise ValueError(f"tensor_parallel_size={tp} does not divide the {info.num_kv_heads} "
-                             f"KV heads of {name} (jaxkv does not replicate KV heads)")
-    return {name: dataclasses.replace(info, num_kv_heads=info.num_kv_heads // tp)
-            for name, info in infos.items()}
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the {info.num_kv_heads} "
+                f"KV heads of {name} (jaxkv does not replicate KV heads)"
+            )
+    return {
+        name: dataclasses.replace(info, num_kv_heads=info.num_kv_heads // tp)
+        for name, info in infos.items()
+    }

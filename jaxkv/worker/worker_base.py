@@ -27,21 +27,25 @@ class WorkerWrapperBase:
         self.worker = None
 
     def init_worker(self, config, *, local_rank: int = 0, model=None) -> None:
-        from jaxkv.worker.worker import Worker  # the worker's process imports jax; the core's need not
+        from jaxkv.worker.worker import (
+            Worker,
+        )  # the worker's process imports jax; the core's need not
 
         self.worker = Worker(config, rank=self.global_rank, local_rank=local_rank, model=model)
 
     def initialize_from_config(self, kv_cache_configs: list) -> None:
         """Keeps ``kv_cache_configs[global_rank]``: each worker allocates its own plan."""
         if not 0 <= self.global_rank < len(kv_cache_configs):
-            raise ValueError(f"worker rank {self.global_rank} has no KV-cache config: the engine core "
-                             f"built {len(kv_cache_configs)}")
+            raise ValueError(
+                f"worker rank {self.global_rank} has no KV-cache config: the engine core "
+                f"built {len(kv_cache_configs)}"
+            )
         self.worker.initialize_from_config(kv_cache_configs[self.global_rank])
 
     def execute_method(self, method: str | Callable, *args, **kwargs) -> Any:
         if callable(method):
             return method(self.worker, *args, **kwargs)
-        if method == "initialize_from_config":   # the wrapper's own: it picks the rank's config
+        if method == "initialize_from_config":  # the wrapper's own: it picks the rank's config
             return self.initialize_from_config(*args, **kwargs)
         target = getattr(self.worker, method, None)
         if target is None or method.startswith("_"):

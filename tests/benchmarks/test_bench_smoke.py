@@ -20,14 +20,32 @@ import pytest
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
-SMALL_MODEL = ("num_hidden_layers=2,hidden_size=64,intermediate_size=128,vocab_size=256,"
-               "num_attention_heads=4,num_key_value_heads=2,head_dim=16,max_position_embeddings=64")
-SIZES = ("fixed_n=4,fixed_prompt=4:20,fixed_out=4,mixed_n=5,mixed_prompt=4:24,mixed_out=2:6,"
-         "shared_n=3,shared_len=32,shared_private=3:8,shared_out=3,contexts=48,decode_batches=1:2,"
-         "decode_steps=2,kv_compare_context=48")
-ARGS = ["--model-config", SMALL_MODEL, "--sizes", SIZES, "--max-num-seqs", "4",
-        "--max-num-batched-tokens", "32", "--kv-cache-memory", "2MiB", "--kv-compare", "1MiB,2MiB",
-        "--no-compile-cache", "--matmul-n", "256"]
+SMALL_MODEL = (
+    "num_hidden_layers=2,hidden_size=64,intermediate_size=128,vocab_size=256,"
+    "num_attention_heads=4,num_key_value_heads=2,head_dim=16,max_position_embeddings=64"
+)
+SIZES = (
+    "fixed_n=4,fixed_prompt=4:20,fixed_out=4,mixed_n=5,mixed_prompt=4:24,mixed_out=2:6,"
+    "shared_n=3,shared_len=32,shared_private=3:8,shared_out=3,contexts=48,decode_batches=1:2,"
+    "decode_steps=2,kv_compare_context=48"
+)
+ARGS = [
+    "--model-config",
+    SMALL_MODEL,
+    "--sizes",
+    SIZES,
+    "--max-num-seqs",
+    "4",
+    "--max-num-batched-tokens",
+    "32",
+    "--kv-cache-memory",
+    "2MiB",
+    "--kv-compare",
+    "1MiB,2MiB",
+    "--no-compile-cache",
+    "--matmul-n",
+    "256",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +53,7 @@ def throughput():
     sys.path.insert(0, str(BENCH))
     try:
         import throughput as module
+
         yield module
     finally:
         sys.path.remove(str(BENCH))
@@ -67,7 +86,7 @@ def test_json_has_the_header_and_every_workload(result):
     for key in ("cpu", "cores", "jax", "jaxlib", "flax", "numpy", "python", "platform", "time"):
         assert key in result["env"], key
     assert result["matmul"]["flops_per_s"] > 0
-    chain = result["model_matmuls"]       # XLA on the model's own matmul shapes
+    chain = result["model_matmuls"]  # XLA on the model's own matmul shapes
     assert chain["decode"]["lm_head"] and not chain["prefill"]["lm_head"]
     assert chain["decode"]["flops_per_s"] > 0 and chain["prefill"]["rows"] > chain["decode"]["rows"]
     assert "model FLOPs" in result["flops_formula"]
@@ -76,11 +95,26 @@ def test_json_has_the_header_and_every_workload(result):
         res = result["results"][name]
         jaxkv, base = res["rows"][0], res["rows"][-1]
         assert (jaxkv["system"], base["system"]) == ("jaxkv", "naive-jax")
-        for key in ("req_per_s", "output_tok_per_s", "total_tok_per_s", "ttft_ms_mean", "ttft_ms_median",
-                    "ttft_ms_p99", "tpot_ms_mean", "tpot_ms_median", "tpot_ms_p99", "peak_kv_pct",
-                    "preemptions", "compiles", "mfu_pct_of_matmul", "host"):
+        for key in (
+            "req_per_s",
+            "output_tok_per_s",
+            "total_tok_per_s",
+            "ttft_ms_mean",
+            "ttft_ms_median",
+            "ttft_ms_p99",
+            "tpot_ms_mean",
+            "tpot_ms_median",
+            "tpot_ms_p99",
+            "peak_kv_pct",
+            "preemptions",
+            "compiles",
+            "mfu_pct_of_matmul",
+            "host",
+        ):
             assert jaxkv[key] is not None, (name, key)
-        assert jaxkv["compiles"] == 0, "the warm pass must leave nothing to compile in the timed pass"
+        assert jaxkv["compiles"] == 0, (
+            "the warm pass must leave nothing to compile in the timed pass"
+        )
         assert len(jaxkv["elapsed_all_s"]) == 2 and len(base["elapsed_all_s"]) == 2  # --repeats 2
         assert res["jaxkv_over_baseline"] > 0
     prefix = result["results"]["shared-prefix"]["prefix"]
@@ -91,7 +125,11 @@ def test_json_has_the_header_and_every_workload(result):
     assert [(r["context"], r["batch"]) for r in ld["rows"]] == [(48, 1), (48, 2)]
     assert all(r["jaxkv_step_ms"] and r["naive_step_ms"] for r in ld["rows"])
     assert ld["kv_size_compare"]["large_over_small"] > 0
-    assert {t["target"].split(":")[0] for t in result["targets"]} >= {"fixed", "mixed", "shared-prefix"}
+    assert {t["target"].split(":")[0] for t in result["targets"]} >= {
+        "fixed",
+        "mixed",
+        "shared-prefix",
+    }
 
 
 def test_naive_baseline_tokens_equal_jaxkv(result):
@@ -111,8 +149,9 @@ def test_naive_baseline_greedy_matches_engine_on_short_prompts(throughput):
     max_tokens = [6, 9, 4]
     naive = NaiveJaxLlama(model, batch_size=2, prefill_tokens=8)
     got = naive.generate(prompts, max_tokens)["tokens"]
-    engine, timer = eh.build_engine(model, tok, max_num_seqs=4, max_num_batched_tokens=32,
-                                    kv_cache_memory_bytes=1 << 20)
+    engine, timer = eh.build_engine(
+        model, tok, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 20
+    )
     want = eh.run_workload(engine, timer, prompts, max_tokens, warm_pass=False)["tokens"]
     assert got == want
     assert [len(t) for t in got] == max_tokens
@@ -122,9 +161,27 @@ def test_async_ab_runs_both_modes_on_the_same_tokens(throughput, tmp_path):
     import async_ab
 
     path = tmp_path / "async_ab.json"
-    async_ab.main(["--model-config", SMALL_MODEL, "--requests", "3", "--prompt", "4:12", "--max-tokens", "3",
-                   "--rounds", "2", "--max-num-batched-tokens", "32", "--kv-cache-memory", "2MiB",
-                   "--json", str(path), "--plot"])
+    async_ab.main(
+        [
+            "--model-config",
+            SMALL_MODEL,
+            "--requests",
+            "3",
+            "--prompt",
+            "4:12",
+            "--max-tokens",
+            "3",
+            "--rounds",
+            "2",
+            "--max-num-batched-tokens",
+            "32",
+            "--kv-cache-memory",
+            "2MiB",
+            "--json",
+            str(path),
+            "--plot",
+        ]
+    )
     result = json.loads(path.read_text())
     assert_png(path)
     assert result["summary"]["greedy_tokens_equal"] == "3/3"
@@ -136,12 +193,25 @@ def test_spec_decode_ab_runs_both_engines_on_the_same_tokens(throughput, tmp_pat
     import spec_decode
 
     path = tmp_path / "spec_decode.json"
-    spec_decode.main(["--max-tokens", "6", "--rounds", "1", "--workload", "copy", "--batch", "all",
-                      "--json", str(path), "--plot"])
+    spec_decode.main(
+        [
+            "--max-tokens",
+            "6",
+            "--rounds",
+            "1",
+            "--workload",
+            "copy",
+            "--batch",
+            "all",
+            "--json",
+            str(path),
+            "--plot",
+        ]
+    )
     assert_png(path)
     (row,) = json.loads(path.read_text())["rows"]
     assert (row["workload"], row["batch"], row["tokens_equal"]) == ("copy", 4, "4/4")
-    assert row["plain_over_spec"] > 0 and row["drafts"] > 0   # the copy prompts get drafted
+    assert row["plain_over_spec"] > 0 and row["drafts"] > 0  # the copy prompts get drafted
 
 
 def test_ngram_proposer_benchmark_checks_and_times_both(throughput, tmp_path):
@@ -158,9 +228,27 @@ def test_embed_throughput_checks_both_agree(throughput, tmp_path):
     import embed_throughput
 
     path = tmp_path / "embed.json"
-    out = embed_throughput.main(["--model-config", SMALL_MODEL, "--requests", "5", "--min-len", "3",
-                                 "--max-len", "40", "--batch", "4", "--rounds", "1",
-                                 "--max-num-batched-tokens", "32", "--json", str(path), "--plot"])
+    out = embed_throughput.main(
+        [
+            "--model-config",
+            SMALL_MODEL,
+            "--requests",
+            "5",
+            "--min-len",
+            "3",
+            "--max-len",
+            "40",
+            "--batch",
+            "4",
+            "--rounds",
+            "1",
+            "--max-num-batched-tokens",
+            "32",
+            "--json",
+            str(path),
+            "--plot",
+        ]
+    )
     assert out["max_abs_diff"] < 1e-4 and out["ratio"] > 0
     assert [r["system"] for r in json.loads(path.read_text())["rows"]] == ["jaxkv", "baseline"]
     assert_png(path)
@@ -168,13 +256,29 @@ def test_embed_throughput_checks_both_agree(throughput, tmp_path):
 
 def test_attention_ab_one_small_case(throughput, tmp_path):
     """The XLA backend at HEAD against itself: one small case, one layer, one round."""
-    if subprocess.run(["git", "-C", str(BENCH), "rev-parse", "HEAD"], capture_output=True).returncode:
+    if subprocess.run(
+        ["git", "-C", str(BENCH), "rev-parse", "HEAD"], capture_output=True
+    ).returncode:
         pytest.skip("attention_ab.py reads the old backend with git show: not a git checkout")
     import attention_ab
 
     path = tmp_path / "attention_ab.json"
-    assert attention_ab.main(["--cases", "decode-8xU16..512", "--rounds", "1", "--layers", "1",
-                              "--json", str(path), "--plot"]) == 0
+    assert (
+        attention_ab.main(
+            [
+                "--cases",
+                "decode-8xU16..512",
+                "--rounds",
+                "1",
+                "--layers",
+                "1",
+                "--json",
+                str(path),
+                "--plot",
+            ]
+        )
+        == 0
+    )
     result = json.loads(path.read_text())
     (row,) = result["rows"]
     assert row["case"] == "decode-8xU16..512" and row["old_min_ms"] > 0 and row["new_min_ms"] > 0

@@ -42,7 +42,11 @@ Q = gguf.GGMLQuantizationType
 def test_weights_same_numbers_for_every_engine(tmp_path):
     config = small_config()
     tensors = hf_state_dict(build_model(config, seed=3))
-    quantize = {name: Q.Q4_1 if "mlp" in name else Q.Q8_0 for name in tensors if name.endswith("proj.weight")}
+    quantize = {
+        name: Q.Q4_1 if "mlp" in name else Q.Q8_0
+        for name in tensors
+        if name.endswith("proj.weight")
+    }
     src = tmp_path / "src.gguf"
     write_llama_gguf(src, hf_config_dict(config), tensors, quantize=quantize)
     w = peer_weights.prepare(tmp_path / "out", source=src)
@@ -50,13 +54,13 @@ def test_weights_same_numbers_for_every_engine(tmp_path):
     assert w.vocab_size == config.vocab_size
     reader = gguf.GGUFReader(str(w.gguf_path))
     assert {t.tensor_type for t in reader.tensors} == {Q.F32}
-    assert reader.fields["general.file_type"].parts[-1][0] == 0   # ALL_F32
+    assert reader.fields["general.file_type"].parts[-1][0] == 0  # ALL_F32
     ids = jnp.asarray([[1, 5, 9, 200, 3, 77, 12, 8]], jnp.int32)
     want = np.asarray(dense_forward(load_model(src)[0], ids))
     for path in (w.hf_dir, w.gguf_path):
         np.testing.assert_array_equal(np.asarray(dense_forward(load_model(path)[0], ids)), want)
     mtime = (w.hf_dir / "model.safetensors").stat().st_mtime_ns
-    peer_weights.prepare(tmp_path / "out", source=src)   # reused, not rewritten
+    peer_weights.prepare(tmp_path / "out", source=src)  # reused, not rewritten
     assert (w.hf_dir / "model.safetensors").stat().st_mtime_ns == mtime
 
 
@@ -85,16 +89,16 @@ class _FakeBatch:
 
 def fake_llama_cpp(n_parallel_seen: list) -> types.ModuleType:
     lc = types.ModuleType("llama_cpp")
-    state = {"cells": {}, "logits": None}   # cells: seq -> {pos: token}
+    state = {"cells": {}, "logits": None}  # cells: seq -> {pos: token}
 
     class Params:
-        type_k = 1           # llama.cpp's default, GGML_TYPE_F16
+        type_k = 1  # llama.cpp's default, GGML_TYPE_F16
         flash_attn_type = -1
 
     def decode(ctx, b):
         assert b.n_tokens <= len(b.token)
         rows = []
-        for j in range(b.n_tokens):   # the whole batch lands in the cache first
+        for j in range(b.n_tokens):  # the whole batch lands in the cache first
             for k in range(b.n_seq_id[j]):
                 cells = state["cells"].setdefault(b.seq_id[j][k], {})
                 assert b.pos[j] not in cells, "a position written twice"
@@ -102,7 +106,9 @@ def fake_llama_cpp(n_parallel_seen: list) -> types.ModuleType:
         for j in range(b.n_tokens):
             if b.logits[j]:
                 cells = state["cells"][b.seq_id[j][0]]
-                assert sorted(cells)[: b.pos[j] + 1] == list(range(b.pos[j] + 1)), "a hole in the context"
+                assert sorted(cells)[: b.pos[j] + 1] == list(range(b.pos[j] + 1)), (
+                    "a hole in the context"
+                )
                 row = np.zeros(VOCAB, np.float32)
                 row[_predict([cells[p] for p in range(b.pos[j] + 1)])] = 1.0
                 rows.append(row)
@@ -110,7 +116,7 @@ def fake_llama_cpp(n_parallel_seen: list) -> types.ModuleType:
         return 0
 
     def seq_cp(mem, src, dst, p0, p1):
-        p1 = float("inf") if p1 < 0 else p1   # llama.cpp: negative bounds mean "all"
+        p1 = float("inf") if p1 < 0 else p1  # llama.cpp: negative bounds mean "all"
         cells = state["cells"].setdefault(dst, {})
         cells.update({p: t for p, t in state["cells"][src].items() if max(p0, 0) <= p < p1})
 
@@ -151,8 +157,10 @@ def _reference(req) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("shared,n_parallel,n_batch,unified", [
-    (0, 64, 2048, False), (13, 64, 16, False), (13, 3, 7, True), (0, 2, 5, True)])
+@pytest.mark.parametrize(
+    "shared,n_parallel,n_batch,unified",
+    [(0, 64, 2048, False), (13, 64, 16, False), (13, 3, 7, True), (0, 2, 5, True)],
+)
 def test_llamacpp_loop_matches_one_at_a_time(monkeypatch, shared, n_parallel, n_batch, unified):
     seen = []
     lc = fake_llama_cpp(seen)
@@ -160,13 +168,22 @@ def test_llamacpp_loop_matches_one_at_a_time(monkeypatch, shared, n_parallel, n_
     monkeypatch.setattr(np.ctypeslib, "as_array", lambda ptr, shape: ptr.reshape(shape))
     rng = np.random.default_rng(shared + n_parallel)
     prefix = rng.integers(0, VOCAB, shared).tolist()
-    reqs = [{"prompt": prefix + rng.integers(0, VOCAB, int(rng.integers(1, 20))).tolist(),
-             "max_tokens": int(rng.integers(1, 9))} for _ in range(9)]
-    spec = {"gguf_path": "x.gguf", "threads": 2, "workloads": {"w": reqs},
-            "llamacpp_options": {"n_parallel": n_parallel, "n_batch": n_batch, "kv_unified": unified}}
+    reqs = [
+        {
+            "prompt": prefix + rng.integers(0, VOCAB, int(rng.integers(1, 20))).tolist(),
+            "max_tokens": int(rng.integers(1, 9)),
+        }
+        for _ in range(9)
+    ]
+    spec = {
+        "gguf_path": "x.gguf",
+        "threads": 2,
+        "workloads": {"w": reqs},
+        "llamacpp_options": {"n_parallel": n_parallel, "n_batch": n_batch, "kv_unified": unified},
+    }
     engine = peer_worker.LlamaCppEngine(spec)
     assert seen == [n_parallel]
-    for _ in range(2):   # the second run starts from an emptied cache
+    for _ in range(2):  # the second run starts from an emptied cache
         res = engine.run(reqs)
         assert res["tokens"] == [_reference(r) for r in reqs]
         assert all(a is not None and b >= a for a, b in zip(res["first_s"], res["last_s"]))
@@ -175,6 +192,7 @@ def test_llamacpp_loop_matches_one_at_a_time(monkeypatch, shared, n_parallel, n_
 
 
 # ---- the orchestrator ---------------------------------------------------------------------------
+
 
 def test_workloads_are_seeded_and_sized():
     a = peers.make_workloads(peers.WORKLOADS, peers.FULL, 49152, seed=0)
@@ -185,7 +203,9 @@ def test_workloads_are_seeded_and_sized():
     assert all(32 <= len(r["prompt"]) <= 256 and r["max_tokens"] == 64 for r in a["fixed"])
     assert len(a["batch1"][0]["prompt"]) == 128 and a["batch1"][0]["max_tokens"] == 256
     first = a["shared-prefix"][0]["prompt"][:1024]
-    assert all(r["prompt"][:1024] == first and 1056 <= len(r["prompt"]) <= 1152 for r in a["shared-prefix"])
+    assert all(
+        r["prompt"][:1024] == first and 1056 <= len(r["prompt"]) <= 1152 for r in a["shared-prefix"]
+    )
     assert peer_worker._common_prefix([r["prompt"] for r in a["shared-prefix"]]) >= 1024
     assert all(16 <= r["max_tokens"] <= 256 and 32 <= len(r["prompt"]) <= 512 for r in a["mixed"])
     assert min(t for w in a.values() for r in w for t in r["prompt"]) >= 100
@@ -193,9 +213,18 @@ def test_workloads_are_seeded_and_sized():
 
 def test_metrics_and_agreement():
     reqs = [{"max_tokens": 3}, {"max_tokens": 1}]
-    res = {"elapsed_s": 2.0, "tokens": [[1, 2, 3], [4]], "first_s": [0.5, 0.1], "last_s": [1.5, 0.1]}
+    res = {
+        "elapsed_s": 2.0,
+        "tokens": [[1, 2, 3], [4]],
+        "first_s": [0.5, 0.1],
+        "last_s": [1.5, 0.1],
+    }
     m = peers.pass_metrics(res, reqs)
-    assert m["output_tok_s"] == 2.0 and m["ttft_ms"] == pytest.approx(300.0) and m["tpot_ms"] == pytest.approx(500.0)
+    assert (
+        m["output_tok_s"] == 2.0
+        and m["ttft_ms"] == pytest.approx(300.0)
+        and m["tpot_ms"] == pytest.approx(500.0)
+    )
     with pytest.raises(RuntimeError, match="request 1 got 1 tokens, asked for 2"):
         peers.pass_metrics(res, [{"max_tokens": 3}, {"max_tokens": 2}])
     ag = peers.agreement([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9], [7]])
@@ -215,18 +244,39 @@ def test_bad_arguments_exit_2(capsys):
 def test_quick_run_jaxkv_alone(tmp_path):
     try:
         from jaxkv.models.checkpoint import smollm2_gguf_path
+
         smollm2_gguf_path()
     except RuntimeError as e:
         pytest.skip(f"SmolLM2 download failed: {e}")
     out = tmp_path / "peers.json"
-    payload = peers.main(["--quick", "--engines", "jaxkv", "--passes", "2", "--workloads", "batch1,shared-prefix",
-                          "--root", str(tmp_path / "root"), "--no-install", "--kv-cache-gib", "1",
-                          "--json", str(out)])
+    payload = peers.main(
+        [
+            "--quick",
+            "--engines",
+            "jaxkv",
+            "--passes",
+            "2",
+            "--workloads",
+            "batch1,shared-prefix",
+            "--root",
+            str(tmp_path / "root"),
+            "--no-install",
+            "--kv-cache-gib",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     saved = json.loads(out.read_text())
     assert saved["summary"] == json.loads(json.dumps(payload["summary"]))
     for w in ("batch1", "shared-prefix"):
         per = saved["summary"][w]["engines"]["jaxkv"]
-        assert 0 < per["output_tok_s"]["min"] <= per["output_tok_s"]["median"] <= per["output_tok_s"]["max"]
+        assert (
+            0
+            < per["output_tok_s"]["min"]
+            <= per["output_tok_s"]["median"]
+            <= per["output_tok_s"]["max"]
+        )
         assert len(saved["passes"][w]["jaxkv"]) == 2
     assert saved["config"]["engines"]["jaxkv"]["options"]["dtype"] == "float32"
     assert "cpu" in saved["config"] and out.with_suffix(".log").is_file()

@@ -12,19 +12,32 @@ def full_spec(block_size=16):
 
 
 def sw_spec(block_size=16, sliding_window=32):
-    return SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype="float32",
-                             sliding_window=sliding_window)
+    return SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=64,
+        dtype="float32",
+        sliding_window=sliding_window,
+    )
 
 
 def make_config(num_blocks, *specs):
     """A KVCacheConfig with one group per spec (tensors are irrelevant to the host core)."""
-    groups = [KVCacheGroupSpec((f"layer{i}",), spec) for i, spec in enumerate(specs or (full_spec(),))]
+    groups = [
+        KVCacheGroupSpec((f"layer{i}",), spec) for i, spec in enumerate(specs or (full_spec(),))
+    ]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=(), kv_cache_groups=groups)
 
 
-def make_request(request_id, token_ids, block_size=16, *, hash_algo="sha256", hashed=True, **params):
+def make_request(
+    request_id, token_ids, block_size=16, *, hash_algo="sha256", hashed=True, **params
+):
     """A request with a sha256 block hasher (``hashed=False``: let the scheduler attach one)."""
-    kwargs = {k: params.pop(k) for k in ("eos_token_id", "priority", "arrival_time", "cache_salt") if k in params}
+    kwargs = {
+        k: params.pop(k)
+        for k in ("eos_token_id", "priority", "arrival_time", "cache_salt")
+        if k in params
+    }
     hasher = get_request_block_hasher(block_size, get_hash_fn(hash_algo)) if hashed else None
     return Request(request_id, token_ids, SamplingParams(**params), block_hasher=hasher, **kwargs)
 
@@ -62,6 +75,8 @@ def step():
 
     def run(scheduler, token_fn=lambda req_id, i: 7):
         out = scheduler.schedule()
-        return out, scheduler.update_from_output(out, fake_model_runner_output(scheduler, out, token_fn))
+        return out, scheduler.update_from_output(
+            out, fake_model_runner_output(scheduler, out, token_fn)
+        )
 
     return run

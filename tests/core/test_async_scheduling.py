@@ -18,8 +18,15 @@ def sampled_rows(scheduler, out, token_fn):
     for req_id in out.num_scheduled_tokens:
         r = scheduler.requests[req_id]
         # caught up: the placeholder this schedule added is the last position computed + 1
-        caught_up = r.num_output_placeholders and r.num_computed_tokens == r.num_tokens + r.num_output_placeholders - 1
-        sampled[req_id] = [token_fn(req_id, r.num_output_tokens + r.num_output_placeholders - 1)] if caught_up else []
+        caught_up = (
+            r.num_output_placeholders
+            and r.num_computed_tokens == r.num_tokens + r.num_output_placeholders - 1
+        )
+        sampled[req_id] = (
+            [token_fn(req_id, r.num_output_tokens + r.num_output_placeholders - 1)]
+            if caught_up
+            else []
+        )
     return ModelRunnerOutput.from_sampled(sampled)
 
 
@@ -57,14 +64,14 @@ def test_placeholders_let_the_next_step_run_before_the_token_arrives(cfg, req, s
     r = s.requests["a"]
     p = Pipeline(s, lambda rid, i: 40 + i)
 
-    assert p.step() == []                         # step 1: the prompt; it samples
+    assert p.step() == []  # step 1: the prompt; it samples
     assert p.scheduled[-1] == {"a": 20} and r.num_output_placeholders == 1 and r.num_tokens == 20
-    (res,) = p.step()                             # step 2 scheduled on the placeholder, then step 1 lands
+    (res,) = p.step()  # step 2 scheduled on the placeholder, then step 1 lands
     assert p.scheduled[-1] == {"a": 1} and res.new_token_ids == [40]
     assert r.num_computed_tokens == 21 and r.num_tokens == 21 and r.num_output_placeholders == 1
-    (res,) = p.step()                             # step 3 (its 3rd token), then step 2 lands
+    (res,) = p.step()  # step 3 (its 3rd token), then step 2 lands
     assert p.scheduled[-1] == {"a": 1} and res.new_token_ids == [41]
-    (res,) = p.step()                             # the token in flight is the 3rd: nothing scheduled
+    (res,) = p.step()  # the token in flight is the 3rd: nothing scheduled
     assert p.scheduled[-1] == {} and res.new_token_ids == [42] and res.finish_reason == "length"
     assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED and r.output_token_ids == [40, 41, 42]
     assert p.drain() == [] and not s.has_unfinished_requests()
@@ -74,7 +81,7 @@ def test_placeholders_let_the_next_step_run_before_the_token_arrives(cfg, req, s
 def test_token_in_flight_after_a_stop_is_dropped(cfg, req, specs):
     s = make_scheduler(cfg, specs, async_scheduling=True, eos_token_id=2)
     s.add_request(req("a", [1, 1, 1], hashed=False, max_tokens=10))
-    p = Pipeline(s, lambda rid, i: 2 if i == 1 else 9)   # the 2nd token is EOS
+    p = Pipeline(s, lambda rid, i: 2 if i == 1 else 9)  # the 2nd token is EOS
     results = p.drain()
     assert [(x.new_token_ids, x.finish_reason) for x in results] == [([9], None), ([2], "stop")]
     # The step after the EOS was already scheduled (3 of them); its token never shows up.
@@ -117,9 +124,21 @@ def test_preempted_request_has_no_placeholder(cfg, req, specs):
 
 def test_async_scheduling_config():
     with pytest.raises(TypeError, match="async_scheduling must be a bool, got 'yes'"):
-        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8, async_scheduling="yes")
+        SchedulerConfig(
+            max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8, async_scheduling="yes"
+        )
     with pytest.raises(ValueError, match="speculative tokens"):
-        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8, async_scheduling=True,
-                        num_lookahead_tokens=2)
-    assert Scheduler(make_config(3, full_spec()), max_num_seqs=1, max_num_batched_tokens=8,
-                     max_model_len=8, async_scheduling=True).async_scheduling
+        SchedulerConfig(
+            max_num_seqs=1,
+            max_num_batched_tokens=8,
+            max_model_len=8,
+            async_scheduling=True,
+            num_lookahead_tokens=2,
+        )
+    assert Scheduler(
+        make_config(3, full_spec()),
+        max_num_seqs=1,
+        max_num_batched_tokens=8,
+        max_model_len=8,
+        async_scheduling=True,
+    ).async_scheduling

@@ -16,10 +16,10 @@ LLAMA3 = (128001, 128008, 128009)
 
 def test_merge_puts_the_tokenizer_first_and_keeps_each_id_once():
     assert merge_eos_token_ids(None, LLAMA3) == LLAMA3
-    assert merge_eos_token_ids(128009, LLAMA3) == (128009, 128001, 128008)   # tokenizer's primary
+    assert merge_eos_token_ids(128009, LLAMA3) == (128009, 128001, 128008)  # tokenizer's primary
     assert merge_eos_token_ids(2, 2) == (2,)
     assert merge_eos_token_ids(None, None) == ()
-    assert merge_eos_token_ids(None, [5, -1]) == (5,)   # -1: "no EOS" in some checkpoints
+    assert merge_eos_token_ids(None, [5, -1]) == (5,)  # -1: "no EOS" in some checkpoints
     with pytest.raises(TypeError, match="EOS token ids must be ints"):
         merge_eos_token_ids(None, ("2",))
 
@@ -28,7 +28,7 @@ def test_extra_eos_ids_join_the_stop_token_ids_unless_ignore_eos():
     user = SamplingParams(stop_token_ids=[7, 128008])
     params = with_eos_stop_ids(user, LLAMA3[1:])
     assert params.stop_token_ids == [7, 128008, 128009]
-    assert user.stop_token_ids == [7, 128008]          # the caller's object is left alone
+    assert user.stop_token_ids == [7, 128008]  # the caller's object is left alone
     ignoring = SamplingParams(ignore_eos=True)
     assert with_eos_stop_ids(ignoring, LLAMA3[1:]) is ignoring
     plain = SamplingParams()
@@ -62,9 +62,11 @@ def test_ignore_eos_generates_through_every_eos_id():
 def test_min_tokens_holds_back_every_eos_id():
     request = _request(SamplingParams(max_tokens=10, min_tokens=3))
     # outputs 1 and 2 are EOS ids but come before min_tokens; output 3 stops
-    appended, stopped = append_and_check_stop(request, [128009, 128008, 128001, 5], max_model_len=100)
+    appended, stopped = append_and_check_stop(
+        request, [128009, 128008, 128001, 5], max_model_len=100
+    )
     assert (appended, stopped) == ([128009, 128008, 128001], True)
-    assert request.stop_reason is None   # the primary
+    assert request.stop_reason is None  # the primary
 
 
 def test_beam_search_completes_a_hypothesis_at_any_eos_id():

@@ -9,7 +9,13 @@ from jaxkv.core import ModelRunnerOutput, RequestStatus, Scheduler
 from jaxkv.core.outputs import KVConnectorOutput
 from jaxkv.distributed.kv_transfer import KVConnectorBase_V1, KVConnectorRole, KVTransferConfig
 
-from tests.core.conftest import fake_model_runner_output, full_spec, make_config, make_request, sw_spec
+from tests.core.conftest import (
+    fake_model_runner_output,
+    full_spec,
+    make_config,
+    make_request,
+    sw_spec,
+)
 
 
 class FakeConnector(KVConnectorBase_V1):
@@ -47,7 +53,9 @@ class FakeConnector(KVConnectorBase_V1):
 def make(connector, num_blocks=11, *specs, **kwargs):
     settings = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
     settings.update(kwargs)
-    return Scheduler(make_config(num_blocks, *(specs or (full_spec(),))), kv_connector=connector, **settings)
+    return Scheduler(
+        make_config(num_blocks, *(specs or (full_spec(),))), kv_connector=connector, **settings
+    )
 
 
 def run(s, out, kv=None):
@@ -71,12 +79,17 @@ def test_async_load_waits_then_runs_only_the_last_token():
     assert c.allocs == [("a", ([1, 2, 3],), 40)]
     assert s.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS and num_free(s) == 7
     run(s, out, KVConnectorOutput())
-    out = s.schedule()   # still loading: set aside, nothing scheduled
-    assert out.total_num_scheduled_tokens == 0 and s.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    out = s.schedule()  # still loading: set aside, nothing scheduled
+    assert (
+        out.total_num_scheduled_tokens == 0
+        and s.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    )
     run(s, out, KVConnectorOutput(finished_recving={"a"}))
     # Loaded: 39 tokens computed (the last prompt token is recomputed, to sample), as a new request.
     out = s.schedule()
-    assert [(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [("a", ([1, 2, 3],), 39)]
+    assert [(r.req_id, r.block_ids, r.num_computed_tokens) for r in out.scheduled_new_reqs] == [
+        ("a", ([1, 2, 3],), 39)
+    ]
     assert out.num_scheduled_tokens == {"a": 1} and out.new_block_ids_to_zero == []
     assert s.num_external_computed_tokens == 39 and s.requests["a"].num_cached_tokens == 39
     results = run(s, out, KVConnectorOutput())
@@ -84,7 +97,9 @@ def test_async_load_waits_then_runs_only_the_last_token():
     # The loaded full blocks are now in the prefix cache: a second request hits them.
     s.add_request(make_request("b", list(range(40)), max_tokens=1))
     out = s.schedule()
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 32 and out.scheduled_new_reqs[0].block_ids[0][:2] == [1, 2]
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 32 and out.scheduled_new_reqs[
+        0
+    ].block_ids[0][:2] == [1, 2]
 
 
 def test_failed_load_frees_blocks_and_recomputes_without_the_connector():
@@ -95,7 +110,9 @@ def test_failed_load_frees_blocks_and_recomputes_without_the_connector():
     run(s, s.schedule(), KVConnectorOutput(finished_recving={"a"}, invalid_block_ids={2}))
     out = s.schedule()
     # Recomputed from scratch: whole prompt, fresh blocks (zeroed this time), not asked again.
-    assert out.num_scheduled_tokens == {"a": 40} and out.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert (
+        out.num_scheduled_tokens == {"a": 40} and out.scheduled_new_reqs[0].num_computed_tokens == 0
+    )
     assert out.new_block_ids_to_zero == out.scheduled_new_reqs[0].block_ids[0]
     assert len(c.allocs) == 2 and c.allocs[1][2] == 0 and s.num_failed_kv_loads == 1
     assert run(s, out, KVConnectorOutput())[0].finish_reason == "length"
@@ -111,8 +128,8 @@ def test_abort_during_load_frees_everything():
     s.finish_requests("a")
     assert num_free(s) == 10 and not s.requests and c.finished[0][0] == "a"
     out = s.schedule()
-    assert out.finished_req_ids == {"a"}   # the worker drops the load in flight
-    run(s, out, KVConnectorOutput(finished_recving={"a"}))   # a late report changes nothing
+    assert out.finished_req_ids == {"a"}  # the worker drops the load in flight
+    run(s, out, KVConnectorOutput(finished_recving={"a"}))  # a late report changes nothing
     assert num_free(s) == 10 and not s.has_unfinished_requests()
 
 
@@ -121,7 +138,9 @@ def test_delayed_free_until_sent():
     s = make(c)
     s.add_request(make_request("a", list(range(20)), max_tokens=1))
     results = run(s, s.schedule(), KVConnectorOutput())
-    assert results[0].finish_reason == "length" and results[0].kv_transfer_params == {"blocks": [1, 2]}
+    assert results[0].finish_reason == "length" and results[0].kv_transfer_params == {
+        "blocks": [1, 2]
+    }
     # Finished, but its blocks are kept for the send: the engine must keep polling.
     assert not s.has_unfinished_requests() and s.has_pending_kv_sends() and num_free(s) == 8
     run(s, s.schedule(), KVConnectorOutput())
@@ -136,7 +155,9 @@ def test_sync_external_tokens_are_computed_and_not_zeroed():
     s.add_request(make_request("a", list(range(40)), max_tokens=1))
     out = s.schedule()
     # 32 loaded before the step, 8 computed; blocks 1, 2 hold loaded tokens: never zeroed.
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 32 and out.num_scheduled_tokens == {"a": 8}
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 32 and out.num_scheduled_tokens == {
+        "a": 8
+    }
     assert out.scheduled_new_reqs[0].block_ids == ([1, 2, 3],) and out.new_block_ids_to_zero == [3]
     assert s.num_external_computed_tokens == 32
 
@@ -151,13 +172,20 @@ def test_hybrid_groups_all_get_blocks_and_none_is_zeroed():
     assert [len(g) for g in ids] == [5, 5] and not set(ids[0]) & set(ids[1])
     run(s, out, KVConnectorOutput(finished_recving={"a"}))
     out = s.schedule()
-    assert out.num_scheduled_tokens == {"a": 1} and out.scheduled_new_reqs[0].num_computed_tokens == 79
+    assert (
+        out.num_scheduled_tokens == {"a": 1} and out.scheduled_new_reqs[0].num_computed_tokens == 79
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 90), st.integers(0, 90), st.booleans(), st.integers(0, 3)),
-                min_size=1, max_size=8),
-       st.lists(st.sampled_from(["ok", "fail", "abort", "wait"]), min_size=40, max_size=40))
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 90), st.integers(0, 90), st.booleans(), st.integers(0, 3)),
+        min_size=1,
+        max_size=8,
+    ),
+    st.lists(st.sampled_from(["ok", "fail", "abort", "wait"]), min_size=40, max_size=40),
+)
 def test_no_block_leaks_whatever_the_loads_do(reqs, events):
     """Random loads that succeed, fail, are aborted or linger, with sends kept and released:
     every block returns once all requests end."""
@@ -168,7 +196,9 @@ def test_no_block_leaks_whatever_the_loads_do(reqs, events):
         s.add_request(make_request(f"r{i}", list(range(1000 * i, 1000 * i + n)), max_tokens=mt + 1))
     for ev in events:
         out = s.schedule()
-        loading = sorted(r for r, q in s.requests.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        loading = sorted(
+            r for r, q in s.requests.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        )
         kv = KVConnectorOutput(finished_sending=set(s._sending))
         if loading and ev == "ok":
             kv.finished_recving = {loading[0]}
@@ -178,10 +208,12 @@ def test_no_block_leaks_whatever_the_loads_do(reqs, events):
         elif loading and ev == "abort":
             s.finish_requests(loading[0])
         run(s, out, kv)
-    for _ in range(200):   # drain: every load ends, every send is reported
+    for _ in range(200):  # drain: every load ends, every send is reported
         if not (s.has_unfinished_requests() or s.has_pending_kv_sends()):
             break
         out = s.schedule()
-        loading = {r for r, q in s.requests.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
+        loading = {
+            r for r, q in s.requests.items() if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        }
         run(s, out, KVConnectorOutput(finished_recving=loading, finished_sending=set(s._sending)))
     assert not s.requests and num_free(s) == 39

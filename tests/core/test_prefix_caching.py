@@ -98,7 +98,9 @@ def test_evict(cfg, req, policy, expected_free_order):
     req2 = req("2", list(range(2 * 16 + 3)))
     computed, num_computed = manager.get_computed_blocks(req2)
     assert computed.get_block_ids() == ([1, 2],) and num_computed == 32
-    assert manager.allocate_slots(req2, 3, num_computed, computed).get_block_ids() == ([expected_free_order[0]],)
+    assert manager.allocate_slots(req2, 3, num_computed, computed).get_block_ids() == (
+        [expected_free_order[0]],
+    )
     assert manager.block_pool.get_num_free_blocks() == 7
 
 
@@ -154,7 +156,11 @@ def test_spec_tokens_get_slots_but_are_not_cached(cfg, req):
     blocks = manager.allocate_slots(r, 34)
     assert blocks.get_block_ids() == ([1, 2, 3],)
     held = manager.single_type_managers[0].req_to_blocks["0"]
-    assert [b.block_hash is not None for b in held] == [True, False, False]  # 30 // 16 = 1 full block
+    assert [b.block_hash is not None for b in held] == [
+        True,
+        False,
+        False,
+    ]  # 30 // 16 = 1 full block
     # Lookahead slots are extra slots beyond the new tokens.
     r2 = req("1", list(range(100, 116)))
     assert len(manager.allocate_slots(r2, 16, num_lookahead_tokens=1).blocks[0]) == 2
@@ -184,5 +190,5 @@ def test_caching_disabled(cfg, req):
     r = req("0", COMMON + [1])
     manager.allocate_slots(r, 49)
     manager.free(r)
-    assert manager.get_computed_blocks(req("1", COMMON + [1])) [1] == 0
+    assert manager.get_computed_blocks(req("1", COMMON + [1]))[1] == 0
     assert manager.block_pool.cached_block_hash_to_block.num_blocks() == 0

@@ -5,13 +5,23 @@ import hashlib
 
 import pytest
 
-from jaxkv.core import Request, RequestStatus, get_hash_fn, get_request_block_hasher, hash_block_tokens, init_none_hash
+from jaxkv.core import (
+    Request,
+    RequestStatus,
+    get_hash_fn,
+    get_request_block_hasher,
+    hash_block_tokens,
+    init_none_hash,
+)
 from jaxkv.core.block_hash import sha256
 
 
 def test_none_hash_is_fixed_and_seeded(monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    assert init_none_hash(sha256) == hashlib.sha256(pickle.dumps("jaxkv-none-hash", protocol=5)).digest()
+    assert (
+        init_none_hash(sha256)
+        == hashlib.sha256(pickle.dumps("jaxkv-none-hash", protocol=5)).digest()
+    )
     monkeypatch.setenv("PYTHONHASHSEED", "7")
     assert init_none_hash(sha256) == sha256("7")
     assert isinstance(init_none_hash(get_hash_fn("builtin")), int)

@@ -9,7 +9,13 @@ from jaxkv.sampling_params import SamplingParams, SamplingType
 def test_defaults_match_vllm():
     p = SamplingParams()
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (1, 1.0, 1.0, 0, 0.0, None)
-    assert (p.max_tokens, p.min_tokens, p.ignore_eos, p.logprobs, p.prompt_logprobs) == (16, 0, False, None, None)
+    assert (p.max_tokens, p.min_tokens, p.ignore_eos, p.logprobs, p.prompt_logprobs) == (
+        16,
+        0,
+        False,
+        None,
+        None,
+    )
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
     assert p.stop == [] and p.stop_token_ids == []
     assert p.skip_special_tokens and not p.include_stop_str_in_output
@@ -58,27 +64,32 @@ def test_rejects_bad_values(kwargs, match):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    ({"temperature": "0.5"}, TypeError, "temperature must be a number, got '0.5'"),
-    ({"top_p": None}, TypeError, "top_p must be a number, got None"),
-    ({"repetition_penalty": True}, TypeError, "repetition_penalty must be a number"),
-    ({"temperature": float("nan")}, ValueError, "temperature must not be NaN"),
-    ({"min_p": float("nan")}, ValueError, "min_p must not be NaN"),
-    ({"stop": 5}, TypeError, "stop must be a list or a str, got 5"),
-    ({"stop_token_ids": 5}, TypeError, "stop_token_ids must be a list, got 5"),
-    ({"allowed_token_ids": "abc"}, TypeError, "allowed_token_ids must be a list"),
-    ({"bad_words": 5}, TypeError, "bad_words must be a list or a str"),
-    ({"ignore_eos": "no"}, TypeError, "ignore_eos must be a bool, got 'no'"),
-    ({"detokenize": 0}, TypeError, "detokenize must be a bool, got 0"),
-    ({"skip_special_tokens": None}, TypeError, "skip_special_tokens must be a bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"temperature": "0.5"}, TypeError, "temperature must be a number, got '0.5'"),
+        ({"top_p": None}, TypeError, "top_p must be a number, got None"),
+        ({"repetition_penalty": True}, TypeError, "repetition_penalty must be a number"),
+        ({"temperature": float("nan")}, ValueError, "temperature must not be NaN"),
+        ({"min_p": float("nan")}, ValueError, "min_p must not be NaN"),
+        ({"stop": 5}, TypeError, "stop must be a list or a str, got 5"),
+        ({"stop_token_ids": 5}, TypeError, "stop_token_ids must be a list, got 5"),
+        ({"allowed_token_ids": "abc"}, TypeError, "allowed_token_ids must be a list"),
+        ({"bad_words": 5}, TypeError, "bad_words must be a list or a str"),
+        ({"ignore_eos": "no"}, TypeError, "ignore_eos must be a bool, got 'no'"),
+        ({"detokenize": 0}, TypeError, "detokenize must be a bool, got 0"),
+        ({"skip_special_tokens": None}, TypeError, "skip_special_tokens must be a bool"),
+    ],
+)
 def test_rejects_wrong_types_naming_the_field(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         SamplingParams(**kwargs)
 
 
 def test_numpy_scalars_are_numbers():
-    assert SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9)).top_p == pytest.approx(0.9)
+    assert SamplingParams(
+        temperature=np.float32(0.5), top_p=np.float64(0.9)
+    ).top_p == pytest.approx(0.9)
     p = SamplingParams(ignore_eos=np.bool_(True))
     assert p.ignore_eos is True
 

@@ -19,7 +19,10 @@ def make_scheduler(cfg, specs, num_blocks=11, block_size=16, **kwargs):
 
 
 def free_ids(scheduler):
-    return [b.block_id for b in scheduler.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()]
+    return [
+        b.block_id
+        for b in scheduler.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()
+    ]
 
 
 def test_basic_prefill_decode_finish(cfg, req, specs, step):
@@ -36,7 +39,10 @@ def test_basic_prefill_decode_finish(cfg, req, specs, step):
     ]
     assert out.num_scheduled_tokens == {"a": 20, "b": 10} and out.total_num_scheduled_tokens == 30
     assert out.new_block_ids_to_zero == [1, 2, 3] and out.num_common_prefix_blocks == [0]
-    assert [(r.request_id, r.new_token_ids, r.finish_reason) for r in results] == [("a", [7], None), ("b", [7], None)]
+    assert [(r.request_id, r.new_token_ids, r.finish_reason) for r in results] == [
+        ("a", [7], None),
+        ("b", [7], None),
+    ]
 
     # Step 2: both decode one token; no new blocks.
     out, results = step(s)
@@ -79,7 +85,9 @@ def test_prompt_logprobs_request_gets_no_hit(cfg, req, specs, step):
     step(s)
     s.add_request(req("b", list(range(40)), hashed=False, max_tokens=1, prompt_logprobs=0))
     out, _ = step(s)
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 0 and out.num_scheduled_tokens == {"b": 40}
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0 and out.num_scheduled_tokens == {
+        "b": 40
+    }
 
 
 def test_chunked_prefill_under_a_small_budget(cfg, req, specs, step):
@@ -89,7 +97,13 @@ def test_chunked_prefill_under_a_small_budget(cfg, req, specs, step):
     progress = []
     for _ in range(3):
         out, results = step(s)
-        progress.append((out.num_scheduled_tokens, s.requests["p"].num_computed_tokens, [r.request_id for r in results]))
+        progress.append(
+            (
+                out.num_scheduled_tokens,
+                s.requests["p"].num_computed_tokens,
+                [r.request_id for r in results],
+            )
+        )
     # Running requests go first; the long prompt takes what is left of the budget.
     assert progress == [
         ({"d": 4, "p": 12}, 12, ["d"]),  # "p" is a partial chunk: no token, no output
@@ -140,15 +154,21 @@ def test_preemption_and_resume_hits_own_prefix(cfg, req, specs, step):
     assert cached.req_ids == ["b"] and cached.resumed_from_preemption == [True]
     assert cached.new_block_ids == [([3, 4, 6, 5],)] and cached.num_computed_tokens == [8]
     assert out.num_scheduled_tokens == {"b": 5} and out.new_block_ids_to_zero == [6, 5]
-    assert cached.all_token_ids["b"] == b.all_token_ids and cached.new_token_ids == [b.all_token_ids[8:13]]
+    assert cached.all_token_ids["b"] == b.all_token_ids and cached.new_token_ids == [
+        b.all_token_ids[8:13]
+    ]
     assert s.make_stats().num_preemptions == 1
 
 
 def test_priority_preemption_gives_back_budget(cfg, req, specs, step):
     s = make_scheduler(cfg, specs, num_blocks=8, block_size=4, policy="priority")
-    s.add_request(req("lo", list(range(8)), 4, hashed=False, max_tokens=20, priority=5, arrival_time=1.0))
+    s.add_request(
+        req("lo", list(range(8)), 4, hashed=False, max_tokens=20, priority=5, arrival_time=1.0)
+    )
     step(s)
-    s.add_request(req("hi", list(range(50, 58)), 4, hashed=False, max_tokens=20, priority=0, arrival_time=2.0))
+    s.add_request(
+        req("hi", list(range(50, 58)), 4, hashed=False, max_tokens=20, priority=0, arrival_time=2.0)
+    )
     for _ in range(5):
         out, _ = step(s)  # steps 2..6: "lo" ends with blocks [1, 2, 3, 7], "hi" with [4, 5, 6]
     assert s.kv_cache_manager.get_block_ids("lo") == ([1, 2, 3, 7],)
@@ -160,7 +180,9 @@ def test_priority_preemption_gives_back_budget(cfg, req, specs, step):
     assert out.preempted_req_ids == {"lo"} and out.num_scheduled_tokens == {"hi": 1}
     assert out.total_num_scheduled_tokens == 1 and out.scheduled_cached_reqs.req_ids == ["hi"]
     assert out.scheduled_cached_reqs.new_block_ids == [([7],)]
-    assert [r.request_id for r in s.running] == ["hi"] and s.requests["lo"].status is RequestStatus.PREEMPTED
+    assert [r.request_id for r in s.running] == ["hi"] and s.requests[
+        "lo"
+    ].status is RequestStatus.PREEMPTED
 
 
 def test_stop_conditions(cfg, req, specs, step):
@@ -189,11 +211,15 @@ def test_spec_decode_rollback(cfg, req, specs):
     s = make_scheduler(cfg, specs, num_blocks=20, block_size=4)
     s.add_request(req("s", list(range(8)), 4, hashed=False, max_tokens=10))
     out = s.schedule()
-    s.update_from_output(out, ModelRunnerOutput(["s"], {"s": 0}, [[7]], spec_token_ids=[[11, 12, 13]]))
+    s.update_from_output(
+        out, ModelRunnerOutput(["s"], {"s": 0}, [[7]], spec_token_ids=[[11, 12, 13]])
+    )
     r = s.requests["s"]
     assert r.num_tokens_with_spec == 12
     out = s.schedule()
-    assert out.num_scheduled_tokens == {"s": 4} and out.scheduled_spec_decode_tokens == {"s": [11, 12, 13]}
+    assert out.num_scheduled_tokens == {"s": 4} and out.scheduled_spec_decode_tokens == {
+        "s": [11, 12, 13]
+    }
     assert out.scheduled_cached_reqs.new_token_ids == [[7]]  # drafts are listed separately
     held = s.kv_cache_manager.single_type_managers[0].req_to_blocks["s"]
     assert [b.block_hash is not None for b in held] == [True, True, False]  # drafts never cached
@@ -215,16 +241,23 @@ def test_abort(cfg, req, specs, step):
     assert s.schedule().finished_req_ids == {"b", "c"}
     (res,) = s.abort_requests("a")
     assert res.finish_reason == "abort" and res.num_cached_tokens == 0
-    assert not s.has_unfinished_requests() and s.kv_cache_manager.block_pool.get_num_free_blocks() == 10
+    assert (
+        not s.has_unfinished_requests()
+        and s.kv_cache_manager.block_pool.get_num_free_blocks() == 10
+    )
     with pytest.raises(ValueError, match="finished status"):
         s.finish_requests("a", RequestStatus.RUNNING)
 
 
 def test_bad_input_is_rejected_without_state_change(cfg, req, specs):
     s = make_scheduler(cfg, specs, num_blocks=5, max_model_len=100)  # 4 usable blocks = 64 tokens
-    with pytest.raises(ValueError, match="prompt of 100 tokens leaves no room for output under max_model_len=100"):
+    with pytest.raises(
+        ValueError, match="prompt of 100 tokens leaves no room for output under max_model_len=100"
+    ):
         s.add_request(req("long", list(range(100)), hashed=False))
-    with pytest.raises(ValueError, match="may grow to 70 tokens, which needs 5 KV blocks, but the pool has only 4"):
+    with pytest.raises(
+        ValueError, match="may grow to 70 tokens, which needs 5 KV blocks, but the pool has only 4"
+    ):
         s.add_request(req("big", list(range(60)), hashed=False, max_tokens=10))
     assert s.requests == {} and len(s.waiting) == 0
     s.add_request(req("ok", [1, 2], hashed=False))
@@ -245,17 +278,25 @@ def test_scheduler_config_validation():
     with pytest.raises(ValueError, match="max_num_seqs must be an int >= 1, got 0"):
         SchedulerConfig(max_num_seqs=0, max_num_batched_tokens=8, max_model_len=8)
     with pytest.raises(ValueError, match=r"without chunked prefill max_num_batched_tokens \(8\)"):
-        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=16, enable_chunked_prefill=False)
+        SchedulerConfig(
+            max_num_seqs=1, max_num_batched_tokens=8, max_model_len=16, enable_chunked_prefill=False
+        )
     with pytest.raises(ValueError, match="policy must be one of"):
         SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8, policy="lifo")
     with pytest.raises(ValueError, match="hash_algo"):
         SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8, hash_algo="md5")
     with pytest.raises(TypeError, match="not both"):
-        Scheduler(None, SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8), max_num_seqs=2)
+        Scheduler(
+            None,
+            SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8),
+            max_num_seqs=2,
+        )
 
 
 def test_no_chunked_prefill_skips_requests_that_do_not_fit(cfg, req, specs, step):
-    s = make_scheduler(cfg, specs, max_num_batched_tokens=32, max_model_len=32, enable_chunked_prefill=False)
+    s = make_scheduler(
+        cfg, specs, max_num_batched_tokens=32, max_model_len=32, enable_chunked_prefill=False
+    )
     s.add_request(req("a", list(range(20)), hashed=False))
     s.add_request(req("b", list(range(100, 120)), hashed=False))
     s.add_request(req("c", [5] * 8, hashed=False))
@@ -269,5 +310,7 @@ def test_kv_events_are_drained_per_step(cfg, req, specs, step):
     s.add_request(req("a", list(range(20)), hashed=False))
     step(s)
     (batch,) = s.take_kv_events()
-    assert batch.events == (BlockStored((s.requests["a"].block_hashes[0],), None, tuple(range(16)), 16),)
+    assert batch.events == (
+        BlockStored((s.requests["a"].block_hashes[0],), None, tuple(range(16)), 16),
+    )
     assert s.take_kv_events() == []

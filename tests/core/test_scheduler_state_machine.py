@@ -31,7 +31,11 @@ def _config(hybrid: bool, num_blocks: int) -> KVCacheConfig:
     full = FullAttentionSpec(BLOCK_SIZE, 1, 8, "float32")
     groups = [KVCacheGroupSpec(("full",), full)]
     if hybrid:
-        groups.append(KVCacheGroupSpec(("local",), SlidingWindowSpec(BLOCK_SIZE, 1, 8, "float32", sliding_window=6)))
+        groups.append(
+            KVCacheGroupSpec(
+                ("local",), SlidingWindowSpec(BLOCK_SIZE, 1, 8, "float32", sliding_window=6)
+            )
+        )
     return KVCacheConfig(num_blocks, (), groups)
 
 
@@ -78,15 +82,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _cached_entries(self) -> set:
         cache = self.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block._cache
-        return {(key, b.block_id) for key, entry in cache.items()
-                for b in (entry.values() if isinstance(entry, dict) else (entry,))}
+        return {
+            (key, b.block_id)
+            for key, entry in cache.items()
+            for b in (entry.values() if isinstance(entry, dict) else (entry,))
+        }
 
     @rule(mid_schedule=st.booleans(), on_call=st.integers(1, 3))
     def failed_step(self, mid_schedule, on_call):
         s = self.scheduler
         before = self.in_flight[2] if self.in_flight else self._cached_entries()
         live_before = set(s.requests)
-        if mid_schedule:   # allocate_slots raises on its on_call-th call
+        if mid_schedule:  # allocate_slots raises on its on_call-th call
             kv, calls = s.kv_cache_manager, [0]
             real = kv.allocate_slots
 
@@ -104,7 +111,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             finally:
                 del kv.allocate_slots
         else:
-            out = s.schedule()   # its step never reports back
+            out = s.schedule()  # its step never reports back
             assert set(out.num_scheduled_tokens) <= live_before
         aborted = abort_failed_steps(s)
         self.in_flight = None
@@ -125,7 +132,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         sampled = {}
         for i, req_id in enumerate(out.num_scheduled_tokens):
             request = s.requests[req_id]
-            if self.async_scheduling:   # the placeholder this schedule added sits right after
+            if self.async_scheduling:  # the placeholder this schedule added sits right after
                 ph = request.num_output_placeholders
                 done = ph > 0 and request.num_computed_tokens == request.num_tokens + ph - 1
             else:
@@ -165,7 +172,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                     if block.is_null:
                         continue
                     holders[block.block_id] += 1
-                    assert owner_group.setdefault(block.block_id, group_id) == group_id, "block in two groups"
+                    assert owner_group.setdefault(block.block_id, group_id) == group_id, (
+                        "block in two groups"
+                    )
         free = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
         assert len(free) == pool.get_num_free_blocks()
         for block in pool.blocks[1:]:
@@ -185,7 +194,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(200):
             if not s.has_unfinished_requests() and self.in_flight is None:
                 break
-            if not s.has_unfinished_requests():   # async: apply the last step in flight
+            if not s.has_unfinished_requests():  # async: apply the last step in flight
                 s.update_from_output(*self.in_flight[:2])
                 self.in_flight = None
             else:

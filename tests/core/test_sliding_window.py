@@ -116,7 +116,9 @@ def test_hybrid_hit_full_then_window_then_cut_back(cfg, req, specs):
 def test_hybrid_config_validation(cfg, specs):
     full, sw = specs
     with pytest.raises(ValueError, match="at most one sliding-window spec"):
-        KVCacheManager(cfg(10, full(), sw(sliding_window=16), sw(sliding_window=32)), max_model_len=64)
+        KVCacheManager(
+            cfg(10, full(), sw(sliding_window=16), sw(sliding_window=32)), max_model_len=64
+        )
     with pytest.raises(ValueError, match="different block sizes"):
         KVCacheManager(cfg(10, full(16), sw(32)), max_model_len=64)
     # Without prefix caching any mix of groups is fine.

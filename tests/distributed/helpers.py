@@ -12,8 +12,13 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: tiny-llama engine settings every KV-transfer test shares (same weights: seed 0).
-ENGINE = dict(kv_cache_memory_bytes=16 << 20, max_model_len=512, max_num_seqs=16,
-              max_num_batched_tokens=256, warmup=False)
+ENGINE = dict(
+    kv_cache_memory_bytes=16 << 20,
+    max_model_len=512,
+    max_num_seqs=16,
+    max_num_batched_tokens=256,
+    warmup=False,
+)
 
 
 def prompts(n: int, *, block_size: int = 16, seed: int = 0, lengths=None) -> list[list[int]]:
@@ -31,11 +36,22 @@ def start_engine(tmp_path, name: str, spec: dict, devices: int = 1) -> tuple[sub
     spec = dict(spec, out=out)
     path = tmp_path / f"{name}.spec.json"
     path.write_text(json.dumps(spec))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     if devices > 1:
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.distributed.kv_engine", str(path)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=open(str(tmp_path / f"{name}.log"), "w"))
+        env["XLA_FLAGS"] = (
+            env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+        ).strip()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.distributed.kv_engine", str(path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(str(tmp_path / f"{name}.log"), "w"),
+    )
     return proc, out
 
 
@@ -46,7 +62,9 @@ def wait_for_file(path: str, proc: subprocess.Popen, log, timeout: float = 240) 
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if proc.poll() is not None and not os.path.exists(path):
-            raise AssertionError(f"engine exited {proc.returncode} before writing {path}:\n{log.read_text()[-3000:]}")
+            raise AssertionError(
+                f"engine exited {proc.returncode} before writing {path}:\n{log.read_text()[-3000:]}"
+            )
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"no {path} after {timeout} s:\n{log.read_text()[-3000:]}")
@@ -54,15 +72,33 @@ def wait_for_file(path: str, proc: subprocess.Popen, log, timeout: float = 240) 
     return json.loads(open(path).read())
 
 
-def start_producer(tmp_path, name: str, ps: list[list[int]], engine: dict, drain_s: float = 120, devices: int = 1,
-                   model: str = "tiny-llama", warm=None):
+def start_producer(
+    tmp_path,
+    name: str,
+    ps: list[list[int]],
+    engine: dict,
+    drain_s: float = 120,
+    devices: int = 1,
+    model: str = "tiny-llama",
+    warm=None,
+):
     """A prefill instance in its own process: computes ``ps`` with ``max_tokens=1`` and
     ``do_remote_decode``, then keeps stepping until every send is reported (or ``drain_s``).
     Returns (process, its outputs' kv_transfer_params, the final result's path)."""
-    proc, out = start_engine(tmp_path, name, {"engine": engine, "prompts": ps, "max_tokens": 1, "model": model,
-                                              "params": [{"do_remote_decode": True}] * len(ps), "drain_s": drain_s,
-                                              "warm": warm},
-                             devices=devices)
+    proc, out = start_engine(
+        tmp_path,
+        name,
+        {
+            "engine": engine,
+            "prompts": ps,
+            "max_tokens": 1,
+            "model": model,
+            "params": [{"do_remote_decode": True}] * len(ps),
+            "drain_s": drain_s,
+            "warm": warm,
+        },
+        devices=devices,
+    )
     first = wait_for_file(out + ".partial", proc, tmp_path / f"{name}.log")
     return proc, first["kv_transfer_params"], out
 

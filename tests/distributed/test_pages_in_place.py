@@ -14,7 +14,9 @@ from tests.engine.helpers import make_llm, small_model
 def test_scatter_in_place_and_round_trip():
     temps = []
     for mib in (8, 32):
-        runner = make_llm(small_model("tiny-hybrid"), kv_cache_memory_bytes=mib << 20).llm_engine.runner
+        runner = make_llm(
+            small_model("tiny-hybrid"), kv_cache_memory_bytes=mib << 20
+        ).llm_engine.runner
         kv = PagedKVCaches(runner)
         cache = sum(b.nbytes for b in runner.buffers)
         ids = runner.placement.to_device(np.arange(1, 9, dtype=np.int32))
@@ -25,16 +27,21 @@ def test_scatter_in_place_and_round_trip():
     assert temps[0] == temps[1] and temps[0] < cache // 4, temps
 
     rng = np.random.default_rng(0)
-    data = tuple(jax.numpy.asarray(rng.integers(0, 256, kv.page_shape(3), dtype=np.uint8)) for _ in runner.buffers)
+    data = tuple(
+        jax.numpy.asarray(rng.integers(0, 256, kv.page_shape(3), dtype=np.uint8))
+        for _ in runner.buffers
+    )
     before = [np.asarray(b).copy() for b in runner.buffers]
-    kv.write_pages([5, -1, 7], data)                     # the middle row is padding: dropped
+    kv.write_pages([5, -1, 7], data)  # the middle row is padding: dropped
     got = kv.read_pages([5, 7, 6])
     for t in range(len(data)):
         assert np.array_equal(np.asarray(got[t])[0], np.asarray(data[t])[0])
         assert np.array_equal(np.asarray(got[t])[1], np.asarray(data[t])[2])
         page = kv.page_bytes
-        assert np.array_equal(np.asarray(got[t])[2], before[t][6 * page: 7 * page])   # block 6 untouched
+        assert np.array_equal(
+            np.asarray(got[t])[2], before[t][6 * page : 7 * page]
+        )  # block 6 untouched
         after = np.asarray(runner.buffers[t])
         untouched = np.ones(after.size, bool)
-        untouched[5 * page: 6 * page] = untouched[7 * page: 8 * page] = False
+        untouched[5 * page : 6 * page] = untouched[7 * page : 8 * page] = False
         assert np.array_equal(after[untouched], before[t][untouched])

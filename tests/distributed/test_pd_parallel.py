@@ -12,20 +12,26 @@ from jaxkv import LLM, SamplingParams
 from tests.distributed.helpers import ENGINE, finish, prompts, run_engine, start_producer
 from tests.engine.helpers import assert_no_block_leaks
 
-pytestmark = pytest.mark.slow   # engines and servers in several processes
+pytestmark = pytest.mark.slow  # engines and servers in several processes
 
 PRODUCER = dict(ENGINE, kv_cache_memory_bytes=64 << 20)
 
 
 def transfer(role):
-    return {"kv_connector": "JaxTransferConnector", "kv_role": role,
-            "kv_connector_extra_config": {"load_timeout_s": 60.0}}
+    return {
+        "kv_connector": "JaxTransferConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"load_timeout_s": 60.0},
+    }
 
 
 def plain_tokens(model, ps, **engine):
     llm = LLM(model, **dict(ENGINE, **engine))
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
-                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in ps],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     llm.shutdown()
     return [o.outputs[0].token_ids for o in outs]
 
@@ -35,12 +41,24 @@ def test_hybrid_model_moves_every_group(tmp_path):
     tokens, so the window's early blocks are gone on P (null) and D skips them."""
     ps = prompts(8, lengths=[3, 40, 129, 150, 200, 257, 280, 300], seed=7)
     want = plain_tokens("tiny-hybrid", ps)
-    p_proc, params, p_out = start_producer(tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer")),
-                                           model="tiny-hybrid")
+    p_proc, params, p_out = start_producer(
+        tmp_path,
+        "p",
+        ps,
+        dict(PRODUCER, kv_transfer_config=transfer("kv_producer")),
+        model="tiny-hybrid",
+    )
     d = LLM("tiny-hybrid", kv_transfer_config=transfer("kv_consumer"), **ENGINE)
-    outs = d.generate([{"prompt_token_ids": p} for p in ps],
-                      [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                      extra_args={"kv_transfer_params": kv}) for kv in params], use_tqdm=False)
+    outs = d.generate(
+        [{"prompt_token_ids": p} for p in ps],
+        [
+            SamplingParams(
+                temperature=0, max_tokens=8, ignore_eos=True, extra_args={"kv_transfer_params": kv}
+            )
+            for kv in params
+        ],
+        use_tqdm=False,
+    )
     assert [o.outputs[0].token_ids for o in outs] == want
     assert [o.num_cached_tokens for o in outs] == [len(p) - 1 for p in ps]
     assert d.llm_engine.engine_core.scheduler.num_failed_kv_loads == 0
@@ -58,11 +76,24 @@ def test_tensor_parallel_both_sides(tmp_path, backend):
     want = plain_tokens("tiny-llama", ps)
     par = dict(tensor_parallel_size=2, distributed_executor_backend=backend)
     devices = 2 if backend == "uni" else 1
-    p_proc, params, p_out = start_producer(tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer"),
-                                                                   **par), devices=devices)
+    p_proc, params, p_out = start_producer(
+        tmp_path,
+        "p",
+        ps,
+        dict(PRODUCER, kv_transfer_config=transfer("kv_producer"), **par),
+        devices=devices,
+    )
     assert len(params[0]["remote_agents"]) == (1 if backend == "uni" else 2)
-    d_res = run_engine(tmp_path, "d", {"engine": dict(ENGINE, kv_transfer_config=transfer("kv_consumer"), **par),
-                                       "prompts": ps, "params": params}, devices=devices)
+    d_res = run_engine(
+        tmp_path,
+        "d",
+        {
+            "engine": dict(ENGINE, kv_transfer_config=transfer("kv_consumer"), **par),
+            "prompts": ps,
+            "params": params,
+        },
+        devices=devices,
+    )
     assert d_res["tokens"] == want
     assert d_res["cached"] == [len(p) - 1 for p in ps] and d_res["failed_loads"] == 0
     assert d_res["free"] == d_res["total"]

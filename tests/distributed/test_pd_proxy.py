@@ -13,16 +13,30 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.server_helpers import ENGINE, ROOT, Server, free_port, make_model_dir, serve_flags
+from tests.entrypoints.server_helpers import (
+    ENGINE,
+    ROOT,
+    Server,
+    free_port,
+    make_model_dir,
+    serve_flags,
+)
 
-pytestmark = pytest.mark.slow   # engines and servers in several processes
+pytestmark = pytest.mark.slow  # engines and servers in several processes
 
 NAME = "pd-model"
-PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away, there lived", "1 2 3 4 5 6 7 8 9"]
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away, there lived",
+    "1 2 3 4 5 6 7 8 9",
+]
 
 
 def transfer_flags(role: str) -> list[str]:
-    return ["--kv-transfer-config", json.dumps({"kv_connector": "JaxTransferConnector", "kv_role": role})]
+    return [
+        "--kv-transfer-config",
+        json.dumps({"kv_connector": "JaxTransferConnector", "kv_role": role}),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +51,33 @@ def pd(model_dir, tmp_path_factory):
     started = []
     proxy = None
     try:
-        p = Server(str(model_dir), flags + transfer_flags("kv_producer"), tmp_path_factory.mktemp("p"))
+        p = Server(
+            str(model_dir), flags + transfer_flags("kv_producer"), tmp_path_factory.mktemp("p")
+        )
         started.append(p)
-        d = Server(str(model_dir), flags + transfer_flags("kv_consumer"), tmp_path_factory.mktemp("d"))
+        d = Server(
+            str(model_dir), flags + transfer_flags("kv_consumer"), tmp_path_factory.mktemp("d")
+        )
         started.append(d)
         port = free_port()
-        proxy = subprocess.Popen([sys.executable, "-m", "jaxkv.entrypoints.cli", "proxy", "--prefill", p.url,
-                                  "--decode", d.url, "--port", str(port)], cwd=ROOT, env={"PYTHONPATH": str(ROOT),
-                                  "PATH": "/usr/bin:/bin"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proxy = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jaxkv.entrypoints.cli",
+                "proxy",
+                "--prefill",
+                p.url,
+                "--decode",
+                d.url,
+                "--port",
+                str(port),
+            ],
+            cwd=ROOT,
+            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
@@ -93,35 +126,82 @@ def test_proxy_stream_equals_colocated(pd, llm):
 
     p, d, url = pd
     for prompt in PROMPTS:
-        want = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0].text
-        text, finish = stream_text(url, "/v1/completions",
-                                   {"model": NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0,
-                                    "ignore_eos": True})
+        want = (
+            llm.generate(
+                [prompt],
+                SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+                use_tqdm=False,
+            )[0]
+            .outputs[0]
+            .text
+        )
+        text, finish = stream_text(
+            url,
+            "/v1/completions",
+            {
+                "model": NAME,
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         assert text == want and finish == ["length"]
-        whole = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 16,
-                                                          "temperature": 0, "ignore_eos": True}, timeout=120).json()
+        whole = httpx.post(
+            url + "/v1/completions",
+            json={
+                "model": NAME,
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            timeout=120,
+        ).json()
         assert whole["choices"][0]["text"] == want
-    assert httpx.get(url + "/proxy/stats").json() == {"requests": 2 * len(PROMPTS), "prefill_failures": 0}
+    assert httpx.get(url + "/proxy/stats").json() == {
+        "requests": 2 * len(PROMPTS),
+        "prefill_failures": 0,
+    }
 
 
 def test_prefill_answers_with_transfer_params_and_frees(pd):
     p, d, url = pd
-    r = httpx.post(p.url + "/v1/completions", json={"model": NAME, "prompt": PROMPTS[1], "max_tokens": 1,
-                                                    "kv_transfer_params": {"do_remote_decode": True}}, timeout=120)
+    r = httpx.post(
+        p.url + "/v1/completions",
+        json={
+            "model": NAME,
+            "prompt": PROMPTS[1],
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+        timeout=120,
+    )
     params = r.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] and params["remote_agents"] and params["remote_uuid"]
-    text, _ = stream_text(d.url, "/v1/completions", {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 4,
-                                                      "kv_transfer_params": params})
-    d_metrics = {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
-                 for line in httpx.get(d.url + "/metrics").text.splitlines() if line.startswith("jaxkv:kv_transfer")}
-    assert d_metrics["jaxkv:kv_transfer_bytes_total"] > 0 and d_metrics["jaxkv:kv_transfer_seconds_total"] > 0
+    text, _ = stream_text(
+        d.url,
+        "/v1/completions",
+        {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 4, "kv_transfer_params": params},
+    )
+    d_metrics = {
+        line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(d.url + "/metrics").text.splitlines()
+        if line.startswith("jaxkv:kv_transfer")
+    }
+    assert (
+        d_metrics["jaxkv:kv_transfer_bytes_total"] > 0
+        and d_metrics["jaxkv:kv_transfer_seconds_total"] > 0
+    )
     assert d_metrics["jaxkv:kv_transfer_external_tokens_total"] >= len(params["remote_positions"])
     assert d_metrics["jaxkv:kv_transfer_failed_loads_total"] == 0
-    deadline = time.monotonic() + 30   # P polls its sends about once a second when idle
+    deadline = time.monotonic() + 30  # P polls its sends about once a second when idle
     while True:
-        usage = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(p.url + "/metrics").text.splitlines()
-                 if line.startswith("jaxkv:kv_cache_usage_perc")]
+        usage = [
+            float(line.rsplit(" ", 1)[1])
+            for line in httpx.get(p.url + "/metrics").text.splitlines()
+            if line.startswith("jaxkv:kv_cache_usage_perc")
+        ]
         if usage == [0.0]:
             break
         assert time.monotonic() < deadline, f"P still holds blocks: {usage}"
@@ -130,9 +210,16 @@ def test_prefill_answers_with_transfer_params_and_frees(pd):
 
 def test_chat_through_proxy(pd, llm):
     p, d, url = pd
-    body = {"model": NAME, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8,
-            "temperature": 0, "ignore_eos": True}
-    direct = httpx.post(d.url + "/v1/chat/completions", json=body, timeout=120).json()   # D computes it all
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    direct = httpx.post(
+        d.url + "/v1/chat/completions", json=body, timeout=120
+    ).json()  # D computes it all
     text, finish = stream_text(url, "/v1/chat/completions", body)
     assert text == direct["choices"][0]["message"]["content"] and finish == ["length"]
 
@@ -146,11 +233,16 @@ def test_readme_commands_parse():
     from jaxkv.entrypoints.cli import build_parser
 
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Prefill/decode disaggregation"):]
+    section = text[text.index("## Prefill/decode disaggregation") :]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     env = dict(re.findall(r"^(\w+)='(.*)'$", block, re.M))
-    assert {KVTransferConfig.from_any(v).kv_role for v in env.values()} == {"kv_producer", "kv_consumer"}
-    commands = [line.split("#")[0].rstrip(" &") for line in block.splitlines() if line.startswith("jaxkv ")]
+    assert {KVTransferConfig.from_any(v).kv_role for v in env.values()} == {
+        "kv_producer",
+        "kv_consumer",
+    }
+    commands = [
+        line.split("#")[0].rstrip(" &") for line in block.splitlines() if line.startswith("jaxkv ")
+    ]
     assert [c.split()[1] for c in commands] == ["serve", "serve", "proxy"]
     for c in commands:
         for name, value in env.items():

@@ -26,13 +26,24 @@ PRODUCER = dict(ENGINE, kv_cache_memory_bytes=64 << 20)
 
 
 def transfer(role, **extra):
-    return {"kv_connector": "JaxTransferConnector", "kv_role": role, "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": "JaxTransferConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+    }
 
 
 def generate(llm, ps, params=None, max_tokens=8):
     params = params or [None] * len(ps)
-    sps = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                          extra_args={"kv_transfer_params": p} if p else None) for p in params]
+    sps = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": p} if p else None,
+        )
+        for p in params
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], sps, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
 
@@ -52,7 +63,9 @@ def workload():
 
 @pytest.fixture(scope="module")
 def decode():
-    llm = LLM("tiny-llama", kv_transfer_config=transfer("kv_consumer", load_timeout_s=15.0), **ENGINE)
+    llm = LLM(
+        "tiny-llama", kv_transfer_config=transfer("kv_consumer", load_timeout_s=15.0), **ENGINE
+    )
     yield llm
     llm.shutdown()
 
@@ -74,17 +87,19 @@ def stats(llm):
 
 def test_pd_tokens_equal_and_d_computes_only_last_token(workload, decode, tmp_path):
     ps, want = workload
-    p_proc, params, p_out = start_producer(tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer")))
+    p_proc, params, p_out = start_producer(
+        tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer"))
+    )
     assert all(p and p["do_remote_prefill"] for p in params)
     ext0, failed0 = stats(decode)
     got, cached = generate(decode, ps, params)
     assert got == want
-    assert cached == [len(p) - 1 for p in ps]                     # D computed the last token only
+    assert cached == [len(p) - 1 for p in ps]  # D computed the last token only
     ext, failed = stats(decode)
     assert ext - ext0 == sum(len(p) - 1 for p in ps) and failed == failed0
     assert_no_block_leaks(decode)
     p_res = finish(p_proc, p_out, tmp_path / "p.log")
-    assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]   # P freed every block
+    assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]  # P freed every block
 
 
 @pytest.mark.slow
@@ -92,22 +107,27 @@ def test_pd_with_prefix_hits_on_both_sides(workload, decode, tmp_path):
     """Prompts extending earlier ones: P computes them from its prefix cache, D pulls only
     the blocks beyond its own prefix hit (its loaded blocks were cached like computed ones)."""
     ps, want = workload[0][:4], workload[1][:4]
-    p_proc, params, p_out = start_producer(tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer")))
+    p_proc, params, p_out = start_producer(
+        tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer"))
+    )
     assert generate(decode, ps, params)[0] == want
     finish(p_proc, p_out, tmp_path / "p.log")
     longer = [p + [int(t) for t in range(7, 7 + 40)] for p in ps]
     plain = LLM("tiny-llama", **ENGINE)
     want2, _ = generate(plain, longer)
     plain.shutdown()
-    p_proc, params, p_out = start_producer(tmp_path, "p2", longer, dict(PRODUCER, kv_transfer_config=transfer("kv_producer")),
-                                           warm=ps)
+    p_proc, params, p_out = start_producer(
+        tmp_path, "p2", longer, dict(PRODUCER, kv_transfer_config=transfer("kv_producer")), warm=ps
+    )
     p_first = __import__("json").load(open(p_out + ".partial"))
-    assert all(c >= len(p) // 16 * 16 - 16 for c, p in zip(p_first["cached"], ps))   # P's own prefix hits
+    assert all(
+        c >= len(p) // 16 * 16 - 16 for c, p in zip(p_first["cached"], ps)
+    )  # P's own prefix hits
     ext0, _ = stats(decode)
     got, cached = generate(decode, longer, params)
     assert got == want2 and cached == [len(p) - 1 for p in longer]
     ext, failed = stats(decode)
-    local = sum(len(p) // 16 * 16 for p in ps)   # D's own hits: the first batch's full blocks
+    local = sum(len(p) // 16 * 16 for p in ps)  # D's own hits: the first batch's full blocks
     assert ext - ext0 == sum(len(p) - 1 for p in longer) - local and failed == 0
     assert_no_block_leaks(decode)
     p_res = finish(p_proc, p_out, tmp_path / "p2.log")
@@ -117,11 +137,23 @@ def test_pd_with_prefix_hits_on_both_sides(workload, decode, tmp_path):
 def test_malformed_params_compute_locally(workload, decode):
     """Parameters a client made up or mangled: logged, the prompt is computed here."""
     ps, want = workload[0][:3], workload[1][:3]
-    bad = [{"do_remote_prefill": True},
-           {"do_remote_prefill": True, "remote_uuid": "7", "remote_agents": [], "remote_positions": [],
-            "remote_layout": {}},
-           {"do_remote_prefill": True, "remote_uuid": 7, "remote_agents": [{"transfer": "x", "notify": "y"}],
-            "remote_positions": [[0]], "remote_layout": {}}]
+    bad = [
+        {"do_remote_prefill": True},
+        {
+            "do_remote_prefill": True,
+            "remote_uuid": "7",
+            "remote_agents": [],
+            "remote_positions": [],
+            "remote_layout": {},
+        },
+        {
+            "do_remote_prefill": True,
+            "remote_uuid": 7,
+            "remote_agents": [{"transfer": "x", "notify": "y"}],
+            "remote_positions": [[0]],
+            "remote_layout": {},
+        },
+    ]
     ext0, failed0 = stats(decode)
     got, cached = generate(decode, ps, bad)
     assert got == want and stats(decode) == (ext0, failed0) and cached == [0, 0, 0]
@@ -134,19 +166,26 @@ def test_layout_mismatch_computes_locally(workload, decode, tmp_path):
     D never pulls, it computes the prompt itself."""
     ps, want = workload[0][:4], workload[1][:4]
     p_proc, params, p_out = start_producer(
-        tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=2.0)), drain_s=30)
+        tmp_path,
+        "p",
+        ps,
+        dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=2.0)),
+        drain_s=30,
+    )
     foreign = [dict(p, remote_layout=dict(p["remote_layout"], tp=2)) for p in params]
     ext0, failed0 = stats(decode)
     got, cached = generate(decode, ps, foreign)
     assert got == want and stats(decode) == (ext0, failed0) and cached == [0] * len(ps)
     assert_no_block_leaks(decode)
-    p_res = finish(p_proc, p_out, tmp_path / "p.log")   # P's offers expire: it frees everything
+    p_res = finish(p_proc, p_out, tmp_path / "p.log")  # P's offers expire: it frees everything
     assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]
 
 
 def test_p_killed_before_pull_recomputes(workload, decode, tmp_path):
     ps, want = workload[0][:8], workload[1][:8]
-    p_proc, params, _ = start_producer(tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer")))
+    p_proc, params, _ = start_producer(
+        tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer"))
+    )
     os.kill(p_proc.pid, signal.SIGKILL)
     p_proc.wait(timeout=30)
     ext0, failed0 = stats(decode)
@@ -164,10 +203,15 @@ def test_never_completing_pull_and_hold_timeout(workload, decode, tmp_path):
     for those expire after its hold timeout, freeing its blocks; the other half load."""
     ps, want = workload[0][:8], workload[1][:8]
     p_proc, params, p_out = start_producer(
-        tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=4.0)), drain_s=60)
+        tmp_path,
+        "p",
+        ps,
+        dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=4.0)),
+        drain_s=60,
+    )
     bad = [dict(p, remote_uuid=p["remote_uuid"] ^ 1) if i % 2 else p for i, p in enumerate(params)]
     ext0, failed0 = stats(decode)
-    worker_connector(decode).load_timeout_s = 2.0   # D's deadline for the pulls that never complete
+    worker_connector(decode).load_timeout_s = 2.0  # D's deadline for the pulls that never complete
     try:
         t0 = time.monotonic()
         got, cached = generate(decode, ps, bad)
@@ -187,11 +231,16 @@ def test_never_completing_pull_and_hold_timeout(workload, decode, tmp_path):
 def test_pull_after_hold_timeout_recomputes(workload, decode, tmp_path):
     ps, want = workload[0][:4], workload[1][:4]
     p_proc, params, p_out = start_producer(
-        tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=1.0)), drain_s=30)
-    p_res = finish(p_proc, p_out, tmp_path / "p.log")   # P's offers expired: it freed everything
+        tmp_path,
+        "p",
+        ps,
+        dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=1.0)),
+        drain_s=30,
+    )
+    p_res = finish(p_proc, p_out, tmp_path / "p.log")  # P's offers expired: it freed everything
     assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]
     ext0, failed0 = stats(decode)
-    got, _ = generate(decode, ps, params)   # P is gone by now, too
+    got, _ = generate(decode, ps, params)  # P is gone by now, too
     assert got == want and stats(decode)[1] - failed0 == len(ps)
     assert_no_block_leaks(decode)
 
@@ -201,12 +250,20 @@ def test_abort_while_loading(workload, decode, tmp_path):
     return at once, nothing is written later, other requests carry on."""
     ps, want = workload[0][:4], workload[1][:4]
     p_proc, params, p_out = start_producer(
-        tmp_path, "p", ps, dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=60.0)), drain_s=90)
+        tmp_path,
+        "p",
+        ps,
+        dict(PRODUCER, kv_transfer_config=transfer("kv_producer", hold_timeout_s=60.0)),
+        drain_s=90,
+    )
     engine = decode.llm_engine
     stuck = [dict(p, remote_uuid=p["remote_uuid"] ^ 1) for p in params]
     for i, (p, kv) in enumerate(zip(ps, stuck)):
-        engine.add_request(f"stuck-{i}", {"prompt_token_ids": p},
-                           SamplingParams(temperature=0, max_tokens=8, extra_args={"kv_transfer_params": kv}))
+        engine.add_request(
+            f"stuck-{i}",
+            {"prompt_token_ids": p},
+            SamplingParams(temperature=0, max_tokens=8, extra_args={"kv_transfer_params": kv}),
+        )
     for _ in range(5):
         engine.step()
     sched = engine.engine_core.scheduler
@@ -215,7 +272,7 @@ def test_abort_while_loading(workload, decode, tmp_path):
     while engine.has_unfinished_requests():
         engine.step()
     assert_no_block_leaks(decode)
-    got, cached = generate(decode, ps, params)   # the real ones still load and decode
+    got, cached = generate(decode, ps, params)  # the real ones still load and decode
     assert got == want and cached == [len(p) - 1 for p in ps]
     assert_no_block_leaks(decode)
     finish(p_proc, p_out, tmp_path / "p.log")

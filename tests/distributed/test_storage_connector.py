@@ -18,15 +18,20 @@ from tests.distributed.helpers import ENGINE, prompts, run_engine
 from tests.engine.helpers import assert_no_block_leaks
 
 
-
 def storage(path, role="kv_both"):
-    return {"kv_connector": "SharedStorageConnector", "kv_role": role,
-            "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+    return {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(path)},
+    }
 
 
 def generate(llm, ps, max_tokens=8):
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)]
+    return [
+        o.outputs[0].token_ids
+        for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +44,7 @@ def saved(tmp_path_factory):
     assert a.llm_engine.engine_core.scheduler.num_external_computed_tokens == 0
     a.shutdown()
     plain = LLM("tiny-llama", **ENGINE)
-    assert generate(plain, ps) == want   # saving changes nothing
+    assert generate(plain, ps) == want  # saving changes nothing
     plain.shutdown()
     return store, ps, want
 
@@ -47,10 +52,13 @@ def saved(tmp_path_factory):
 def test_other_process_loads_and_computes_only_last_token(saved, tmp_path):
     store, ps, want = saved
     assert len(os.listdir(store)) == len(ps)
-    b = run_engine(tmp_path, "b", {"engine": dict(ENGINE, kv_transfer_config=storage(store, "kv_consumer")),
-                                   "prompts": ps})
+    b = run_engine(
+        tmp_path,
+        "b",
+        {"engine": dict(ENGINE, kv_transfer_config=storage(store, "kv_consumer")), "prompts": ps},
+    )
     assert b["tokens"] == want
-    assert b["cached"] == [len(p) - 1 for p in ps]                  # all but the last prompt token
+    assert b["cached"] == [len(p) - 1 for p in ps]  # all but the last prompt token
     assert b["external"] == sum(len(p) - 1 for p in ps) and b["failed_loads"] == 0
     assert b["free"] == b["total"]
 
@@ -59,11 +67,13 @@ def test_damaged_files_recompute(saved, tmp_path):
     store, ps, want = saved
     damaged = tmp_path / "damaged"
     os.makedirs(damaged)
-    for folder in os.listdir(store):   # a copy with every page file truncated
+    for folder in os.listdir(store):  # a copy with every page file truncated
         os.makedirs(damaged / folder)
         for f in glob.glob(str(store / folder / "*")):
             data = open(f, "rb").read()
-            open(damaged / folder / os.path.basename(f), "wb").write(data[: len(data) // 2] if f.endswith(".npz") else data)
+            open(damaged / folder / os.path.basename(f), "wb").write(
+                data[: len(data) // 2] if f.endswith(".npz") else data
+            )
     b = LLM("tiny-llama", kv_transfer_config=storage(damaged, "kv_consumer"), **ENGINE)
     assert generate(b, ps) == want
     s = b.llm_engine.engine_core.scheduler
@@ -83,15 +93,24 @@ def test_loaded_pages_are_what_is_attended(saved, tmp_path):
         for f in glob.glob(str(store / folder / "*")):
             name = os.path.basename(f)
             if f.endswith(".npz"):
-                with np.load(f) as data:   # random floats of the KV dtype, as bytes
-                    np.savez(wrong / folder / name, **{k: rng.standard_normal(v.shape[0] * v.shape[1] // 4)
-                                                       .astype(np.float32).view(np.uint8).reshape(v.shape)
-                                                       for k, v in data.items()})
+                with np.load(f) as data:  # random floats of the KV dtype, as bytes
+                    np.savez(
+                        wrong / folder / name,
+                        **{
+                            k: rng.standard_normal(v.shape[0] * v.shape[1] // 4)
+                            .astype(np.float32)
+                            .view(np.uint8)
+                            .reshape(v.shape)
+                            for k, v in data.items()
+                        },
+                    )
             else:
                 open(wrong / folder / name, "w").write(open(f).read())
     b = LLM("tiny-llama", kv_transfer_config=storage(wrong, "kv_consumer"), **ENGINE)
     got = generate(b, ps)
-    assert b.llm_engine.engine_core.scheduler.num_external_computed_tokens == sum(len(p) - 1 for p in ps)
+    assert b.llm_engine.engine_core.scheduler.num_external_computed_tokens == sum(
+        len(p) - 1 for p in ps
+    )
     assert sum(g != w for g, w in zip(got, want)) >= len(ps) // 2
     assert_no_block_leaks(b)
     b.shutdown()
@@ -100,7 +119,11 @@ def test_loaded_pages_are_what_is_attended(saved, tmp_path):
 @pytest.mark.slow
 def test_other_layout_never_matches(saved):
     store, ps, want = saved
-    b = LLM("tiny-llama", kv_transfer_config=storage(store, "kv_consumer"), **dict(ENGINE, block_size=32))
+    b = LLM(
+        "tiny-llama",
+        kv_transfer_config=storage(store, "kv_consumer"),
+        **dict(ENGINE, block_size=32),
+    )
     assert generate(b, ps) == want
     assert b.llm_engine.engine_core.scheduler.num_external_computed_tokens == 0
     b.shutdown()
@@ -116,7 +139,9 @@ def test_hybrid_model_moves_every_group(tmp_path):
     a.shutdown()
     b = LLM("tiny-hybrid", kv_transfer_config=kt, enable_prefix_caching=False, **ENGINE)
     assert generate(b, ps) == want
-    assert b.llm_engine.engine_core.scheduler.num_external_computed_tokens == sum(len(p) - 1 for p in ps)
+    assert b.llm_engine.engine_core.scheduler.num_external_computed_tokens == sum(
+        len(p) - 1 for p in ps
+    )
     assert_no_block_leaks(b)
     b.shutdown()
 
@@ -135,17 +160,34 @@ def test_cli_flag_errors(capsys):
 
     assert main(["serve", "tiny-llama", "--kv-transfer-config", "{not json"]) == 2
     assert "not valid JSON" in capsys.readouterr().err
-    assert main(["generate", "--kv-transfer-config", '{"kv_connector": "SharedStorageConnector", "kv_role": "x"}']) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--kv-transfer-config",
+                '{"kv_connector": "SharedStorageConnector", "kv_role": "x"}',
+            ]
+        )
+        == 2
+    )
     assert "kv_role" in capsys.readouterr().err
-    assert main(["proxy", "--prefill", "http://127.0.0.1:1"]) == 2   # --decode is required
+    assert main(["proxy", "--prefill", "http://127.0.0.1:1"]) == 2  # --decode is required
 
 
 @pytest.mark.slow
 def test_async_scheduling_loads_too(saved):
     store, ps, want = saved
-    b = LLM("tiny-llama", kv_transfer_config=storage(store, "kv_consumer"), async_scheduling=True, **ENGINE)
-    outs = b.generate([{"prompt_token_ids": p} for p in ps],
-                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    b = LLM(
+        "tiny-llama",
+        kv_transfer_config=storage(store, "kv_consumer"),
+        async_scheduling=True,
+        **ENGINE,
+    )
+    outs = b.generate(
+        [{"prompt_token_ids": p} for p in ps],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [o.outputs[0].token_ids for o in outs] == want
     assert [o.num_cached_tokens for o in outs] == [len(p) - 1 for p in ps]
     assert_no_block_leaks(b)
@@ -159,7 +201,9 @@ def test_warm_consumer_compiles_nothing_while_loading(saved):
     import jax.monitoring
 
     store, ps, want = saved
-    llm = LLM("tiny-llama", kv_transfer_config=storage(store, "kv_consumer"), **dict(ENGINE, warmup=True))
+    llm = LLM(
+        "tiny-llama", kv_transfer_config=storage(store, "kv_consumer"), **dict(ENGINE, warmup=True)
+    )
     compiles = []
     active = [True]
 

@@ -29,13 +29,17 @@ PEER = pathlib.Path(__file__).with_name("transfer_peer.py")
 
 def pattern(uuid: int, rows: int, cols: int) -> np.ndarray:
     """[rows, cols] uint8, as transfer_peer.pattern."""
-    return ((np.arange(rows * cols, dtype=np.uint64) * 31 + uuid * 7) % 251).astype(
-        np.uint8).reshape(rows, cols)
+    return (
+        ((np.arange(rows * cols, dtype=np.uint64) * 31 + uuid * 7) % 251)
+        .astype(np.uint8)
+        .reshape(rows, cols)
+    )
 
 
 def spec(rows: int, cols: int) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((rows, cols), jnp.uint8,
-                                sharding=jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]))
+    return jax.ShapeDtypeStruct(
+        (rows, cols), jnp.uint8, sharding=jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -50,17 +54,26 @@ class Peer:
 
     def __init__(self, num_devices: int = 1):
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                            f" --xla_force_host_platform_device_count={num_devices}").strip()
-        self.proc = subprocess.Popen([sys.executable, str(PEER)], cwd=ROOT, env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE)
+        env["XLA_FLAGS"] = (
+            env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={num_devices}"
+        ).strip()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER)],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         self.events: queue.Queue = queue.Queue()
         self.stderr: list[str] = []
-        threading.Thread(target=self._read, args=(self.proc.stdout, self.events.put),
-                         daemon=True).start()
-        threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr.append),
-                         daemon=True).start()
+        threading.Thread(
+            target=self._read, args=(self.proc.stdout, self.events.put), daemon=True
+        ).start()
+        threading.Thread(
+            target=self._read, args=(self.proc.stderr, self.stderr.append), daemon=True
+        ).start()
         self.address = self.expect("address", timeout_s=60)[1]
 
     @staticmethod
@@ -78,8 +91,10 @@ class Peer:
             try:
                 event = json.loads(self.events.get(timeout=max(0.0, end - time.monotonic())))
             except queue.Empty:
-                raise AssertionError(f"no {kind!r} event from the peer within {timeout_s} s; "
-                                     f"stderr tail:\n{''.join(self.stderr)[-3000:]}") from None
+                raise AssertionError(
+                    f"no {kind!r} event from the peer within {timeout_s} s; "
+                    f"stderr tail:\n{''.join(self.stderr)[-3000:]}"
+                ) from None
             if event[0] == kind:
                 return event
 
@@ -152,10 +167,18 @@ def wait_sent(agent: TransferAgent, n: int, timeout_s: float) -> tuple[set, set]
 
 
 def test_module_imports_without_jax():
-    code = ("import sys, jaxkv.distributed.kv_transfer.transfer_agent as m; "
-            "assert 'jax' not in sys.modules, 'jax imported'; print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
+    code = (
+        "import sys, jaxkv.distributed.kv_transfer.transfer_agent as m; "
+        "assert 'jax' not in sys.modules, 'jax imported'; print('ok')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=60,
+    )
     assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
@@ -172,7 +195,7 @@ def test_roundtrip_between_two_processes(peer_factory, agents):
     assert p.expect("done", timeout_s=10) == ["done", 11]
     assert d.num_pulling() == 0
 
-    d.start_pull(p.address, 12, [spec(2, 256)], deadline_s=20)      # before the offer: waits
+    d.start_pull(p.address, 12, [spec(2, 256)], deadline_s=20)  # before the offer: waits
     time.sleep(0.2)
     assert d.poll_pulled() == []
     p.send("offer", 12, 2, 256, 30.0, False)
@@ -194,7 +217,7 @@ def test_sharded_roundtrip_two_devices_per_process(peer_factory):
 def test_peer_killed_before_pull_fails_within_deadline(peer_factory, agents):
     p, d = peer_factory(), agents()
     p.send("offer", 5, 8, 256, 30.0, False)
-    d.start_pull(p.address, 6, [spec(8, 256)], deadline_s=20)   # never offered: parked at P
+    d.start_pull(p.address, 6, [spec(8, 256)], deadline_s=20)  # never offered: parked at P
     time.sleep(0.2)
     p.kill()
     t0 = time.monotonic()
@@ -227,13 +250,13 @@ def test_cancel_in_flight_reported_once(agents):
     assert not d.cancel(7)
     (result,) = wait_pulled(d, 1, timeout_s=1).values()
     assert isinstance(result, CancelledError)
-    p.offer(7, [jnp.asarray(pattern(7, 4, 256))], hold_timeout_s=0.5)   # arrives after cancel
+    p.offer(7, [jnp.asarray(pattern(7, 4, 256))], hold_timeout_s=0.5)  # arrives after cancel
     end = time.monotonic() + 0.3
     while time.monotonic() < end:
         assert d.poll_pulled() == []
         time.sleep(0.01)
     assert not d.cancel(7) and d.num_pulling() == 0
-    assert p.num_offered() == 1           # pulled, but no done note for a cancelled pull
+    assert p.num_offered() == 1  # pulled, but no done note for a cancelled pull
     assert wait_sent(p, 1, timeout_s=3) == (set(), {7})
 
 
@@ -283,7 +306,7 @@ def test_expired_offer_memory_is_freed_without_another_offer(agents):
     sweep in ``poll_sent`` is what frees the last offer's 128 MiB (without it they stay)."""
     p = agents()
     n = 128 << 20
-    p.offer(1, [jnp.zeros((4,), jnp.uint8)], hold_timeout_s=0.01)      # warm-up allocations
+    p.offer(1, [jnp.zeros((4,), jnp.uint8)], hold_timeout_s=0.01)  # warm-up allocations
     wait_sent(p, 1, timeout_s=3)
     rss0 = _rss_mib()
     x = jnp.full((n,), 5, jnp.uint8)
@@ -300,11 +323,16 @@ def test_many_concurrent_pulls(agents):
     p, d = agents(), agents()
     uuids = range(1000, 1064)
     for u in uuids:
-        p.offer(u, [jnp.asarray(pattern(u, 16, 1024)), jnp.asarray(pattern(u + 1, 2, 512))],
-                hold_timeout_s=30, notify_token=f"req-{u}")
+        p.offer(
+            u,
+            [jnp.asarray(pattern(u, 16, 1024)), jnp.asarray(pattern(u + 1, 2, 512))],
+            hold_timeout_s=30,
+            notify_token=f"req-{u}",
+        )
     for u in uuids:
-        d.start_pull(p.address, u, [spec(16, 1024), spec(2, 512)], deadline_s=20,
-                     notify_token=f"req-{u}")
+        d.start_pull(
+            p.address, u, [spec(16, 1024), spec(2, 512)], deadline_s=20, notify_token=f"req-{u}"
+        )
     results = wait_pulled(d, 64, timeout_s=20)
     for u in uuids:
         a, b = results[u]

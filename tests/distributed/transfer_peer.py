@@ -27,8 +27,11 @@ from jaxkv.distributed.kv_transfer.transfer_agent import TransferAgent
 
 def pattern(uuid: int, rows: int, cols: int) -> np.ndarray:
     """[rows, cols] uint8, different for every uuid."""
-    return ((np.arange(rows * cols, dtype=np.uint64) * 31 + uuid * 7) % 251).astype(
-        np.uint8).reshape(rows, cols)
+    return (
+        ((np.arange(rows * cols, dtype=np.uint64) * 31 + uuid * 7) % 251)
+        .astype(np.uint8)
+        .reshape(rows, cols)
+    )
 
 
 def sharding(sharded: bool):

@@ -12,8 +12,16 @@ from jaxkv.engine import LLMEngine
 from jaxkv.entrypoints.llm import LLM
 from jaxkv.models import build_model, dense_forward, get_config
 
-SMALL = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, vocab_size=512,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+SMALL = dict(
+    num_hidden_layers=2,
+    hidden_size=128,
+    intermediate_size=256,
+    vocab_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+)
 
 
 def small_model(family: str = "tiny-llama", seed: int = 0, **overrides):
@@ -47,15 +55,16 @@ def assert_no_block_leaks(llm) -> None:
 _DENSE_FORWARD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def dense_greedy(model, prompt: list[int], max_tokens: int, pad_to: int = 256,
-                 banned=None) -> list[int]:
+def dense_greedy(
+    model, prompt: list[int], max_tokens: int, pad_to: int = 256, banned=None
+) -> list[int]:
     """Greedy loop on the dense, non-paged forward (causal, so right-padding is harmless).
 
     ``banned(outputs so far) -> token ids`` are set to -inf before each argmax.
     """
     fwd = _DENSE_FORWARD.get(model)
-    if fwd is None:   # one compile per model and length, not per call
-        ref = weakref.ref(model)   # a strong reference here would keep the key alive
+    if fwd is None:  # one compile per model and length, not per call
+        ref = weakref.ref(model)  # a strong reference here would keep the key alive
         fwd = _DENSE_FORWARD[model] = jax.jit(lambda ids: dense_forward(ref(), ids))
     tokens = list(prompt)
     out = []

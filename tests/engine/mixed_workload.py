@@ -21,8 +21,14 @@ from jaxkv.pooling_params import PoolingParams
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
 
 #: The engine's settings: a cache small enough that long requests preempt, chunked prefill.
-ENGINE = dict(max_num_seqs=6, max_num_batched_tokens=48, max_model_len=256, block_size=16,
-              kv_cache_memory_bytes=None, num_gpu_blocks_override=28)
+ENGINE = dict(
+    max_num_seqs=6,
+    max_num_batched_tokens=48,
+    max_model_len=256,
+    block_size=16,
+    kv_cache_memory_bytes=None,
+    num_gpu_blocks_override=28,
+)
 
 
 class CharTokenizer:
@@ -49,13 +55,26 @@ def _sampling(kind: str, rng: np.random.Generator, max_tokens: int) -> SamplingP
         "min_p": dict(temperature=1.0, min_p=0.1, seed=seed),
         "logprobs": dict(temperature=0.0, logprobs=3),
         "prompt_logprobs": dict(temperature=0.0, prompt_logprobs=2),
-        "penalties": dict(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
+        "penalties": dict(
+            temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2
+        ),
         "sampled_penalties": dict(temperature=0.7, repetition_penalty=1.3, seed=seed),
-        "logit_bias": dict(temperature=0.0, logit_bias={int(t): 5.0 for t in rng.integers(0, 512, 3)}),
-        "allowed": dict(temperature=0.0, allowed_token_ids=sorted({int(t) for t in rng.integers(0, 512, 40)})),
-        "bad_words": dict(temperature=0.0, bad_words_token_ids=[[int(rng.integers(512))],
-                                                                [int(t) for t in rng.integers(0, 512, 2)]]),
-        "min_tokens": dict(temperature=0.0, min_tokens=max_tokens // 2, stop_token_ids=[int(rng.integers(512))]),
+        "logit_bias": dict(
+            temperature=0.0, logit_bias={int(t): 5.0 for t in rng.integers(0, 512, 3)}
+        ),
+        "allowed": dict(
+            temperature=0.0, allowed_token_ids=sorted({int(t) for t in rng.integers(0, 512, 40)})
+        ),
+        "bad_words": dict(
+            temperature=0.0,
+            bad_words_token_ids=[
+                [int(rng.integers(512))],
+                [int(t) for t in rng.integers(0, 512, 2)],
+            ],
+        ),
+        "min_tokens": dict(
+            temperature=0.0, min_tokens=max_tokens // 2, stop_token_ids=[int(rng.integers(512))]
+        ),
         "n2": dict(temperature=0.9, n=2, seed=seed),
         "stop": dict(temperature=0.0, stop=["q", "zz"]),
     }
@@ -65,8 +84,23 @@ def _sampling(kind: str, rng: np.random.Generator, max_tokens: int) -> SamplingP
     return SamplingParams(**{**common, **kw})
 
 
-KINDS = ("greedy", "top_p", "top_k", "min_p", "logprobs", "prompt_logprobs", "penalties",
-         "sampled_penalties", "logit_bias", "allowed", "bad_words", "min_tokens", "n2", "stop", "pool")
+KINDS = (
+    "greedy",
+    "top_p",
+    "top_k",
+    "min_p",
+    "logprobs",
+    "prompt_logprobs",
+    "penalties",
+    "sampled_penalties",
+    "logit_bias",
+    "allowed",
+    "bad_words",
+    "min_tokens",
+    "n2",
+    "stop",
+    "pool",
+)
 
 
 @dataclasses.dataclass
@@ -90,8 +124,12 @@ def requests(seed: int = 0, waves: int = 5) -> list[Arrival]:
             n = int(rng.integers(3, 150))
             prompt = rng.integers(1, 512, n).tolist()
             if rng.random() < 0.3:
-                prompt = shared + prompt[:20]           # prefix-cache hits
-            params = PoolingParams() if kind == "pool" else _sampling(kind, rng, int(rng.integers(4, 24)))
+                prompt = shared + prompt[:20]  # prefix-cache hits
+            params = (
+                PoolingParams()
+                if kind == "pool"
+                else _sampling(kind, rng, int(rng.integers(4, 24)))
+            )
             abort = step + int(rng.integers(1, 6)) if rng.random() < 0.1 else None
             out.append(Arrival(f"{kind}-{i}", prompt, params, step, abort))
             i += 1
@@ -119,9 +157,14 @@ def run(engine, arrivals: list[Arrival], max_steps: int = 2000) -> dict[str, obj
             if not out.finished:
                 continue
             if hasattr(out, "outputs") and isinstance(out.outputs, list):
-                results.setdefault(out.request_id, [c.token_ids for c in sorted(out.outputs, key=lambda c: c.index)])
+                results.setdefault(
+                    out.request_id,
+                    [c.token_ids for c in sorted(out.outputs, key=lambda c: c.index)],
+                )
             else:
-                results.setdefault(out.request_id, np.asarray(out.outputs.data, np.float32).round(4).tolist())
+                results.setdefault(
+                    out.request_id, np.asarray(out.outputs.data, np.float32).round(4).tolist()
+                )
         step += 1
         if step > max_steps:
             raise RuntimeError("the workload did not finish")

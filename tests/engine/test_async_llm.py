@@ -42,7 +42,11 @@ async def _idle(engine, deadline_s=20.0):
     t0 = time.monotonic()
     while time.monotonic() - t0 < deadline_s:
         st = engine.scheduler_stats
-        if st is not None and (st.num_running_reqs, st.num_waiting_reqs, st.kv_cache_usage) == (0, 0, 0.0):
+        if st is not None and (st.num_running_reqs, st.num_waiting_reqs, st.kv_cache_usage) == (
+            0,
+            0,
+            0.0,
+        ):
             return st
         await asyncio.sleep(0.05)
     raise AssertionError(f"the core is not idle: {engine.scheduler_stats}")
@@ -81,13 +85,21 @@ def test_core_loop_stops_when_its_front_end_is_gone():
 def test_streams_equal_llm_generate(engine):
     from jaxkv import LLM
 
-    ref = LLM("tiny-llama", **ENGINE).generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0, n=2))
+    ref = LLM("tiny-llama", **ENGINE).generate(
+        PROMPTS, SamplingParams(max_tokens=10, temperature=0, n=2)
+    )
 
     async def main():
-        delta = SamplingParams(max_tokens=10, temperature=0, n=2, output_kind=RequestOutputKind.DELTA)
-        final = SamplingParams(max_tokens=10, temperature=0, output_kind=RequestOutputKind.FINAL_ONLY)
-        streams = await asyncio.gather(*(_collect(engine, p, delta, f"d{i}") for i, p in enumerate(PROMPTS)),
-                                       *(_collect(engine, p, final, f"f{i}") for i, p in enumerate(PROMPTS)))
+        delta = SamplingParams(
+            max_tokens=10, temperature=0, n=2, output_kind=RequestOutputKind.DELTA
+        )
+        final = SamplingParams(
+            max_tokens=10, temperature=0, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        streams = await asyncio.gather(
+            *(_collect(engine, p, delta, f"d{i}") for i, p in enumerate(PROMPTS)),
+            *(_collect(engine, p, final, f"f{i}") for i, p in enumerate(PROMPTS)),
+        )
         await _idle(engine)
         return streams
 
@@ -104,7 +116,9 @@ def test_streams_equal_llm_generate(engine):
 
 def test_cancelled_consumer_frees_its_blocks_and_bad_input_changes_nothing(engine):
     async def main():
-        params = SamplingParams(max_tokens=100, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(
+            max_tokens=100, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
         seen = 0
 
         async def consume():
@@ -133,9 +147,11 @@ def test_cancelled_consumer_frees_its_blocks_and_bad_input_changes_nothing(engin
     _run(main())
 
 
-def test_killed_core_fails_requests_at_once(engine):   # last: kills the module's engine
+def test_killed_core_fails_requests_at_once(engine):  # last: kills the module's engine
     async def main():
-        params = SamplingParams(max_tokens=100, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(
+            max_tokens=100, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
         got = asyncio.Event()
 
         async def consume():

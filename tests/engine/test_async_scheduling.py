@@ -32,16 +32,25 @@ def _generate(model, prompts, params, **kwargs):
 def test_async_greedy_with_preemption_matches_dense(family):
     model = small_model(family)
     prompts = _prompts(np.random.default_rng(0), [40, 45, 50, 35])
-    llm, outs = _generate(model, prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
-                          num_gpu_blocks_override=12, max_num_seqs=4, async_scheduling=True)
+    llm, outs = _generate(
+        model,
+        prompts,
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        num_gpu_blocks_override=12,
+        max_num_seqs=4,
+        async_scheduling=True,
+    )
     assert llm.llm_engine.get_stats()["num_preemptions"] > 0
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == dense_greedy(model, p, 20)
 
 
-def _ranks(logprobs):   # per position {token: rank}: exact across engines
-    return None if logprobs is None else [
-        None if d is None else {t: x.rank for t, x in d.items()} for d in logprobs]
+def _ranks(logprobs):  # per position {token: rank}: exact across engines
+    return (
+        None
+        if logprobs is None
+        else [None if d is None else {t: x.rank for t, x in d.items()} for d in logprobs]
+    )
 
 
 def _values(logprobs):  # the logprob values, flattened
@@ -54,9 +63,14 @@ def test_async_sampling_variants_match_sync(model):
     params = [
         SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True),
-        SamplingParams(max_tokens=12, temperature=0.8, top_k=20, ignore_eos=True),   # engine-seeded
-        SamplingParams(max_tokens=10, temperature=0.9, repetition_penalty=1.4, presence_penalty=0.5,
-                       ignore_eos=True),                                             # penalties
+        SamplingParams(max_tokens=12, temperature=0.8, top_k=20, ignore_eos=True),  # engine-seeded
+        SamplingParams(
+            max_tokens=10,
+            temperature=0.9,
+            repetition_penalty=1.4,
+            presence_penalty=0.5,
+            ignore_eos=True,
+        ),  # penalties
         SamplingParams(max_tokens=9, temperature=0.7, min_tokens=6, logprobs=3, seed=3),
         SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=2, ignore_eos=True),
         SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True),
@@ -64,7 +78,10 @@ def test_async_sampling_variants_match_sync(model):
     ]
     # Each engine runs the batch twice (the second time with prefix-cache hits); a stop id
     # the first sync run samples mid-way ends request 7 early in the second runs.
-    llms = {mode: make_llm(model, max_num_batched_tokens=32, async_scheduling=mode) for mode in (False, True)}
+    llms = {
+        mode: make_llm(model, max_num_batched_tokens=32, async_scheduling=mode)
+        for mode in (False, True)
+    }
     first = {mode: llm.generate(prompts, params, use_tqdm=False) for mode, llm in llms.items()}
     stop_at = first[False][7].outputs[0].token_ids[4]
     params[7] = SamplingParams(max_tokens=15, temperature=1.0, seed=8, stop_token_ids=[stop_at])
@@ -73,9 +90,14 @@ def test_async_sampling_variants_match_sync(model):
         outs = first[mode] + llm.generate(prompts, params, use_tqdm=False)
         assert_no_block_leaks(llm)
         results[mode] = [
-            ([c.token_ids for c in o.outputs], [_ranks(c.logprobs) for c in o.outputs],
-             [c.finish_reason for c in o.outputs], _ranks(o.prompt_logprobs))
-            for o in outs]
+            (
+                [c.token_ids for c in o.outputs],
+                [_ranks(c.logprobs) for c in o.outputs],
+                [c.finish_reason for c in o.outputs],
+                _ranks(o.prompt_logprobs),
+            )
+            for o in outs
+        ]
         values[mode] = [_values(c.logprobs) for o in outs for c in o.outputs]
     assert results[True] == results[False]
     # Logprob values: the two engines batch rows differently (async schedules a row again
@@ -114,12 +136,12 @@ def test_async_pipelines_one_step(model):
         for out in engine.step():
             tokens = out.outputs[0].token_ids
     assert tokens == dense_greedy(model, prompt, 6)
-    assert from_device == [0, 1, 1, 1, 1, 1]   # every decode input came from the device
+    assert from_device == [0, 1, 1, 1, 1, 1]  # every decode input came from the device
     assert engine.engine_core._in_flight is None and runner._in_flight is None
 
 
 def test_async_abort_with_a_step_in_flight(model):
-    llm = make_llm(model, async_scheduling=True)   # stop strings: test_engine_behaviour
+    llm = make_llm(model, async_scheduling=True)  # stop strings: test_engine_behaviour
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     for i in range(3):
@@ -127,13 +149,15 @@ def test_async_abort_with_a_step_in_flight(model):
     done = {}
     for step in range(100):
         if step == 3:
-            engine.abort_request("r1")   # a step for r1 is in flight: its token is dropped
+            engine.abort_request("r1")  # a step for r1 is in flight: its token is dropped
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
         if not engine.has_unfinished_requests():
             break
-    assert sorted(done) == ["r0", "r2"] and all(len(o.outputs[0].token_ids) == 10 for o in done.values())
+    assert sorted(done) == ["r0", "r2"] and all(
+        len(o.outputs[0].token_ids) == 10 for o in done.values()
+    )
     assert_no_block_leaks(llm)
 
     # An aborted id whose step is still in flight cannot be reused until that step is collected.
@@ -146,7 +170,13 @@ def test_async_abort_with_a_step_in_flight(model):
         engine.add_request("x", prompt, params)
     engine.step()
     engine.add_request("x", prompt, params)
-    outs = [o for _ in range(40) if engine.has_unfinished_requests() for o in engine.step() if o.finished]
+    outs = [
+        o
+        for _ in range(40)
+        if engine.has_unfinished_requests()
+        for o in engine.step()
+        if o.finished
+    ]
     assert [o.outputs[0].token_ids for o in outs] == [dense_greedy(model, prompt, 10)]
     assert_no_block_leaks(llm)
 
@@ -158,14 +188,22 @@ def test_penalised_rows_follow_their_step_in_flight(model):
     prompts = _prompts(np.random.default_rng(3), [6, 11])
     # Negative penalties favour tokens already generated, the previous one (the token in
     # flight) included: a step that did not count it would pick another token.
-    params = SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=-2.0,
-                            presence_penalty=-1.0, repetition_penalty=1.5, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in make_llm(model).generate(prompts, params, use_tqdm=False)]
-    assert want[0] != dense_greedy(model, prompts[0], 24)    # the penalties change the tokens
+    params = SamplingParams(
+        max_tokens=24,
+        temperature=0.0,
+        frequency_penalty=-2.0,
+        presence_penalty=-1.0,
+        repetition_penalty=1.5,
+        ignore_eos=True,
+    )
+    want = [
+        o.outputs[0].token_ids for o in make_llm(model).generate(prompts, params, use_tqdm=False)
+    ]
+    assert want[0] != dense_greedy(model, prompts[0], 24)  # the penalties change the tokens
     llm = make_llm(model, async_scheduling=True)
     runner = llm.llm_engine.runner
     from_device = _count_inputs_from_device(runner)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    assert from_device == [0] + [2] * 23   # every decode step followed the one in flight
+    assert from_device == [0] + [2] * 23  # every decode step followed the one in flight
     assert_no_block_leaks(llm)

@@ -31,7 +31,9 @@ def test_search_on_a_literal_tree():
         (0,): {1: 0.6, 2: 0.3, EOS: 0.1},
         (0, 1): {3: 0.5, 4: 0.5},
         (0, 2): {EOS: 0.9, 5: 0.1},
-        (0, 1, 3): {6: 1.0}, (0, 1, 4): {7: 1.0}, (0, 2, 5): {8: 1.0},
+        (0, 1, 3): {6: 1.0},
+        (0, 1, 4): {7: 1.0},
+        (0, 2, 5): {8: 1.0},
     }
     calls = []
 
@@ -49,31 +51,56 @@ def test_search_on_a_literal_tree():
     assert out.sequences[0].cum_logprob == pytest.approx(math.log(0.3))
     assert len(out.sequences[0].logprobs) == 3
     # length_penalty=0: the score is the cumulative logprob alone
-    out0 = run_beam_search([[0]], BeamSearchParams(beam_width=3, max_tokens=3, length_penalty=0.0),
-                           lambda bs: [_lp(table[tuple(b)]) for b in bs], EOS)[0]
+    out0 = run_beam_search(
+        [[0]],
+        BeamSearchParams(beam_width=3, max_tokens=3, length_penalty=0.0),
+        lambda bs: [_lp(table[tuple(b)]) for b in bs],
+        EOS,
+    )[0]
     assert [s.tokens for s in out0.sequences] == [[0, 1, 3, 6], [0, 1, 4, 7], [0, 2, EOS]]
     assert out0.sequences[2].finish_reason == "stop" and out0.sequences[2].stop_reason == EOS
     # length_penalty=2 favours the longer [0,2,5,8] (log .03 / 16) over [0,2,EOS] (log .27 / 4)
-    out_lp = run_beam_search([[0]], BeamSearchParams(beam_width=3, max_tokens=3, length_penalty=2.0),
-                             lambda bs: [_lp(table[tuple(b)]) for b in bs], EOS)[0]
+    out_lp = run_beam_search(
+        [[0]],
+        BeamSearchParams(beam_width=3, max_tokens=3, length_penalty=2.0),
+        lambda bs: [_lp(table[tuple(b)]) for b in bs],
+        EOS,
+    )[0]
     assert out_lp.sequences[2].tokens == [0, 2, 5, 8]
     # ignore_eos: EOS is an ordinary token
-    out1 = run_beam_search([[0]], BeamSearchParams(beam_width=1, max_tokens=1, ignore_eos=True),
-                           lambda bs: [_lp(table[tuple(b)]) for b in bs], EOS)[0]
+    out1 = run_beam_search(
+        [[0]],
+        BeamSearchParams(beam_width=1, max_tokens=1, ignore_eos=True),
+        lambda bs: [_lp(table[tuple(b)]) for b in bs],
+        EOS,
+    )[0]
     assert [s.tokens for s in out1.sequences] == [[0, 1]]
     # a beam that cannot grow (None: no room in max_model_len) completes as it stands
-    out2 = run_beam_search([[0]], BeamSearchParams(beam_width=2, max_tokens=4),
-                           lambda bs: [_lp(table[tuple(b)]) if len(b) < 2 else None for b in bs], EOS)[0]
-    assert sorted((s.tokens, s.finish_reason) for s in out2.sequences) == [([0, 1], "length"), ([0, 2], "length")]
+    out2 = run_beam_search(
+        [[0]],
+        BeamSearchParams(beam_width=2, max_tokens=4),
+        lambda bs: [_lp(table[tuple(b)]) if len(b) < 2 else None for b in bs],
+        EOS,
+    )[0]
+    assert sorted((s.tokens, s.finish_reason) for s in out2.sequences) == [
+        ([0, 1], "length"),
+        ([0, 2], "length"),
+    ]
     assert beam_search_score([5, 6, EOS], -2.0, EOS, 1.0) == pytest.approx(-1.0)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(beam_width=0, max_tokens=4), "beam_width must be an int >= 1"),
-    (dict(beam_width=2, max_tokens=0), "max_tokens must be an int >= 1"),
-    (dict(beam_width=2, max_tokens=4, length_penalty=float("nan")), "length_penalty must be a finite"),
-    (dict(beam_width=2, max_tokens=4, temperature=-1.0), "temperature must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(beam_width=0, max_tokens=4), "beam_width must be an int >= 1"),
+        (dict(beam_width=2, max_tokens=0), "max_tokens must be an int >= 1"),
+        (
+            dict(beam_width=2, max_tokens=4, length_penalty=float("nan")),
+            "length_penalty must be a finite",
+        ),
+        (dict(beam_width=2, max_tokens=4, temperature=-1.0), "temperature must be >= 0"),
+    ],
+)
 def test_bad_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BeamSearchParams(**kwargs)
@@ -98,6 +125,7 @@ def _dense_expand(model, k):
             top = np.argsort(-lp)[:k]
             out.append({int(t): Logprob(float(lp[t])) for t in top})
         return out
+
     return expand
 
 
@@ -114,12 +142,16 @@ def test_engine_beam_search_matches_the_dense_forward(model):
     want = run_beam_search(prompts, params, _dense_expand(model, 6), eos)
     for g, w in zip(got, want):
         assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
-        assert [s.cum_logprob for s in g.sequences] == pytest.approx([s.cum_logprob for s in w.sequences], abs=1e-4)
+        assert [s.cum_logprob for s in g.sequences] == pytest.approx(
+            [s.cum_logprob for s in w.sequences], abs=1e-4
+        )
         assert len(g.sequences) == 3
-    assert llm.llm_engine.get_stats()["prefix_hit_tokens"] > 0   # rounds reuse the beams' blocks
+    assert llm.llm_engine.get_stats()["prefix_hit_tokens"] > 0  # rounds reuse the beams' blocks
 
-    (one,) = llm.beam_search(prompts[0], BeamSearchParams(beam_width=1, max_tokens=4, ignore_eos=True))
-    assert one.sequences[0].tokens[len(prompts[0]):] == dense_greedy(model, prompts[0], 4)
+    (one,) = llm.beam_search(
+        prompts[0], BeamSearchParams(beam_width=1, max_tokens=4, ignore_eos=True)
+    )
+    assert one.sequences[0].tokens[len(prompts[0]) :] == dense_greedy(model, prompts[0], 4)
 
     with pytest.raises(ValueError, match="beam search needs 1 .. max_model_len - 1"):
         llm.beam_search([[]], params)
@@ -135,7 +167,7 @@ def test_eos_completes_hypotheses(model):
     one token ("stop") while the others go on, as in vLLM."""
     prompt = np.random.default_rng(5).integers(3, 512, 12).tolist()
     first = dense_greedy(model, prompt, 1)[0]
-    eos_model = small_model("tiny-llama", eos_token_id=first)   # same weights, another EOS
+    eos_model = small_model("tiny-llama", eos_token_id=first)  # same weights, another EOS
     llm = make_llm(eos_model)
     params = BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=0.0)
     (got,) = llm.beam_search([prompt], params)
@@ -150,38 +182,48 @@ def test_beams_stop_at_max_model_len(model):
     """A beam that fills max_model_len completes there ("length"), as in vLLM."""
     llm = make_llm(model, max_model_len=32)
     prompt = np.random.default_rng(7).integers(3, 512, 30).tolist()
-    (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True))
+    (out,) = llm.beam_search(
+        [prompt], BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
+    )
     assert [len(s.tokens) for s in out.sequences] == [32, 32]
     assert all(s.finish_reason == "length" for s in out.sequences)
     assert_no_block_leaks(llm)
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10**6), vocab=st.integers(2, 4), depth=st.integers(1, 3),
-       lp=st.sampled_from([0.0, 1.0, 2.0]), eos=st.booleans())
+@given(
+    seed=st.integers(0, 10**6),
+    vocab=st.integers(2, 4),
+    depth=st.integers(1, 3),
+    lp=st.sampled_from([0.0, 1.0, 2.0]),
+    eos=st.booleans(),
+)
 def test_wide_beams_are_exhaustive_search(seed, vocab, depth, lp, eos):
     """With beams wider than every sequence there is (and 2 * width >= the vocabulary), nothing
     is pruned: the result is the best sequences by score among all of them, EOS ending some."""
     rng = np.random.default_rng(seed)
     table: dict = {}
 
-    def dist(prefix):   # a fixed random next-token distribution per prefix
+    def dist(prefix):  # a fixed random next-token distribution per prefix
         if prefix not in table:
             p = rng.dirichlet(np.ones(vocab))
             table[prefix] = {t: Logprob(float(np.log(p[t]))) for t in range(vocab)}
         return table[prefix]
 
     eos_id = 0 if eos else None
-    width = vocab ** depth
+    width = vocab**depth
     params = BeamSearchParams(beam_width=width, max_tokens=depth, length_penalty=lp)
     (out,) = run_beam_search([[9]], params, lambda beams: [dist(tuple(b)) for b in beams], eos_id)
 
-    def complete(seq, cum):   # every finished sequence by plain recursion
+    def complete(seq, cum):  # every finished sequence by plain recursion
         if len(seq) - 1 == depth or (eos_id is not None and len(seq) > 1 and seq[-1] == eos_id):
             yield seq, cum
             return
         for t, l in dist(tuple(seq)).items():
             yield from complete(seq + [t], cum + l.logprob)
-    every = sorted(complete([9], 0.0), key=lambda sc: beam_search_score(sc[0], sc[1], eos_id, lp), reverse=True)
+
+    every = sorted(
+        complete([9], 0.0), key=lambda sc: beam_search_score(sc[0], sc[1], eos_id, lp), reverse=True
+    )
     assert [s.tokens for s in out.sequences] == [s for s, _ in every[:width]]
     assert [s.cum_logprob for s in out.sequences] == pytest.approx([c for _, c in every[:width]])

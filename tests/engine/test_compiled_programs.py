@@ -25,7 +25,12 @@ from tests.engine.helpers import assert_no_block_leaks, make_llm, small_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "golden_mixed_workload.json").read_text())
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
 
 
 class CompileEvents:
@@ -49,45 +54,71 @@ def model():
     return small_model("tiny-llama")
 
 
-@pytest.mark.parametrize("limits, spec", [
-    (dict(max_num_seqs=8, max_num_batched_tokens=64), None),
-    (dict(max_num_seqs=6, max_num_batched_tokens=200), None),
-    (dict(max_num_seqs=4, max_num_batched_tokens=64), NGRAM),
-])
+@pytest.mark.parametrize(
+    "limits, spec",
+    [
+        (dict(max_num_seqs=8, max_num_batched_tokens=64), None),
+        (dict(max_num_seqs=6, max_num_batched_tokens=200), None),
+        (dict(max_num_seqs=4, max_num_batched_tokens=64), NGRAM),
+    ],
+)
 def test_the_program_count_is_the_documented_sum(limits, spec):
     """F token buckets, Q request buckets, V position buckets: 2 F + 2 Q + V + 3 programs."""
-    b = buckets_for(max_num_seqs=limits["max_num_seqs"], max_num_batched_tokens=limits["max_num_batched_tokens"],
-                    num_speculative_tokens=3 if spec else 0)
+    b = buckets_for(
+        max_num_seqs=limits["max_num_seqs"],
+        max_num_batched_tokens=limits["max_num_batched_tokens"],
+        num_speculative_tokens=3 if spec else 0,
+    )
     if limits["max_num_seqs"] == 8:
-        assert b.tokens == (1, 2, 4, 8, 16, 24, 32, 48, 64) and b.seqs == (1, 2, 4, 8) and b.spec == ()
+        assert (
+            b.tokens == (1, 2, 4, 8, 16, 24, 32, 48, 64) and b.seqs == (1, 2, 4, 8) and b.spec == ()
+        )
     if spec:
-        assert b.spec == (1, 2, 4, 8, 16)     # 4 rows x (1 + 3 drafts)
+        assert b.spec == (1, 2, 4, 8, 16)  # 4 rows x (1 + 3 drafts)
     want = 2 * len(b.tokens) + 2 * len(b.seqs) + len(b.spec) + 3
-    assert num_programs(num_token_buckets=len(b.tokens), num_seq_buckets=len(b.seqs),
-                        num_spec_buckets=len(b.spec)) == want
+    assert (
+        num_programs(
+            num_token_buckets=len(b.tokens),
+            num_seq_buckets=len(b.seqs),
+            num_spec_buckets=len(b.spec),
+        )
+        == want
+    )
 
 
 @pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
 def test_warmup_compiles_exactly_the_set(model, spec):
-    llm = make_llm(model, max_num_seqs=4, max_num_batched_tokens=64, warmup=True, speculative_config=spec)
+    llm = make_llm(
+        model, max_num_seqs=4, max_num_batched_tokens=64, warmup=True, speculative_config=spec
+    )
     runner = llm.llm_engine.runner
     b = runner.buckets
-    want = num_programs(num_token_buckets=len(b.tokens), num_seq_buckets=len(b.seqs), num_spec_buckets=len(b.spec))
+    want = num_programs(
+        num_token_buckets=len(b.tokens), num_seq_buckets=len(b.seqs), num_spec_buckets=len(b.spec)
+    )
     stats = llm.llm_engine.get_stats()
     assert runner.num_compiles == len(runner.programs.keys) == want == stats["num_programs"]
     assert stats["num_compiles"] == want and stats["late_compiles"] == 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine_kwargs", [dict(), dict(async_scheduling=True), dict(speculative_config=NGRAM)],
-                         ids=["sync", "async", "ngram"])
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [dict(), dict(async_scheduling=True), dict(speculative_config=NGRAM)],
+    ids=["sync", "async", "ngram"],
+)
 def test_mixed_workload_compiles_nothing_after_warmup(model, engine_kwargs):
     """After the default warm-up, a workload with every sampling option, n > 1, stop strings,
     prompt logprobs, pooling, chunked prefill, prefix hits, preemption and aborts compiles
     nothing; its tokens equal the engine's before the program rework (greedy and seeded; with
     n-gram drafts seeded rows draw differently, so greedy ones only)."""
-    llm = make_llm(model, tokenizer=mixed_workload.CharTokenizer(), warmup=True,
-                   **mixed_workload.ENGINE, **engine_kwargs)
+    llm = make_llm(
+        model,
+        tokenizer=mixed_workload.CharTokenizer(),
+        warmup=True,
+        **mixed_workload.ENGINE,
+        **engine_kwargs,
+    )
     engine = llm.llm_engine
     _EVENTS.active, _EVENTS.count = True, 0
     try:
@@ -99,7 +130,7 @@ def test_mixed_workload_compiles_nothing_after_warmup(model, engine_kwargs):
     assert_no_block_leaks(llm)
     compared = 0
     for req_id, want in GOLDEN.items():
-        if req_id not in got:        # aborted at a different point of the run
+        if req_id not in got:  # aborted at a different point of the run
             continue
         if engine_kwargs.get("speculative_config") and not _greedy(req_id):
             continue
@@ -113,8 +144,18 @@ def test_mixed_workload_compiles_nothing_after_warmup(model, engine_kwargs):
 
 def _greedy(req_id: str) -> bool:
     kind = req_id.rsplit("-", 1)[0]
-    return kind in ("greedy", "logprobs", "prompt_logprobs", "penalties", "logit_bias", "allowed",
-                    "bad_words", "min_tokens", "stop", "pool")
+    return kind in (
+        "greedy",
+        "logprobs",
+        "prompt_logprobs",
+        "penalties",
+        "logit_bias",
+        "allowed",
+        "bad_words",
+        "min_tokens",
+        "stop",
+        "pool",
+    )
 
 
 _RESTART = """
@@ -142,12 +183,18 @@ def test_a_second_process_reads_every_program_back(tmp_path):
     env = dict(os.environ, JAXKV_COMPILE_CACHE=str(tmp_path / "xla"), PYTHONPATH=str(ROOT))
     runs = []
     for _ in range(2):
-        proc = subprocess.run([sys.executable, "-c", _RESTART], capture_output=True, text=True, env=env,
-                              timeout=600, cwd=tmp_path)
+        proc = subprocess.run(
+            [sys.executable, "-c", _RESTART],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     first, second = runs
     assert first["compiles"] > first["programs"] and first["hits"] == 0
-    assert second["hits"] == second["compiles"] == first["compiles"]    # every one read back
+    assert second["hits"] == second["compiles"] == first["compiles"]  # every one read back
     assert second["tokens"] == first["tokens"]
     assert any(p.name.endswith("-cache") for p in (tmp_path / "xla").iterdir())

@@ -30,7 +30,7 @@ class ParallelConfig:
     num_kv_heads: int = 2
     head_dim: int = 16
     num_layers: int = 2
-    window: int = 8                       # odd layers attend to the last 8 positions
+    window: int = 8  # odd layers attend to the last 8 positions
     max_position_embeddings: int = 256
     dtype: str = "float32"
     eos_token_id: int | None = None
@@ -50,12 +50,17 @@ class ParallelBlock(nnx.Module):
 
     def qkv_split(self, x):  # [..., T, hidden] -> q [..., T, Hq, D], k, v [..., T, Hkv, D]
         c = self.cfg
-        q, k, v = jnp.split(self.qkv(x), [c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim], -1)
+        q, k, v = jnp.split(
+            self.qkv(x), [c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim], -1
+        )
         lead = x.shape[:-1]
-        return (q.reshape(*lead, c.num_heads, c.head_dim), k.reshape(*lead, c.num_kv_heads, c.head_dim),
-                v.reshape(*lead, c.num_kv_heads, c.head_dim))
+        return (
+            q.reshape(*lead, c.num_heads, c.head_dim),
+            k.reshape(*lead, c.num_kv_heads, c.head_dim),
+            v.reshape(*lead, c.num_kv_heads, c.head_dim),
+        )
 
-    def __call__(self, h, attend):   # attend(q, k, v) -> o [..., T, Hq, D]
+    def __call__(self, h, attend):  # attend(q, k, v) -> o [..., T, Hq, D]
         x = self.norm(h)
         o = attend(*self.qkv_split(x))
         return h + self.o(o.reshape(*o.shape[:-2], -1)) + self.down(jax.nn.gelu(self.up(x)))
@@ -73,8 +78,10 @@ class ParallelLM(nnx.Module):
     # -- the protocol ------------------------------------------------------------------------
     def kv_layer_infos(self) -> dict[str, LayerKVInfo]:
         c = self.config
-        return {f"blocks.{i}": LayerKVInfo(c.num_kv_heads, c.head_dim, b.window)
-                for i, b in enumerate(self.blocks)}
+        return {
+            f"blocks.{i}": LayerKVInfo(c.num_kv_heads, c.head_dim, b.window)
+            for i, b in enumerate(self.blocks)
+        }
 
     def __call__(self, input_ids, positions, kv_buffers, attn_metadata, binding):
         # input_ids, positions: [T] int32; kv_buffers: per KV tensor [N * page_bytes] uint8;
@@ -85,35 +92,45 @@ class ParallelLM(nnx.Module):
             group, tensor = binding.lookup(f"blocks.{i}")
 
             def attend(q, k, v, block=block, group=group, tensor=tensor):
-                o, buffers[tensor] = attend_paged(q, k, v, buffers[tensor], attn_metadata[group], binding,
-                                                  sm_scale=self.config.head_dim ** -0.5,
-                                                  sliding_window=block.window)
+                o, buffers[tensor] = attend_paged(
+                    q,
+                    k,
+                    v,
+                    buffers[tensor],
+                    attn_metadata[group],
+                    binding,
+                    sm_scale=self.config.head_dim**-0.5,
+                    sliding_window=block.window,
+                )
                 return o
+
             h = block(h, attend)
         return self.norm(h), tuple(buffers)
 
     def compute_logits(self, hidden, *, vocab_major: bool = False):
-        w = self.embed.embedding[...]                    # [V, hidden], tied
-        if vocab_major:                                  # [V, R]
+        w = self.embed.embedding[...]  # [V, hidden], tied
+        if vocab_major:  # [V, R]
             return jnp.einsum("vh,rh->vr", w, hidden).astype(jnp.float32)
         return jnp.einsum("...h,vh->...v", hidden, w).astype(jnp.float32)
 
     # -- its own dense reference -------------------------------------------------------------
-    def dense_logits(self, ids):   # [L] int32 -> [L, V]
+    def dense_logits(self, ids):  # [L] int32 -> [L, V]
         c = self.config
         length = ids.shape[0]
         pos = jnp.arange(length)
         h = self.embed(ids) + self.pos(pos)
         for block in self.blocks:
+
             def attend(q, k, v, block=block):
                 g = c.num_heads // c.num_kv_heads
                 k, v = jnp.repeat(k, g, axis=1), jnp.repeat(v, g, axis=1)
-                s = jnp.einsum("qhd,khd->hqk", q, k) * c.head_dim ** -0.5
+                s = jnp.einsum("qhd,khd->hqk", q, k) * c.head_dim**-0.5
                 mask = pos[None, :] <= pos[:, None]
                 if block.window is not None:
                     mask &= pos[None, :] > pos[:, None] - block.window
                 p = jax.nn.softmax(jnp.where(mask[None], s, -jnp.inf), axis=-1)
                 return jnp.einsum("hqk,khd->qhd", p, v)
+
             h = block(h, attend)
         return self.compute_logits(self.norm(h))
 
@@ -124,7 +141,7 @@ def _dense_greedy(model, fwd, prompt, n):
         ids = np.zeros(128, np.int32)
         ids[: len(tokens)] = tokens
         tokens.append(int(np.argmax(np.asarray(fwd(jnp.asarray(ids)))[len(tokens) - 1])))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def test_a_model_of_ones_own_matches_its_dense_forward():
@@ -132,9 +149,17 @@ def test_a_model_of_ones_own_matches_its_dense_forward():
     fwd = jax.jit(model.dense_logits)
     rng = np.random.default_rng(0)
     shared = rng.integers(0, 256, 40).tolist()
-    prompts = [shared + rng.integers(0, 256, n).tolist() for n in (5, 23)] + [rng.integers(0, 256, 30).tolist()]
-    llm = LLM(model, kv_cache_memory_bytes=4 << 20, max_num_seqs=4, max_num_batched_tokens=32,
-              num_gpu_blocks_override=14, warmup=False)   # 32-token chunks; 14 blocks preempt
+    prompts = [shared + rng.integers(0, 256, n).tolist() for n in (5, 23)] + [
+        rng.integers(0, 256, 30).tolist()
+    ]
+    llm = LLM(
+        model,
+        kv_cache_memory_bytes=4 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        num_gpu_blocks_override=14,
+        warmup=False,
+    )  # 32-token chunks; 14 blocks preempt
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for p, o in zip(prompts, outs):

@@ -42,7 +42,7 @@ class _RecordingWorker:
 class _StubExecutor(Executor):
     """Two ranks with different memory; the step returns one token per scheduled request."""
 
-    MEMORY = (40 * 2 * PAGE, 25 * 2 * PAGE)   # 40 and 25 blocks' worth for two layers
+    MEMORY = (40 * 2 * PAGE, 25 * 2 * PAGE)  # 40 and 25 blocks' worth for two layers
 
     def _init_executor(self, model):
         self.wrappers = []
@@ -57,8 +57,11 @@ class _StubExecutor(Executor):
 
     def execute_model(self, so, non_block=False):
         ids = list(so.num_scheduled_tokens)
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=[[7] for _ in ids])
+        return ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] for _ in ids],
+        )
 
     def shutdown(self):
         self.shut = True
@@ -66,16 +69,26 @@ class _StubExecutor(Executor):
 
 @pytest.fixture(scope="module")
 def config():
-    _, _, _, config = resolve_engine_config("tiny-llama", kv_cache_memory_bytes=8 << 20, max_model_len=64,
-                                            max_num_batched_tokens=64, max_num_seqs=4, warmup=False)
+    _, _, _, config = resolve_engine_config(
+        "tiny-llama",
+        kv_cache_memory_bytes=8 << 20,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        warmup=False,
+    )
     return config
 
 
 def test_each_worker_keeps_its_own_config_and_blocks_are_the_minimum(config):
     core = EngineCore(config, _StubExecutor)
     held = [w.worker.kv_cache_config for w in core.model_executor.wrappers]
-    assert held == core.kv_cache_configs and held[0] is core.kv_cache_configs[0] and held[1] is core.kv_cache_configs[1]
-    assert [c.num_blocks for c in held] == [25, 25]    # the smaller worker's
+    assert (
+        held == core.kv_cache_configs
+        and held[0] is core.kv_cache_configs[0]
+        and held[1] is core.kv_cache_configs[1]
+    )
+    assert [c.num_blocks for c in held] == [25, 25]  # the smaller worker's
     assert core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks == 25
 
 
@@ -105,7 +118,7 @@ def test_engine_core_steps_with_any_executor(config):
 
 def test_a_failed_start_stops_the_workers(config):
     class Broken(_StubExecutor):
-        MEMORY = (PAGE, PAGE)   # no room for one request
+        MEMORY = (PAGE, PAGE)  # no room for one request
 
     shut = []
     Broken.shutdown = lambda self: shut.append(True)
@@ -122,8 +135,15 @@ def test_unknown_executor_backend_is_refused(config):
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
         resolve_engine_config("tiny-llama", distributed_executor_backend="ray", warmup=False)
     with pytest.raises(ValueError, match="node_rank must be in"):
-        resolve_engine_config("tiny-llama", distributed_executor_backend="mp", nnodes=2, node_rank=2,
-                              master_port=1234, tensor_parallel_size=2, warmup=False)
+        resolve_engine_config(
+            "tiny-llama",
+            distributed_executor_backend="mp",
+            nnodes=2,
+            node_rank=2,
+            master_port=1234,
+            tensor_parallel_size=2,
+            warmup=False,
+        )
 
 
 def test_uniproc_worker_holds_configs_rank_0():
@@ -134,12 +154,18 @@ def test_uniproc_worker_holds_configs_rank_0():
     core = llm.llm_engine.engine_core
     held = core.model_executor.collective_rpc(lambda worker: worker.kv_cache_config)
     assert held == [core.kv_cache_configs[0]] and held[0] is core.kv_cache_config
-    assert core.model_executor.collective_rpc(lambda worker: worker.model_runner.config is worker.kv_cache_config) == [True]
+    assert core.model_executor.collective_rpc(
+        lambda worker: worker.model_runner.config is worker.kv_cache_config
+    ) == [True]
 
 
 def test_engine_core_process_needs_no_jax():
     """The engine core, the executor seam, the output processor: none imports jax."""
-    code = ("import sys, jaxkv.engine.core, jaxkv.engine.output_processor, jaxkv.executor; "
-            "print('jax' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    code = (
+        "import sys, jaxkv.engine.core, jaxkv.engine.output_processor, jaxkv.executor; "
+        "print('jax' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "False", out.stderr

@@ -30,8 +30,9 @@ def test_preemption_small_pool(family_model):
     family, model = family_model
     llm = make_llm(model, num_gpu_blocks_override=12, max_num_seqs=4)
     prompts = _prompts(np.random.default_rng(0), [40, 45, 50, 35])
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
     assert llm.llm_engine.get_stats()["num_preemptions"] > 0
     _assert_matches_dense(model, prompts, outs, max_tokens=24)
     assert_no_block_leaks(llm)
@@ -61,7 +62,9 @@ def test_mixed_lengths_and_abort(family_model):
     prompts = _prompts(rng, [3, 30, 17, 60, 1])
     max_toks = [5, 9, 3, 7, 11]
     for i, (p, m) in enumerate(zip(prompts, max_toks)):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+        )
     done = {}
     for step in range(200):
         if step == 3:
@@ -82,8 +85,11 @@ def test_n_greater_than_one(family_model):
     family, model = family_model
     llm = make_llm(model)
     prompt = _prompts(np.random.default_rng(3), [37])[0]
-    (out,) = llm.generate([prompt], SamplingParams(n=3, max_tokens=6, temperature=0.0, ignore_eos=True),
-                          use_tqdm=False)
+    (out,) = llm.generate(
+        [prompt],
+        SamplingParams(n=3, max_tokens=6, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
     ref = dense_greedy(model, prompt, 6)
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(c.token_ids == ref for c in out.outputs)

@@ -27,7 +27,10 @@ from jaxkv.sampling_params import SamplingParams
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-PROMPTS = [np.random.default_rng(i).integers(3, 512, size=n).tolist() for i, n in ((1, 40), (2, 23), (3, 70))]
+PROMPTS = [
+    np.random.default_rng(i).integers(3, 512, size=n).tolist()
+    for i, n in ((1, 40), (2, 23), (3, 70))
+]
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +38,9 @@ def _python_sigint_handler():
     """Python's own SIGINT handler, as a user's program has it: a test that ran before in
     this process may have left another one (a library's; never jaxkv's own, checked)."""
     found = signal.getsignal(signal.SIGINT)
-    assert not isinstance(getattr(found, "__self__", None), DeferredInterrupt), "jaxkv left its handler"
+    assert not isinstance(getattr(found, "__self__", None), DeferredInterrupt), (
+        "jaxkv left its handler"
+    )
     signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, found)
@@ -70,7 +75,7 @@ def _check(llm, reference) -> None:
 
 
 def _duration(llm) -> float:
-    _generate(llm)   # compiles
+    _generate(llm)  # compiles
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
@@ -89,7 +94,7 @@ def test_ctrl_c_sweep(llm, reference):
             timer.start()
             _generate(llm)
             timer.join()
-            time.sleep(0.01)   # an interrupt that came after generate lands here
+            time.sleep(0.01)  # an interrupt that came after generate lands here
         except KeyboardInterrupt:
             interrupted += 1
         finally:
@@ -133,7 +138,7 @@ def test_ctrl_c_during_a_step_completes_it_first(llm, reference):
     real = engine.runner._fetch
 
     def fetch(*args):
-        _thread.interrupt_main()   # SIGINT while the step runs
+        _thread.interrupt_main()  # SIGINT while the step runs
         return real(*args)
 
     engine.runner._fetch = fetch
@@ -153,8 +158,8 @@ def test_ctrl_c_during_a_step_completes_it_first(llm, reference):
 def test_second_ctrl_c_raises_at_once():
     with pytest.raises(KeyboardInterrupt), DeferredInterrupt() as guard:
         signal.raise_signal(signal.SIGINT)
-        assert guard.pending   # held
-        signal.raise_signal(signal.SIGINT)   # raises here
+        assert guard.pending  # held
+        signal.raise_signal(signal.SIGINT)  # raises here
         pytest.fail("the second SIGINT did not raise")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 

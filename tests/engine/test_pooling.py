@@ -34,10 +34,10 @@ def model():
 
 @pytest.fixture(scope="module")
 def llm(model):
-    return make_llm(model, max_num_batched_tokens=48)   # prompts over 48 tokens run in chunks
+    return make_llm(model, max_num_batched_tokens=48)  # prompts over 48 tokens run in chunks
 
 
-def _hidden(model, prompt) -> np.ndarray:   # [L, hidden] final-normed, dense forward
+def _hidden(model, prompt) -> np.ndarray:  # [L, hidden] final-normed, dense forward
     return np.asarray(dense_hidden(model, jnp.asarray([prompt], jnp.int32))[0])
 
 
@@ -56,7 +56,7 @@ def _prompts(seed: int, lengths) -> list[list[int]]:
 
 @pytest.mark.parametrize("kind", ["LAST", "MEAN", "CLS"])
 def test_embed_matches_dense_hidden_states_through_chunks(llm, model, kind):
-    prompts = _prompts(1, [3, 47, 48, 49, 130])   # one token, around the 48-token budget, 3 chunks
+    prompts = _prompts(1, [3, 47, 48, 49, 130])  # one token, around the 48-token budget, 3 chunks
     outs = llm.encode(prompts, PoolingParams(pooling_type=kind, normalize=False), use_tqdm=False)
     for p, o in zip(prompts, outs):
         assert isinstance(o, PoolingRequestOutput) and o.finished and o.prompt_token_ids == p
@@ -78,11 +78,15 @@ def test_embed_defaults_dimensions_and_score(llm, model):
     prompts = _prompts(3, [20, 60, 9])
     embs = llm.embed(prompts, use_tqdm=False)
     assert all(isinstance(e, EmbeddingRequestOutput) for e in embs)
-    for p, e in zip(prompts, embs):   # defaults: LAST, normalised (vLLM's for decoder-only models)
+    for p, e in zip(prompts, embs):  # defaults: LAST, normalised (vLLM's for decoder-only models)
         assert e.outputs.hidden_size == 128
         np.testing.assert_allclose(e.outputs.embedding, _unit(_hidden(model, p)[-1]), atol=ATOL)
-    short = llm.embed(prompts[0], PoolingParams(dimensions=16), use_tqdm=False)[0]   # truncate, then normalise
-    np.testing.assert_allclose(short.outputs.embedding, _unit(_hidden(model, prompts[0])[-1][:16]), atol=ATOL)
+    short = llm.embed(prompts[0], PoolingParams(dimensions=16), use_tqdm=False)[
+        0
+    ]  # truncate, then normalise
+    np.testing.assert_allclose(
+        short.outputs.embedding, _unit(_hidden(model, prompts[0])[-1][:16]), atol=ATOL
+    )
     vecs = [_hidden(model, p)[-1] for p in prompts]
     one_to_n = llm.score(prompts[0], prompts, use_tqdm=False)
     assert one_to_n[0].outputs.score == pytest.approx(1.0, abs=1e-6)
@@ -90,7 +94,8 @@ def test_embed_defaults_dimensions_and_score(llm, model):
         assert s.outputs.score == pytest.approx(float(_unit(vecs[0]) @ _unit(v)), abs=1e-5)
     pairwise = llm.score(prompts[:2], prompts[1:], use_tqdm=False)
     assert [s.outputs.score for s in pairwise] == pytest.approx(
-        [float(_unit(vecs[0]) @ _unit(vecs[1])), float(_unit(vecs[1]) @ _unit(vecs[2]))], abs=1e-5)
+        [float(_unit(vecs[0]) @ _unit(vecs[1])), float(_unit(vecs[1]) @ _unit(vecs[2]))], abs=1e-5
+    )
     assert pairwise[0].prompt_token_ids == prompts[0] + prompts[1]
     assert_no_block_leaks(llm)
 
@@ -105,7 +110,9 @@ def test_prefix_hits_for_last_pooling_only(llm, model):
     last = llm.encode([prompt], PoolingParams(normalize=False), use_tqdm=False)[0]
     assert last.num_cached_tokens == 64
     np.testing.assert_allclose(last.outputs.data, h[-1], atol=ATOL)
-    mean = llm.encode([prompt], PoolingParams(pooling_type="MEAN", normalize=False), use_tqdm=False)[0]
+    mean = llm.encode(
+        [prompt], PoolingParams(pooling_type="MEAN", normalize=False), use_tqdm=False
+    )[0]
     assert mean.num_cached_tokens == 0
     np.testing.assert_allclose(mean.outputs.data, h.mean(0), atol=ATOL)
     assert_no_block_leaks(llm)
@@ -118,9 +125,15 @@ def _mixed_batch(llm, model, prompts):
     kinds = ["LAST", "MEAN", "CLS", "ALL"]
     for i, p in enumerate(prompts):
         engine.add_request(f"g{i}", p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-        engine.add_request(f"p{i}", p, PoolingParams(pooling_type=None if kinds[i % 4] == "ALL" else kinds[i % 4],
-                                                     task="token_embed" if kinds[i % 4] == "ALL" else "embed",
-                                                     normalize=False))
+        engine.add_request(
+            f"p{i}",
+            p,
+            PoolingParams(
+                pooling_type=None if kinds[i % 4] == "ALL" else kinds[i % 4],
+                task="token_embed" if kinds[i % 4] == "ALL" else "embed",
+                normalize=False,
+            ),
+        )
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -129,7 +142,9 @@ def _mixed_batch(llm, model, prompts):
                 done[out.request_id] = out
     for i, p in enumerate(prompts):
         assert done[f"g{i}"].outputs[0].token_ids == dense_greedy(model, p, 6)
-        np.testing.assert_allclose(done[f"p{i}"].outputs.data, _pool(_hidden(model, p), kinds[i % 4]), atol=ATOL)
+        np.testing.assert_allclose(
+            done[f"p{i}"].outputs.data, _pool(_hidden(model, p), kinds[i % 4]), atol=ATOL
+        )
     assert_no_block_leaks(llm)
     return engine
 
@@ -142,8 +157,11 @@ def test_mixed_with_generation_and_preemption(model):
 
 
 def test_mixed_with_async_scheduling(model):
-    engine = _mixed_batch(make_llm(model, async_scheduling=True, max_num_batched_tokens=48), model,
-                          _prompts(6, [50, 5, 70, 24]))
+    engine = _mixed_batch(
+        make_llm(model, async_scheduling=True, max_num_batched_tokens=48),
+        model,
+        _prompts(6, [50, 5, 70, 24]),
+    )
     assert engine.scheduler.async_scheduling
 
 
@@ -151,10 +169,18 @@ def test_engine_pooler_config_and_runner(model):
     """``pooler_config`` sets the engine's pooling; ``runner`` (vLLM's) "pooling" takes
     pooling requests only and compiles no sampling program at start-up (its forwards and the
     two small update programs); "generate" refuses them."""
-    llm = make_llm(model, pooler_config={"pooling_type": "mean", "normalize": False},
-                   runner="pooling", warmup=True)
+    llm = make_llm(
+        model,
+        pooler_config={"pooling_type": "mean", "normalize": False},
+        runner="pooling",
+        warmup=True,
+    )
     runner = llm.llm_engine.runner
-    assert runner.num_compiles == len(runner.buckets.tokens) + 2 == len(runner.program_keys(generate=False))
+    assert (
+        runner.num_compiles
+        == len(runner.buckets.tokens) + 2
+        == len(runner.program_keys(generate=False))
+    )
     p = _prompts(7, [30])[0]
     out = llm.embed(p, use_tqdm=False)[0]
     np.testing.assert_allclose(out.outputs.embedding, _hidden(model, p).mean(0), atol=ATOL)
@@ -188,8 +214,8 @@ def test_bad_pooling_input_is_refused_and_engine_stays_usable(llm, model):
     with pytest.raises(ValueError, match="hidden size 128"):
         llm.embed([ok, ok], PoolingParams(dimensions=129), use_tqdm=False)
     with pytest.raises(ValueError, match=r"600 tokens is longer than 511 \(max_model_len=512\)"):
-        llm.embed([ok, [1] * 600], use_tqdm=False)   # the first is aborted again
-    with pytest.raises(ValueError, match=r"512 tokens is longer than 511"):   # all must run
+        llm.embed([ok, [1] * 600], use_tqdm=False)  # the first is aborted again
+    with pytest.raises(ValueError, match=r"512 tokens is longer than 511"):  # all must run
         llm.embed([[1] * 512], use_tqdm=False)
     with pytest.raises(ValueError, match=r"600 tokens is longer than 512 \(max_model_len=512\)"):
         llm.generate([[1] * 600], use_tqdm=False)
@@ -204,29 +230,38 @@ def test_bad_pooling_input_is_refused_and_engine_stays_usable(llm, model):
     with pytest.raises(ValueError, match="one prompt with N"):
         llm.score([ok, ok], [ok, ok, ok], use_tqdm=False)
     assert_no_block_leaks(llm)
-    engine = llm.llm_engine   # aborted between two chunks of its prompt: no output, no leak
+    engine = llm.llm_engine  # aborted between two chunks of its prompt: no output, no leak
     engine.add_request("aborted", [3] * 130, PoolingParams(pooling_type="MEAN"))
     assert engine.step() == []
     engine.abort_request("aborted")
     assert not engine.has_unfinished_requests()
     assert_no_block_leaks(llm)
-    out = llm.encode([ok], PoolingParams(truncate_prompt_tokens=4, normalize=False), use_tqdm=False)[0]
+    out = llm.encode(
+        [ok], PoolingParams(truncate_prompt_tokens=4, normalize=False), use_tqdm=False
+    )[0]
     assert out.prompt_token_ids == ok[-4:]
     np.testing.assert_allclose(out.outputs.data, _hidden(model, ok[-4:])[-1], atol=ATOL)
     assert_no_block_leaks(llm)
 
 
 @settings(max_examples=60, deadline=None)
-@given(length=st.integers(1, 40), data=st.data(),
-       kind=st.sampled_from(["LAST", "MEAN", "CLS", "ALL"]), normalize=st.booleans(),
-       dims=st.one_of(st.none(), st.integers(1, 6)))
+@given(
+    length=st.integers(1, 40),
+    data=st.data(),
+    kind=st.sampled_from(["LAST", "MEAN", "CLS", "ALL"]),
+    normalize=st.booleans(),
+    dims=st.one_of(st.none(), st.integers(1, 6)),
+)
 def test_accumulator_over_any_chunking_and_restarts(length, data, kind, normalize, dims):
     """Host side: whatever the chunks, and after restarts from position 0 (preemption), the
     finished vector is the pooling of the whole prompt."""
     h = np.random.default_rng(length).standard_normal((length, 6)).astype(np.float32)
-    params = PoolingParams(pooling_type=None if kind == "ALL" else kind, normalize=normalize,
-                           dimensions=dims, task="token_embed" if kind == "ALL" else "embed"
-                           ).resolved(PoolerConfig(), 6)
+    params = PoolingParams(
+        pooling_type=None if kind == "ALL" else kind,
+        normalize=normalize,
+        dimensions=dims,
+        task="token_embed" if kind == "ALL" else "embed",
+    ).resolved(PoolerConfig(), 6)
     acc = PoolAccumulator(params, length)
     restarts = data.draw(st.integers(0, 2))
     result = None
@@ -236,7 +271,7 @@ def test_accumulator_over_any_chunking_and_restarts(length, data, kind, normaliz
         while pos < stop:
             q = data.draw(st.integers(1, stop - pos))
             # the step: this row's q tokens start at token 3 of a step of T = 3 + q + 2 tokens
-            result = acc.add(h[pos: pos + q], pos)
+            result = acc.add(h[pos : pos + q], pos)
             assert (result is None) == (pos + q < length)
             pos += q
     np.testing.assert_allclose(result, finish(_pool(h, kind), params), atol=1e-5)
@@ -244,8 +279,15 @@ def test_accumulator_over_any_chunking_and_restarts(length, data, kind, normaliz
 
 def test_mixed_with_speculative_decoding(model):
     """Pooling rows never take drafts; the generation rows beside them accept theirs."""
-    llm = make_llm(model, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                              "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    llm = make_llm(
+        model,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        },
+    )
     engine = _mixed_batch(llm, model, [([7, 8, 9] * 20)[:n] for n in (40, 20, 55, 9)])
     assert engine.get_stats()["spec_num_accepted_tokens"] > 0
 
@@ -254,9 +296,11 @@ def test_hybrid_model_sliding_windows_and_soft_caps():
     """The Gemma-2-style hybrid (sliding-window layers, soft-caps) pools through chunks too."""
     hybrid = small_model("tiny-hybrid")
     llm = make_llm(hybrid, max_num_batched_tokens=48)
-    prompts = _prompts(10, [5, 70, 130])          # beyond the 16-token window, in 1-3 chunks
+    prompts = _prompts(10, [5, 70, 130])  # beyond the 16-token window, in 1-3 chunks
     for kind in ("LAST", "MEAN"):
-        outs = llm.encode(prompts, PoolingParams(pooling_type=kind, normalize=False), use_tqdm=False)
+        outs = llm.encode(
+            prompts, PoolingParams(pooling_type=kind, normalize=False), use_tqdm=False
+        )
         for p, o in zip(prompts, outs):
             np.testing.assert_allclose(o.outputs.data, _pool(_hidden(hybrid, p), kind), atol=ATOL)
     assert_no_block_leaks(llm)

@@ -65,8 +65,15 @@ def async_llm(model):
 
 @pytest.fixture(scope="module")
 def spec_llm(model):
-    return make_llm(model, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                               "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    return make_llm(
+        model,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        },
+    )
 
 
 @contextlib.contextmanager
@@ -113,7 +120,9 @@ def fail_in_jitted_step(runner):
 
         def forward(*args):
             buffers, tables, hidden, selected = program.fn(*args)
-            selected = jax.pure_callback(check, jax.ShapeDtypeStruct(selected.shape, selected.dtype), selected)
+            selected = jax.pure_callback(
+                check, jax.ShapeDtypeStruct(selected.shape, selected.dtype), selected
+            )
             return buffers, tables, hidden, selected
 
         return dataclasses.replace(program, fn=forward)
@@ -131,7 +140,9 @@ def injection(llm, stage: str):
     engine = llm.llm_engine
     return {
         "schedule": lambda: fail_once(engine.scheduler, "schedule", after=True),
-        "schedule_mid": lambda: fail_once(engine.scheduler.kv_cache_manager, "allocate_slots", on_call=2),
+        "schedule_mid": lambda: fail_once(
+            engine.scheduler.kv_cache_manager, "allocate_slots", on_call=2
+        ),
         "dispatch": lambda: fail_once(engine.runner, "_to_device"),
         "jitted_step": lambda: fail_in_jitted_step(engine.runner),
         "collect": lambda: fail_once(engine.runner, "_fetch", after=True),
@@ -142,8 +153,11 @@ def injection(llm, stage: str):
 
 def _decoding(engine) -> bool:
     sched = engine.scheduler
-    return bool(sched.running) and not sched.waiting and all(
-        r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+    return (
+        bool(sched.running)
+        and not sched.waiting
+        and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+    )
 
 
 def run_and_fail(llm, stage: str, kind: str) -> EngineStepError | BaseException:
@@ -153,14 +167,16 @@ def run_and_fail(llm, stage: str, kind: str) -> EngineStepError | BaseException:
     if kind == "pooling":
         engine.add_request("pool", PROMPTS[0], PoolingParams())
         ready = lambda: True  # noqa: E731
-    elif kind == "mixed":   # one request decodes while a long one runs its first chunk
+    elif kind == "mixed":  # one request decodes while a long one runs its first chunk
         engine.add_request("a", PROMPTS[1], GREEDY)
         while not _decoding(engine):
             engine.step()
         engine.add_request("b", PROMPTS[2], GREEDY)
         ready = lambda: True  # noqa: E731
     elif kind == "spec":
-        engine.add_request("s", REPEATING, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            "s", REPEATING, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        )
         ready = lambda: any(r.spec_token_ids for r in engine.scheduler.running)  # noqa: E731
     else:
         for i, p in enumerate(PROMPTS[:2]):
@@ -172,7 +188,7 @@ def run_and_fail(llm, stage: str, kind: str) -> EngineStepError | BaseException:
         engine.step()
     else:
         raise AssertionError(f"no {kind} step came")
-    with pytest.raises(BaseException) as info:   # noqa: PT011 - each stage raises its own way
+    with pytest.raises(BaseException) as info:  # noqa: PT011 - each stage raises its own way
         with injection(llm, stage):
             for _ in range(50):
                 engine.step()
@@ -190,7 +206,7 @@ def drain(llm, reference) -> dict:
         done.update({o.request_id: o for o in engine.step() if o.finished})
     for rid, out in done.items():
         if not isinstance(out.outputs, list):
-            continue   # a pooling output
+            continue  # a pooling output
         want = reference[int(rid[-1])] if rid[-1].isdigit() else None
         assert out.outputs[0].finish_reason == "length", (rid, out)
         if want is not None:
@@ -226,14 +242,16 @@ def test_failed_step_sync(sync_llm, reference, stage, kind):
     assert isinstance(err.__cause__, Injected) or "Injected" in str(err)
     assert err.aborted_request_ids, err
     assert err.kv_cache_lost == (stage == "jitted_step")
-    if stage == "process":   # the request whose output failed is named
+    if stage == "process":  # the request whose output failed is named
         assert err.request_id in err.aborted_request_ids
     check_recovered(sync_llm, reference)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["prefill", "decode", "mixed"])
-@pytest.mark.parametrize("stage", ["schedule", "dispatch", "jitted_step", "collect", "update", "process"])
+@pytest.mark.parametrize(
+    "stage", ["schedule", "dispatch", "jitted_step", "collect", "update", "process"]
+)
 def test_failed_step_async(async_llm, reference, stage, kind):
     err = run_and_fail(async_llm, stage, kind)
     assert isinstance(err, EngineStepError), err
@@ -323,5 +341,5 @@ def test_unwritten_blocks_are_not_served_as_hits(model, reference):
     assert pool.cached_block_hash_to_block.num_blocks() == 0
     out = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference[0]
-    again = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]   # now written: a real hit
+    again = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]  # now written: a real hit
     assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == reference[0]

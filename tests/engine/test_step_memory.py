@@ -16,7 +16,7 @@ def _compiled_memory(runner, *, size):
 
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-hybrid"])
-@pytest.mark.parametrize("size", ["decode", "mixed"])   # the smallest and the largest forward
+@pytest.mark.parametrize("size", ["decode", "mixed"])  # the smallest and the largest forward
 def test_step_updates_cache_in_place(family, size):
     model = small_model(family)
     temps = []

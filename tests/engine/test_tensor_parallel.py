@@ -20,20 +20,27 @@ from jaxkv.models.sharding import DEFAULT_TP_RULES, TP_AXIS, partition_spec
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("name, ndim, spec", [
-    ("model.layers.0.self_attn.q_proj.kernel", 2, P(None, TP_AXIS)),
-    ("model.layers.7.self_attn.k_proj.bias", 1, P(TP_AXIS)),
-    ("model.layers.3.self_attn.o_proj.kernel", 2, P(TP_AXIS, None)),
-    ("model.layers.3.self_attn.o_proj.bias", 1, P()),
-    ("model.layers.1.mlp.gate_proj.kernel", 2, P(None, TP_AXIS)),
-    ("model.layers.1.mlp.up_proj.kernel", 2, P(None, TP_AXIS)),
-    ("model.layers.1.mlp.down_proj.kernel", 2, P(TP_AXIS, None)),
-    ("model.layers.1.self_attn.q_norm.weight", 1, P()),
-    ("model.embed_tokens.embedding", 2, P(TP_AXIS, None)),
-    ("lm_head.weight", 2, P(TP_AXIS, None)),
-    ("lm_head.kernel", 2, P()),
-    ("model.layers.0.self_attn.my_q_proj_extra.kernel", 2, P()),   # a name that only contains one
-])
+@pytest.mark.parametrize(
+    "name, ndim, spec",
+    [
+        ("model.layers.0.self_attn.q_proj.kernel", 2, P(None, TP_AXIS)),
+        ("model.layers.7.self_attn.k_proj.bias", 1, P(TP_AXIS)),
+        ("model.layers.3.self_attn.o_proj.kernel", 2, P(TP_AXIS, None)),
+        ("model.layers.3.self_attn.o_proj.bias", 1, P()),
+        ("model.layers.1.mlp.gate_proj.kernel", 2, P(None, TP_AXIS)),
+        ("model.layers.1.mlp.up_proj.kernel", 2, P(None, TP_AXIS)),
+        ("model.layers.1.mlp.down_proj.kernel", 2, P(TP_AXIS, None)),
+        ("model.layers.1.self_attn.q_norm.weight", 1, P()),
+        ("model.embed_tokens.embedding", 2, P(TP_AXIS, None)),
+        ("lm_head.weight", 2, P(TP_AXIS, None)),
+        ("lm_head.kernel", 2, P()),
+        (
+            "model.layers.0.self_attn.my_q_proj_extra.kernel",
+            2,
+            P(),
+        ),  # a name that only contains one
+    ],
+)
 def test_default_rules(name, ndim, spec):
     assert partition_spec(name, ndim, DEFAULT_TP_RULES) == spec
 
@@ -47,11 +54,30 @@ def test_rule_of_the_wrong_rank_is_refused():
 def test_engine_on_two_host_devices():
     """Runs tests/engine/tp_cases.py on two CPU devices; every case must pass, none skip."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/engine/tp_cases.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/engine/tp_cases.py",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout and "deselected" not in proc.stdout, tail
+    assert (
+        " passed" in proc.stdout
+        and "skipped" not in proc.stdout
+        and "deselected" not in proc.stdout
+    ), tail

@@ -22,13 +22,22 @@ from ckpt_fixtures import hf_config_dict, small_config, write_llama_gguf  # noqa
 #: Engine flags of the test servers and of the in-process LLMs they are compared with (same
 #: settings: the same programs, compiled once through the session's XLA cache). Both warm up
 #: as a user's would (the default): every program is compiled before the first request.
-ENGINE = dict(max_model_len=128, kv_cache_memory_bytes=1 << 20, max_num_seqs=8, max_num_batched_tokens=128)
+ENGINE = dict(
+    max_model_len=128, kv_cache_memory_bytes=1 << 20, max_num_seqs=8, max_num_batched_tokens=128
+)
 
 
 def serve_flags(engine: dict = ENGINE) -> list[str]:
-    return ["--max-model-len", str(engine["max_model_len"]), "--kv-cache-memory", str(engine["kv_cache_memory_bytes"]),
-            "--max-num-seqs", str(engine["max_num_seqs"]),
-            "--max-num-batched-tokens", str(engine["max_num_batched_tokens"])]
+    return [
+        "--max-model-len",
+        str(engine["max_model_len"]),
+        "--kv-cache-memory",
+        str(engine["kv_cache_memory_bytes"]),
+        "--max-num-seqs",
+        str(engine["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(engine["max_num_batched_tokens"]),
+    ]
 
 
 def make_model_dir(path: Path) -> Path:
@@ -38,14 +47,21 @@ def make_model_dir(path: Path) -> Path:
     import numpy as np
 
     from jaxkv.models import build_model, hf_state_dict
-    from jaxkv.models.checkpoint import read_gguf_metadata, tokenizer_from_gguf_metadata, write_safetensors_dir
+    from jaxkv.models.checkpoint import (
+        read_gguf_metadata,
+        tokenizer_from_gguf_metadata,
+        write_safetensors_dir,
+    )
 
     config = small_config(eos_token_id=2, bos_token_id=1)
     hf = hf_config_dict(config)
     write_safetensors_dir(path, hf, hf_state_dict(build_model(config, seed=1)))
     vocab_only = path / "vocab.gguf"
-    write_llama_gguf(vocab_only, hf, {"model.embed_tokens.weight": np.zeros((hf["vocab_size"], hf["hidden_size"]),
-                                                                            np.float32)})
+    write_llama_gguf(
+        vocab_only,
+        hf,
+        {"model.embed_tokens.weight": np.zeros((hf["vocab_size"], hf["hidden_size"]), np.float32)},
+    )
     tokenizer_from_gguf_metadata(read_gguf_metadata(gguf.GGUFReader(str(vocab_only)))).save(path)
     vocab_only.unlink()
     return path
@@ -72,10 +88,22 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "server.log"
         env = {**os.environ, **_compile_cache_env(tmp), "PYTHONPATH": str(ROOT)}
-        cmd = [sys.executable, "-m", "jaxkv.entrypoints.cli", "serve", model, "--port", str(self.port),
-               "--uvicorn-log-level", "warning", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxkv.entrypoints.cli",
+            "serve",
+            model,
+            "--port",
+            str(self.port),
+            "--uvicorn-log-level",
+            "warning",
+            *args,
+        ]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
         self.pid = self.proc.pid
         try:
             self._wait_healthy(startup_s)

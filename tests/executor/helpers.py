@@ -9,7 +9,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "models"))   # ckpt_fixtures (the HF config writer)
+sys.path.insert(0, str(ROOT / "tests" / "models"))  # ckpt_fixtures (the HF config writer)
 
 
 def save_small_model(family: str, path: pathlib.Path, **overrides):
@@ -52,15 +52,28 @@ def executor_config(model_path, **overrides):
     from jaxkv.core import SchedulerConfig  # noqa: PLC0415
     from jaxkv.engine_config import EngineConfig  # noqa: PLC0415
 
-    fields = dict(model_name=str(model_path), model=str(model_path), dtype="float32", seed=0,
-                  tensor_parallel_size=2, block_size=16, cache_dtype="float32",
-                  kv_cache_memory_bytes=8 << 20, max_num_seqs=4, max_num_batched_tokens=64,
-                  max_model_len=512, attention_backend="auto", warmup=False,
-                  distributed_executor_backend="mp")
+    fields = dict(
+        model_name=str(model_path),
+        model=str(model_path),
+        dtype="float32",
+        seed=0,
+        tensor_parallel_size=2,
+        block_size=16,
+        cache_dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        attention_backend="auto",
+        warmup=False,
+        distributed_executor_backend="mp",
+    )
     fields.update(overrides)
-    fields["scheduler_config"] = SchedulerConfig(max_num_seqs=fields["max_num_seqs"],
-                                                 max_num_batched_tokens=fields["max_num_batched_tokens"],
-                                                 max_model_len=fields["max_model_len"])
+    fields["scheduler_config"] = SchedulerConfig(
+        max_num_seqs=fields["max_num_seqs"],
+        max_num_batched_tokens=fields["max_num_batched_tokens"],
+        max_model_len=fields["max_model_len"],
+    )
     return EngineConfig(**fields)
 
 

@@ -10,8 +10,13 @@ import time
 def whoami(worker) -> dict:
     import jax  # noqa: PLC0415
 
-    return {"rank": worker.rank, "pid": os.getpid(), "process_index": jax.process_index(),
-            "local_devices": len(jax.local_devices()), "devices": jax.device_count()}
+    return {
+        "rank": worker.rank,
+        "pid": os.getpid(),
+        "process_index": jax.process_index(),
+        "local_devices": len(jax.local_devices()),
+        "devices": jax.device_count(),
+    }
 
 
 def fail_on_rank(worker, rank: int) -> int:
@@ -40,7 +45,9 @@ def holds_config(worker, configs: list) -> bool:
     runner = worker.model_runner
     assert runner.config.num_blocks == configs[worker.rank].num_blocks
     local = runner.buffers[0].addressable_shards
-    assert len(local) == 1 and local[0].data.shape[0] == configs[worker.rank].kv_cache_tensors[0].size
+    assert (
+        len(local) == 1 and local[0].data.shape[0] == configs[worker.rank].kv_cache_tensors[0].size
+    )
     return True
 
 
@@ -55,5 +62,6 @@ def fail_next_dispatch(worker) -> int:
     def failing(scheduler_output):
         worker.dispatch = real
         raise ValueError(f"dispatch failed on purpose in rank {worker.rank}")
+
     worker.dispatch = failing
     return worker.rank

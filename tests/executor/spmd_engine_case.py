@@ -16,8 +16,12 @@ def main(rank: int, port: int, out_path: str) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                               process_id=rank, initialization_timeout=60)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=rank,
+        initialization_timeout=60,
+    )
     import numpy as np
 
     from jaxkv.sampling_params import SamplingParams
@@ -29,13 +33,20 @@ def main(rank: int, port: int, out_path: str) -> None:
     assert llm.llm_engine.runner.mesh.is_multi_process
     rng = np.random.default_rng(0)
     shared = rng.integers(3, 512, size=40).tolist()
-    prompts = [shared + rng.integers(3, 512, size=5).tolist(), rng.integers(3, 512, size=90).tolist(),
-               shared + rng.integers(3, 512, size=7).tolist()]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False)
-    result = {"prompts": prompts, "tokens": [o.outputs[0].token_ids for o in outs],
-              "cached": [o.num_cached_tokens for o in outs],
-              "preemptions": llm.llm_engine.get_stats()["num_preemptions"]}
+    prompts = [
+        shared + rng.integers(3, 512, size=5).tolist(),
+        rng.integers(3, 512, size=90).tolist(),
+        shared + rng.integers(3, 512, size=7).tolist(),
+    ]
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
+    result = {
+        "prompts": prompts,
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "cached": [o.num_cached_tokens for o in outs],
+        "preemptions": llm.llm_engine.get_stats()["num_preemptions"],
+    }
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(result, f)
     jax.distributed.shutdown()

@@ -45,8 +45,9 @@ def _workload(seed=0):
     rng = np.random.default_rng(seed)
     shared = rng.integers(3, 512, size=40).tolist()
     first = [shared + rng.integers(3, 512, size=5).tolist(), rng.integers(3, 512, size=90).tolist()]
-    later = [shared + rng.integers(3, 512, size=n).tolist() for n in (7, 3, 12)] + \
-        [rng.integers(3, 512, size=30).tolist()]
+    later = [shared + rng.integers(3, 512, size=n).tolist() for n in (7, 3, 12)] + [
+        rng.integers(3, 512, size=30).tolist()
+    ]
     return first, later
 
 
@@ -74,12 +75,19 @@ def test_llama_matches_one_process_and_dense(models):
     ex = core.model_executor
     pids = list(ex.worker_pids.values())
     try:
-        assert ex.collective_rpc(rpc_funcs.holds_config, args=(core.kv_cache_configs,)) == [True, True]
+        assert ex.collective_rpc(rpc_funcs.holds_config, args=(core.kv_cache_configs,)) == [
+            True,
+            True,
+        ]
         assert [w["process_index"] for w in ex.collective_rpc(rpc_funcs.whoami)] == [0, 1]
         outs = _run(llm, first, later, greedy)
         for p, o, r in zip(first + later, outs, ref):
-            assert o.outputs[0].token_ids == r.outputs[0].token_ids == dense_greedy(model, p, 16), p[:4]
-        assert any(o.num_cached_tokens >= 32 for o in outs[2:5]), [o.num_cached_tokens for o in outs]
+            assert o.outputs[0].token_ids == r.outputs[0].token_ids == dense_greedy(model, p, 16), (
+                p[:4]
+            )
+        assert any(o.num_cached_tokens >= 32 for o in outs[2:5]), [
+            o.num_cached_tokens for o in outs
+        ]
         assert llm.llm_engine.get_stats()["num_preemptions"] > 0
         assert_no_block_leaks(llm)
         got = llm.generate(first, seeded, use_tqdm=False)
@@ -120,22 +128,29 @@ def test_hybrid_sliding_window_async_then_stopped_worker(models):
     def stop():
         stopped.append(time.monotonic())
         os.kill(pids[0], signal.SIGSTOP)
+
     timer = threading.Timer(1.0, stop)
     try:
         assert len(llm.llm_engine.kv_cache_config.kv_cache_groups) == 2
-        outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
-                            use_tqdm=False)
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False
+        )
         for p, o in zip(prompts, outs):
             assert o.outputs[0].token_ids == dense_greedy(model, p, 20)
         timer.start()
-        with pytest.raises(WorkerDiedError, match=rf"worker rank 0 \(pid {pids[0]}\) sent no heartbeat"):
-            llm.generate(prompts[:1], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
-                         use_tqdm=False)
+        with pytest.raises(
+            WorkerDiedError, match=rf"worker rank 0 \(pid {pids[0]}\) sent no heartbeat"
+        ):
+            llm.generate(
+                prompts[:1],
+                SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+                use_tqdm=False,
+            )
         assert stopped and time.monotonic() - stopped[0] < ex.heartbeat_timeout_s + 5
         assert all_gone(pids.values(), 2.0)
     finally:
         timer.cancel()
-        llm.shutdown()   # SIGKILL ends a stopped worker too
+        llm.shutdown()  # SIGKILL ends a stopped worker too
 
 
 @pytest.mark.slow
@@ -151,13 +166,17 @@ def test_worker_killed_mid_generation(models):
     def kill():
         killed.append(time.monotonic())
         os.kill(pids[1], signal.SIGKILL)
+
     timer = threading.Timer(3.0, kill)
     prompt = list(range(3, 40))
     timer.start()
     try:
         with pytest.raises(WorkerDiedError, match=rf"worker rank 1 \(pid {pids[1]}\) died") as info:
-            llm.generate([prompt] * 2, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
-                         use_tqdm=False)
+            llm.generate(
+                [prompt] * 2,
+                SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
+                use_tqdm=False,
+            )
     finally:
         timer.cancel()
     assert killed and time.monotonic() - killed[0] < 5, info.value
@@ -166,8 +185,9 @@ def test_worker_killed_mid_generation(models):
 
     again = _mp(path, max_num_seqs=4)
     new_pids = list(again.llm_engine.engine_core.model_executor.worker_pids.values())
-    (out,) = again.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-                            use_tqdm=False)
+    (out,) = again.generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
     assert out.outputs[0].token_ids == dense_greedy(model, prompt, 6)
     del again, out
     gc.collect()
@@ -190,22 +210,61 @@ def test_two_nodes_on_loopback_through_jaxkv_generate(tmp_path):
     from tests.executor.test_multiproc_executor import _two_free_ports  # noqa: PLC0415
 
     path = tmp_path / "tiny-llama-kv4"
-    model = save_small_model("tiny-llama", path, num_key_value_heads=4)   # 4 KV heads: TP 4
+    model = save_small_model("tiny-llama", path, num_key_value_heads=4)  # 4 KV heads: TP 4
     first, later = _workload()
     prompts = first + later
     port = _two_free_ports()
     cli = [sys.executable, "-m", "jaxkv.entrypoints.cli", "generate"]
-    nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "-tp", "4",
-             "--devices-per-worker", "2"]
-    node1 = subprocess.Popen(cli + nodes + ["--headless", "--node-rank", "1"], env=worker_env(), cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    nodes = [
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "-tp",
+        "4",
+        "--devices-per-worker",
+        "2",
+    ]
+    node1 = subprocess.Popen(
+        cli + nodes + ["--headless", "--node-rank", "1"],
+        env=worker_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         ids = [a for p in prompts for a in ("--prompt-token-ids", ",".join(map(str, p)))]
         node0 = subprocess.run(
-            cli + nodes + ["--node-rank", "0", "--model", str(path), "--max-tokens", "10", "--warmup", "off",
-                           "--kv-cache-memory", "96KiB", "--max-model-len", "128", "--max-num-seqs", "4",
-                           "--max-num-batched-tokens", "64"] + ids,
-            env=worker_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+            cli
+            + nodes
+            + [
+                "--node-rank",
+                "0",
+                "--model",
+                str(path),
+                "--max-tokens",
+                "10",
+                "--warmup",
+                "off",
+                "--kv-cache-memory",
+                "96KiB",
+                "--max-model-len",
+                "128",
+                "--max-num-seqs",
+                "4",
+                "--max-num-batched-tokens",
+                "64",
+            ]
+            + ids,
+            env=worker_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert node0.returncode == 0, node0.stderr[-3000:]
         out = node0.stdout
         got = [list(map(int, line.split())) for line in re.findall(r"^(\d+(?: \d+)*)$", out, re.M)]

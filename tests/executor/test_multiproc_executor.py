@@ -20,7 +20,14 @@ from jaxkv.kv_cache import get_kv_cache_configs
 from jaxkv.sampling_params import SamplingParams
 from tests.engine.helpers import make_llm
 from tests.executor import rpc_funcs
-from tests.executor.helpers import ROOT, all_gone, executor_config, pid_alive, save_small_model, worker_env
+from tests.executor.helpers import (
+    ROOT,
+    all_gone,
+    executor_config,
+    pid_alive,
+    save_small_model,
+    worker_env,
+)
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process checks read /proc")
 
@@ -42,13 +49,20 @@ def _record(model, max_tokens=12):
         out = execute(so)
         steps.append((pickle.dumps(so), out.sampled_token_ids))
         return out
+
     eng.runner.execute_model = recording
     rng = np.random.default_rng(0)
     shared = rng.integers(3, 512, size=40).tolist()
-    prompts = [shared + rng.integers(3, 512, size=5).tolist(), rng.integers(3, 512, size=90).tolist(),
-               shared + [5, 6, 7]]
-    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                 use_tqdm=False)
+    prompts = [
+        shared + rng.integers(3, 512, size=5).tolist(),
+        rng.integers(3, 512, size=90).tolist(),
+        shared + [5, 6, 7],
+    ]
+    llm.generate(
+        prompts,
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert eng.get_stats()["num_preemptions"] > 0
     return steps, eng.config.max_model_len
 
@@ -71,11 +85,14 @@ def test_replay_per_rank_configs_and_errors(tiny):
         mem = ex.collective_rpc(rpc_funcs.scale_memory, args=([1.0, 0.5],))
         assert ex.determine_available_memory() == mem and mem[1] < mem[0]
         configs = get_kv_cache_configs(ex.get_kv_cache_specs(), mem, max_model_len=max_model_len)
-        alone = [get_kv_cache_configs([s], [m], max_model_len=max_model_len)[0].num_blocks
-                 for s, m in zip(ex.get_kv_cache_specs(), mem)]
+        alone = [
+            get_kv_cache_configs([s], [m], max_model_len=max_model_len)[0].num_blocks
+            for s, m in zip(ex.get_kv_cache_specs(), mem)
+        ]
         assert configs[0].num_blocks == configs[1].num_blocks == min(alone) < max(alone)
-        configs = get_kv_cache_configs(ex.get_kv_cache_specs(), mem, max_model_len=max_model_len,
-                                       num_gpu_blocks_override=12)
+        configs = get_kv_cache_configs(
+            ex.get_kv_cache_specs(), mem, max_model_len=max_model_len, num_gpu_blocks_override=12
+        )
         ex.initialize_from_config(configs)
         assert ex.collective_rpc(rpc_funcs.holds_config, args=(configs,)) == [True, True]
         for i, (blob, tokens) in enumerate(steps):
@@ -90,7 +107,7 @@ def test_replay_per_rank_configs_and_errors(tiny):
             ex.collective_rpc(rpc_funcs.fail_on_rank, args=(1,))
         note = "\n".join(info.value.__notes__)
         assert f"worker rank 1 (pid {pids[1]})" in note and "in fail_on_rank" in note
-        assert ex.collective_rpc(rpc_funcs.fail_on_rank, args=(7,)) == [0, 1]   # still usable
+        assert ex.collective_rpc(rpc_funcs.fail_on_rank, args=(7,)) == [0, 1]  # still usable
         with pytest.raises(TypeError, match="result of type function cannot be pickled"):
             ex.collective_rpc(rpc_funcs.unpicklable)
 
@@ -117,8 +134,10 @@ def test_killed_worker_is_an_error_naming_it(tiny):
         assert ex.collective_rpc(rpc_funcs.sleep_on_rank, args=(1, 0.0)) == [0, 1]
         os.kill(pids[1], signal.SIGKILL)
         t0 = time.monotonic()
-        with pytest.raises(WorkerDiedError, match=rf"worker rank 1 \(pid {pids[1]}\) died \(killed by signal 9\)"):
-            ex.collective_rpc(rpc_funcs.sleep_on_rank, args=(0, 30.0))   # rank 0 busy meanwhile
+        with pytest.raises(
+            WorkerDiedError, match=rf"worker rank 1 \(pid {pids[1]}\) died \(killed by signal 9\)"
+        ):
+            ex.collective_rpc(rpc_funcs.sleep_on_rank, args=(0, 30.0))  # rank 0 busy meanwhile
         assert time.monotonic() - t0 < 5
         assert all_gone(pids.values())
     finally:
@@ -154,19 +173,40 @@ def test_no_orphans(tiny, how):
         port = _two_free_ports()
         extra = dict(nnodes=2, master_port=port)
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "jaxkv.executor.multiproc", "--headless", "--nnodes", "2", "--node-rank",
-             "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--tensor-parallel-size", "2"],
-            env=worker_env(), cwd=ROOT)
+            [
+                sys.executable,
+                "-m",
+                "jaxkv.executor.multiproc",
+                "--headless",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--tensor-parallel-size",
+                "2",
+            ],
+            env=worker_env(),
+            cwd=ROOT,
+        )
     script = _PARENT.format(root=str(ROOT), path=str(path), extra=extra)
-    proc = subprocess.Popen([sys.executable, "-c", script, how], stdout=subprocess.PIPE, text=True,
-                            env=worker_env(), cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, how],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=worker_env(),
+        cwd=ROOT,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("PIDS"), line
         pids = [int(p) for p in line.split()[1:]]
         assert len(pids) == 2
         if how == "gc":
-            assert all_gone(pids, 1.0)   # gone before the parent exits
+            assert all_gone(pids, 1.0)  # gone before the parent exits
             assert proc.wait(timeout=60) == 0
         else:
             assert all(pid_alive(p) for p in pids)
@@ -212,16 +252,35 @@ def test_two_nodes_on_loopback_remote_worker_killed(tiny):
     path, _ = tiny
     port = _two_free_ports()
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "jaxkv.executor.multiproc", "--headless", "--nnodes", "2", "--node-rank", "1",
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "--tensor-parallel-size", "2"],
-        env=worker_env(), cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "jaxkv.executor.multiproc",
+            "--headless",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--tensor-parallel-size",
+            "2",
+        ],
+        env=worker_env(),
+        cwd=ROOT,
+    )
     ex = None
     try:
         ex = MultiprocExecutor(executor_config(path, nnodes=2, master_port=port))
         pids = ex.worker_pids
-        assert list(ex._ctl.procs) == [0]   # this node started rank 0 only
+        assert list(ex._ctl.procs) == [0]  # this node started rank 0 only
         who = ex.collective_rpc(rpc_funcs.whoami)
-        assert [w["pid"] for w in who] == [pids[0], pids[1]] and [w["devices"] for w in who] == [2, 2]
+        assert [w["pid"] for w in who] == [pids[0], pids[1]] and [w["devices"] for w in who] == [
+            2,
+            2,
+        ]
         os.kill(pids[1], signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(WorkerDiedError, match=rf"worker rank 1 \(pid {pids[1]}"):
@@ -265,7 +324,9 @@ def test_missing_node_is_a_timeout_naming_it(tiny):
     with pytest.raises(WorkerTimeoutError) as info:
         quick(executor_config(path, nnodes=2, master_port=port))
     assert time.monotonic() - t0 < 20
-    assert str(info.value).startswith("worker ranks [0, 1] did not start within 6 s; ranks [1] run on "
-                                      f"other nodes: is `jaxkv generate --headless --nnodes 2 --node-rank "
-                                      f"N --master-addr 127.0.0.1 --master-port {port}`"), info.value
+    assert str(info.value).startswith(
+        "worker ranks [0, 1] did not start within 6 s; ranks [1] run on "
+        f"other nodes: is `jaxkv generate --headless --nnodes 2 --node-rank "
+        f"N --master-addr 127.0.0.1 --master-port {port}`"
+    ), info.value
     assert _worker_children() == []

@@ -30,9 +30,17 @@ def test_two_process_runner_matches_dense(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
     port, out = free_port(), str(tmp_path / "out.json")
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.executor.spmd_engine_case", str(r), str(port), out],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.executor.spmd_engine_case", str(r), str(port), out],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     try:
         logs = [p.communicate(timeout=240)[0] for p in procs]
     finally:

@@ -13,7 +13,7 @@ def h200():
     try:
         return gpu_aot.aot_device("h200")
     except RuntimeError as e:
-        if os.environ.get("CI") == "true":   # .ci/run installs the plugin: this tier must run
+        if os.environ.get("CI") == "true":  # .ci/run installs the plugin: this tier must run
             pytest.fail(f"the deviceless H200 tier cannot run in CI: {e}")
         pytest.skip(str(e))
 

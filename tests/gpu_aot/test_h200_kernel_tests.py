@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxkv.pallas_kernels as pk
-import tests.kernels.test_attention as kernel_tests   # a module: its classes are not collected here
+import tests.kernels.test_attention as kernel_tests  # a module: its classes are not collected here
 from jaxkv import gpu_aot
 from tests.kernels.test_pallas_kernel import LOWERING_CASES
 
@@ -32,7 +32,7 @@ def check_launches(launches, *, uses_shared_memory=True):
     for k in launches:
         assert 0 <= k.shared_mem_bytes <= limit, k
         assert k.shared_mem_bytes > 0 or not uses_shared_memory, k
-        assert k.spill_bytes == 0, k   # ptxas -v: no spill stores or loads
+        assert k.spill_bytes == 0, k  # ptxas -v: no spill stores or loads
 
 
 class TestPallasOnH200(kernel_tests.TestXla):
@@ -44,8 +44,11 @@ class TestPallasOnH200(kernel_tests.TestXla):
 
     def check(self, **case):
         b, kw, mq = kernel_tests.build_case(**case)
-        fn = jax.jit(functools.partial(pk.paged_attention, backend="pallas", interpret=False,
-                                       max_q_len=mq, **kw))
+        fn = jax.jit(
+            functools.partial(
+                pk.paged_attention, backend="pallas", interpret=False, max_q_len=mq, **kw
+            )
+        )
         check_launches(gpu_aot.compile_with_report(fn, self.dev, *b.attention_args())[1])
 
 
@@ -53,26 +56,62 @@ class TestPallasOnH200(kernel_tests.TestXla):
 def test_lowering_cases_compile(h200, case):
     t, s, b, bs, hq, hkv, d, cdt, qdt, mq, w, cap, scale = case
     sds = jax.ShapeDtypeStruct
-    args = (sds((t, hq, d), qdt), sds((3 * s * b, 2, hkv, bs, d), cdt), sds((s,), jnp.int32),
-            sds((s + 1,), jnp.int32), sds((s, b), jnp.int32), sds((), jnp.int32))
-    fn = jax.jit(functools.partial(pk.paged_attention, backend="pallas", interpret=False,
-                                   sm_scale=0.1, max_q_len=mq, sliding_window=w, soft_cap=cap,
-                                   k_scale=scale, v_scale=scale))
+    args = (
+        sds((t, hq, d), qdt),
+        sds((3 * s * b, 2, hkv, bs, d), cdt),
+        sds((s,), jnp.int32),
+        sds((s + 1,), jnp.int32),
+        sds((s, b), jnp.int32),
+        sds((), jnp.int32),
+    )
+    fn = jax.jit(
+        functools.partial(
+            pk.paged_attention,
+            backend="pallas",
+            interpret=False,
+            sm_scale=0.1,
+            max_q_len=mq,
+            sliding_window=w,
+            soft_cap=cap,
+            k_scale=scale,
+            v_scale=scale,
+        )
+    )
     check_launches(gpu_aot.compile_with_report(fn, h200, *args)[1])
 
 
-@pytest.mark.parametrize("dtype,bs,hkv,d,t", [("float32", 8, 2, 64, 21), ("bfloat16", 8, 2, 64, 21),
-                                              ("fp8", 8, 2, 64, 21), ("bfloat16", 16, 8, 128, 64)])
+@pytest.mark.parametrize(
+    "dtype,bs,hkv,d,t",
+    [
+        ("float32", 8, 2, 64, 21),
+        ("bfloat16", 8, 2, 64, 21),
+        ("fp8", 8, 2, 64, 21),
+        ("bfloat16", 16, 8, 128, 64),
+    ],
+)
 def test_kv_write_kernel_compiles_in_place(h200, dtype, bs, hkv, d, t):
     """write_kv(backend="pallas") on a donated buffer: the Triton kernel writes it in place."""
     sds = jax.ShapeDtypeStruct
     pages = 6
     scale = 0.5 if dtype == "fp8" else None
-    args = (sds((pages * pk.page_bytes(bs, hkv, d, dtype),), jnp.uint8), sds((t, hkv, d), jnp.float32),
-            sds((t, hkv, d), jnp.float32), sds((t,), jnp.int32))
-    fn = jax.jit(functools.partial(pk.write_kv, block_size=bs, dtype=dtype, k_scale=scale,
-                                   v_scale=scale, backend="pallas", interpret=False),
-                 donate_argnums=0)
+    args = (
+        sds((pages * pk.page_bytes(bs, hkv, d, dtype),), jnp.uint8),
+        sds((t, hkv, d), jnp.float32),
+        sds((t, hkv, d), jnp.float32),
+        sds((t,), jnp.int32),
+    )
+    fn = jax.jit(
+        functools.partial(
+            pk.write_kv,
+            block_size=bs,
+            dtype=dtype,
+            k_scale=scale,
+            v_scale=scale,
+            backend="pallas",
+            interpret=False,
+        ),
+        donate_argnums=0,
+    )
     compiled, launches = gpu_aot.compile_with_report(fn, h200, *args)
     check_launches(launches, uses_shared_memory=False)
     assert compiled.memory_analysis().alias_size_in_bytes >= args[0].shape[0]

@@ -15,11 +15,11 @@ pytestmark = pytest.mark.gpu_aot
 
 
 @pytest.mark.slow
-@pytest.mark.gpu_aot_full   # 3 compiles, over the main leg's per-test budget
+@pytest.mark.gpu_aot_full  # 3 compiles, over the main leg's per-test budget
 def test_largest_forward_temp_bounds_the_others_on_h200(h200):
-    runner = pallas_runner("tiny-llama")   # 4 requests, 64 tokens a step
+    runner = pallas_runner("tiny-llama")  # 4 requests, 64 tokens a step
     tokens = runner.buckets.tokens
     largest = compile_forward(runner, h200, tokens[-1]).memory_analysis().temp_size_in_bytes
-    for t in (tokens[-2], runner.max_num_seqs):   # the next bucket down and a decode of every row
+    for t in (tokens[-2], runner.max_num_seqs):  # the next bucket down and a decode of every row
         temp = compile_forward(runner, h200, t).memory_analysis().temp_size_in_bytes
         assert 0 < temp <= largest, (t, temp, largest)

@@ -25,11 +25,21 @@ def test_page_scatter_in_place_and_gather_small_on_h200(h200, family):
         k = 8
         ids = np.arange(1, k + 1, dtype=np.int32)
         pages = tuple(jax.ShapeDtypeStruct(kv.page_shape(k), np.uint8) for _ in runner.buffers)
-        w = gpu_aot.aot_compile(jax.jit(kv.write_fn, donate_argnums=0), h200, runner.buffers, ids, pages).memory_analysis()
-        assert w.alias_size_in_bytes >= cache, (w.alias_size_in_bytes, cache)   # in place, not copied
+        w = gpu_aot.aot_compile(
+            jax.jit(kv.write_fn, donate_argnums=0), h200, runner.buffers, ids, pages
+        ).memory_analysis()
+        assert w.alias_size_in_bytes >= cache, (
+            w.alias_size_in_bytes,
+            cache,
+        )  # in place, not copied
         writes.append(w.temp_size_in_bytes)
         r = gpu_aot.aot_compile(jax.jit(kv.read_fn), h200, runner.buffers, ids).memory_analysis()
         moved = len(runner.buffers) * pages_bucket(k) * kv.page_bytes
-        assert moved <= r.output_size_in_bytes <= moved + 256 and r.temp_size_in_bytes <= moved   # + a tuple table
+        assert (
+            moved <= r.output_size_in_bytes <= moved + 256 and r.temp_size_in_bytes <= moved
+        )  # + a tuple table
         reads.append(r.temp_size_in_bytes)
-    assert writes[0] == writes[1] and reads[0] == reads[1], (writes, reads)   # no term in the cache size
+    assert writes[0] == writes[1] and reads[0] == reads[1], (
+        writes,
+        reads,
+    )  # no term in the cache size

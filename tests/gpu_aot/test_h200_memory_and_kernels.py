@@ -29,10 +29,17 @@ pytestmark = pytest.mark.gpu_aot
 #: (decode and prefill tiles, KV writes); the forward of a 4-token decode in bf16, the GPU's
 #: cache dtype. (test_h200_steps.py checks aliasing at every decode shape.)
 #: CI's oldest-jax leg runs the bf16 cases; the f32 and fp8 views are gpu_aot_full (newest jax).
-IN_PLACE_CASES = [pytest.param(f, dt, d, id=f"{f}-{dt}-{'decode' if d else 'mixed'}",
-                               marks=[] if dt == "bfloat16" else [pytest.mark.gpu_aot_full])
-                  for f in ("tiny-llama", "tiny-hybrid")
-                  for dt, d in (("bfloat16", True), ("bfloat16", False), ("auto", False), ("fp8", False))]
+IN_PLACE_CASES = [
+    pytest.param(
+        f,
+        dt,
+        d,
+        id=f"{f}-{dt}-{'decode' if d else 'mixed'}",
+        marks=[] if dt == "bfloat16" else [pytest.mark.gpu_aot_full],
+    )
+    for f in ("tiny-llama", "tiny-hybrid")
+    for dt, d in (("bfloat16", True), ("bfloat16", False), ("auto", False), ("fp8", False))
+]
 
 
 @pytest.mark.parametrize("family,cache_dtype,decode", IN_PLACE_CASES)
@@ -43,10 +50,10 @@ def test_step_updates_cache_in_place_on_h200(h200, family, cache_dtype, decode):
         runner = pallas_runner(family, kv_cache_memory_bytes=mib << 20, kv_cache_dtype=cache_dtype)
         cache = sum(b.nbytes for b in runner.buffers)
         ma = compile_forward(runner, h200, 4 if decode else 64).memory_analysis()
-        assert ma.alias_size_in_bytes >= cache   # buffers donated and aliased, not copied
+        assert ma.alias_size_in_bytes >= cache  # buffers donated and aliased, not copied
         assert ma.temp_size_in_bytes < 0.25 * cache or mib == 16
         temps.append(ma.temp_size_in_bytes)
-    assert temps[0] == temps[1], temps   # the same program apart from the cache's size
+    assert temps[0] == temps[1], temps  # the same program apart from the cache's size
 
 
 #: (name, Hq, Hkv, D, window, soft_cap, cache dtype): Llama-3-8B-like and Gemma-2-9B-like.
@@ -64,14 +71,26 @@ def kernel_launches(dev, Hq, Hkv, D, window, soft_cap, cache_dtype, *, decode: b
     T = S if decode else 4 * 512 + 60
     blocks = ctx // bs
     dt = pk.resolve_kv_dtype(cache_dtype)
-    args = (jax.ShapeDtypeStruct((T, Hq, D), jnp.bfloat16),
-            jax.ShapeDtypeStruct(pk.kv_cache_shape(1 + S * blocks, bs, Hkv, D, dt), dt),
-            jax.ShapeDtypeStruct((S,), jnp.int32), jax.ShapeDtypeStruct((S + 1,), jnp.int32),
-            jax.ShapeDtypeStruct((S, blocks), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((T, Hq, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct(pk.kv_cache_shape(1 + S * blocks, bs, Hkv, D, dt), dt),
+        jax.ShapeDtypeStruct((S,), jnp.int32),
+        jax.ShapeDtypeStruct((S + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((S, blocks), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
     scales = {"k_scale": 0.5, "v_scale": 0.5} if cache_dtype == "fp8" else {}
-    fn = jax.jit(lambda *a: pk.paged_attention(
-        *a, sm_scale=D ** -0.5, sliding_window=window, soft_cap=soft_cap, backend="pallas",
-        max_q_len=1 if decode else 512, **scales))
+    fn = jax.jit(
+        lambda *a: pk.paged_attention(
+            *a,
+            sm_scale=D**-0.5,
+            sliding_window=window,
+            soft_cap=soft_cap,
+            backend="pallas",
+            max_q_len=1 if decode else 512,
+            **scales,
+        )
+    )
     _, launches = gpu_aot.compile_with_report(fn, dev, *args)
     return launches
 
@@ -84,21 +103,34 @@ def test_kernels_fit_the_h200(h200, case, decode):
     limit = gpu_aot.shared_memory_limit("h200")
     for k in launches:
         assert 0 < k.shared_mem_bytes <= limit, k
-        assert k.spill_bytes == 0, k   # ptxas -v: no spill stores or loads
+        assert k.spill_bytes == 0, k  # ptxas -v: no spill stores or loads
         assert k.registers is not None and k.registers <= 255, k
 
 
 def test_llama3_8b_layer_compiles_in_bf16(h200):
     """One Llama-3-8B-sized layer (hidden 4096, MLP 14336, 32 / 8 heads of 128, vocabulary
     128256) in bf16, weights abstract (nothing is allocated): decode and mixed steps."""
-    cfg = get_config("tiny-llama", num_hidden_layers=1, hidden_size=4096, intermediate_size=14336,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                     max_position_embeddings=8192, dtype="bfloat16")
+    cfg = get_config(
+        "tiny-llama",
+        num_hidden_layers=1,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        dtype="bfloat16",
+    )
     model = nnx.eval_shape(lambda: build_model(cfg, seed=0))
-    runner = make_llm(model, attention_backend="pallas", max_num_seqs=64, max_num_batched_tokens=512,
-                      max_model_len=4096, kv_cache_memory_bytes=256 << 20).llm_engine.runner
+    runner = make_llm(
+        model,
+        attention_backend="pallas",
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        max_model_len=4096,
+        kv_cache_memory_bytes=256 << 20,
+    ).llm_engine.runner
     for T in (64, 512):
         compiled = compile_forward(runner, h200, T)
         assert compiled.memory_analysis().temp_size_in_bytes < 1 << 30
-
-

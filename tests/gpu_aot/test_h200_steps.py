@@ -48,8 +48,11 @@ def test_every_program_compiles(h200, family):
 @pytest.mark.gpu_aot_full
 def test_verifiers_compile(h200):
     """With n-gram drafts: every verifier program (the forward is the same program)."""
-    spec = pallas_runner("tiny-llama", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-                         **SHAPES_ENGINE)
+    spec = pallas_runner(
+        "tiny-llama",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        **SHAPES_ENGINE,
+    )
     keys = [k for k in spec.program_keys() if k.kind == VERIFY]
     assert [k.size for k in keys] == [1, 2, 4, 8], keys
     for key in keys:
@@ -75,6 +78,8 @@ def test_one_row_heads_compile(h200, kind):
     # tiny-llama's own vocabulary and P = 64 (the bug needs both; the small test model's 512
     # tokens or P = 4 compiled); weights abstract
     model = nnx.eval_shape(lambda: small_model("tiny-llama", vocab_size=32000, hidden_size=512))
-    runner = make_llm(model, attention_backend="pallas", max_num_seqs=64, max_model_len=256).llm_engine.runner
+    runner = make_llm(
+        model, attention_backend="pallas", max_num_seqs=64, max_model_len=256
+    ).llm_engine.runner
     assert runner.buckets.num_sampled == 64 and runner.buckets.seqs[0] == 1
     compile_program(runner, h200, ProgramKey(kind, 1))

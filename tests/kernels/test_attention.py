@@ -38,22 +38,51 @@ SCENARIOS = {
 }
 
 
-def build_case(*, scenario, block_size, head_size, group, num_kv_heads=2, cache_dtype="float32",
-               q_dtype=jnp.float32, sliding_window=None, soft_cap=None, fp8_scale=None,
-               extra_table=0, seed=0, max_q_len="auto", pad=True):
+def build_case(
+    *,
+    scenario,
+    block_size,
+    head_size,
+    group,
+    num_kv_heads=2,
+    cache_dtype="float32",
+    q_dtype=jnp.float32,
+    sliding_window=None,
+    soft_cap=None,
+    fp8_scale=None,
+    extra_table=0,
+    seed=0,
+    max_q_len="auto",
+    pad=True,
+):
     """One case's batch, its ``paged_attention`` keyword arguments and max_q_len (also
     compiled for an H200 by tests/gpu_aot/test_h200_kernel_tests.py)."""
     rng = np.random.default_rng(seed)
     q_lens, kv_lens = SCENARIOS[scenario](block_size)
     width = max(-(-kl // block_size) for kl in kv_lens) + extra_table
-    b = make_batch(rng, q_lens=q_lens, kv_lens=kv_lens, block_size=block_size,
-                   num_q_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
-                   head_size=head_size, cache_dtype=cache_dtype, q_dtype=q_dtype,
-                   num_seq_rows=len(q_lens) + (2 if pad else 0),
-                   num_tokens=sum(q_lens) + (3 if pad else 0), max_blocks=width,
-                   sliding_window=sliding_window, kv_scale=fp8_scale)
-    kw = dict(sm_scale=head_size ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap,
-              k_scale=fp8_scale, v_scale=fp8_scale)
+    b = make_batch(
+        rng,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        block_size=block_size,
+        num_q_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        cache_dtype=cache_dtype,
+        q_dtype=q_dtype,
+        num_seq_rows=len(q_lens) + (2 if pad else 0),
+        num_tokens=sum(q_lens) + (3 if pad else 0),
+        max_blocks=width,
+        sliding_window=sliding_window,
+        kv_scale=fp8_scale,
+    )
+    kw = dict(
+        sm_scale=head_size**-0.5,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=fp8_scale,
+        v_scale=fp8_scale,
+    )
     return b, kw, b.max_q_len if max_q_len == "auto" else max_q_len
 
 
@@ -63,10 +92,14 @@ def run_case(backend, interpret, *, as_bytes=False, **case):
     want = jax.jit(functools.partial(pk.paged_attention, backend="reference", **kw))(*args)
     if as_bytes:  # the engine's form: the byte view plus kv_dtype
         from jaxkv.pallas_kernels.layout import typed_to_bytes
+
         args = (args[0], typed_to_bytes(args[1]), *args[2:])
         kw.update(kv_dtype=case.get("cache_dtype", "float32"))
-    got = jax.jit(functools.partial(pk.paged_attention, backend=backend, interpret=interpret,
-                                    max_q_len=mq, **kw))(*args)
+    got = jax.jit(
+        functools.partial(
+            pk.paged_attention, backend=backend, interpret=interpret, max_q_len=mq, **kw
+        )
+    )(*args)
     assert got.shape == b.q.shape and got.dtype == b.q.dtype
     got = np.asarray(got.astype(jnp.float32))
     want = np.asarray(want.astype(jnp.float32))
@@ -91,6 +124,7 @@ FEATURES = [  # sliding_window, soft_cap, cache_dtype, q_dtype, fp8 scale
 
 class TestXla:
     """Full grid. Subclasses override the backend and which cases they run."""
+
     backend, interpret = "xla", False
 
     def check(self, **kw):
@@ -106,21 +140,43 @@ class TestXla:
 
     @pytest.mark.parametrize("sliding_window,soft_cap,cache_dtype,q_dtype,fp8_scale", FEATURES)
     def test_features(self, sliding_window, soft_cap, cache_dtype, q_dtype, fp8_scale):
-        self.check(scenario="mixed", block_size=8, head_size=64, group=4, cache_dtype=cache_dtype,
-                   q_dtype=q_dtype, sliding_window=sliding_window, soft_cap=soft_cap,
-                   fp8_scale=fp8_scale)
+        self.check(
+            scenario="mixed",
+            block_size=8,
+            head_size=64,
+            group=4,
+            cache_dtype=cache_dtype,
+            q_dtype=q_dtype,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            fp8_scale=fp8_scale,
+        )
 
-    @pytest.mark.parametrize("sliding_window,cache_dtype,fp8_scale", [(6, "float32", None),
-                                                                      (None, "fp8", 0.25)])
+    @pytest.mark.parametrize(
+        "sliding_window,cache_dtype,fp8_scale", [(6, "float32", None), (None, "fp8", 0.25)]
+    )
     def test_decode_features(self, sliding_window, cache_dtype, fp8_scale):
-        self.check(scenario="decode", block_size=8, head_size=64, group=2, cache_dtype=cache_dtype,
-                   sliding_window=sliding_window, fp8_scale=fp8_scale)
+        self.check(
+            scenario="decode",
+            block_size=8,
+            head_size=64,
+            group=2,
+            cache_dtype=cache_dtype,
+            sliding_window=sliding_window,
+            fp8_scale=fp8_scale,
+        )
 
     @pytest.mark.parametrize("max_q_len", [0, 64])
     def test_wide_table_and_loose_max_q_len(self, max_q_len):
         """Extra garbage table columns and a loose (or absent) max_q_len change nothing."""
-        self.check(scenario="mixed", block_size=16, head_size=64, group=2, extra_table=3,
-                   max_q_len=max_q_len)
+        self.check(
+            scenario="mixed",
+            block_size=16,
+            head_size=64,
+            group=2,
+            extra_table=3,
+            max_q_len=max_q_len,
+        )
 
     def test_no_padding(self):
         self.check(scenario="mixed", block_size=8, head_size=64, group=1, pad=False)
@@ -128,24 +184,40 @@ class TestXla:
     @pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (45, 20.0)])
     def test_single_long_decode(self, sliding_window, soft_cap):
         """One row over many work items merged by their maxima (the window empties some)."""
-        self.check(scenario="single", block_size=8, head_size=64, group=4,
-                   sliding_window=sliding_window, soft_cap=soft_cap)
+        self.check(
+            scenario="single",
+            block_size=8,
+            head_size=64,
+            group=4,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
 
 
-@pytest.mark.parametrize("as_bytes,sliding_window,soft_cap", [(False, None, None),
-                                                               (True, 20, 30.0)])
+@pytest.mark.parametrize(
+    "as_bytes,sliding_window,soft_cap", [(False, None, None), (True, 20, 30.0)]
+)
 def test_xla_decode_items_across_iterations(monkeypatch, as_bytes, sliding_window, soft_cap):
     """Decode work items of 1 block, 3 per iteration: a row's items span several iterations,
     one iteration holds items of several rows (and several of one row), padding rows have none."""
     from jaxkv.pallas_kernels import xla_backend
 
-    per_block = 8 * 2 * 2 * 64 * 4                       # bs 8, K+V, Hkv 2, D 64, f32
+    per_block = 8 * 2 * 2 * 64 * 4  # bs 8, K+V, Hkv 2, D 64, f32
     monkeypatch.setattr(xla_backend, "ITEM_KEYS", 8)
     monkeypatch.setattr(xla_backend, "CHUNK_BYTES", 3 * per_block)
     assert xla_backend.decode_items(2, 64, 4, 8, bound_blocks=37, num_rows=9) == (1, 3)
     assert xla_backend.decode_items(2, 64, 4, 8, bound_blocks=2, num_rows=1) == (1, 1)
-    run_case("xla", False, scenario="ragged", block_size=8, head_size=64, group=4,
-             sliding_window=sliding_window, soft_cap=soft_cap, as_bytes=as_bytes)
+    run_case(
+        "xla",
+        False,
+        scenario="ragged",
+        block_size=8,
+        head_size=64,
+        group=4,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        as_bytes=as_bytes,
+    )
 
 
 class TestXlaBytes(TestXla):
@@ -159,6 +231,7 @@ class TestXlaBytes(TestXla):
 class TestCpu(TestXla):
     """The "cpu" backend: prefill and decode rows on the C++ FFI kernel (f32 / bf16 / f16
     caches; fp8 caches run the XLA backend). Full grid, typed cache."""
+
     backend, interpret = "cpu", False
 
     def check(self, **kw):
@@ -168,39 +241,80 @@ class TestCpu(TestXla):
             pytest.skip(f"CPU attention kernel unavailable: {cpu_backend.build_error()}")
         run_case(self.backend, self.interpret, **kw)
 
-    @pytest.mark.parametrize("cache_dtype,q_dtype", [("bfloat16", jnp.bfloat16), ("float16", jnp.float16)])
+    @pytest.mark.parametrize(
+        "cache_dtype,q_dtype", [("bfloat16", jnp.bfloat16), ("float16", jnp.float16)]
+    )
     def test_half_caches_decode(self, cache_dtype, q_dtype):
-        self.check(scenario="ragged", block_size=16, head_size=64, group=4,
-                   cache_dtype=cache_dtype, q_dtype=q_dtype, soft_cap=20.0)
+        self.check(
+            scenario="ragged",
+            block_size=16,
+            head_size=64,
+            group=4,
+            cache_dtype=cache_dtype,
+            q_dtype=q_dtype,
+            soft_cap=20.0,
+        )
 
-    @pytest.mark.parametrize("head_size,group,cache_dtype", [(40, 4, "float32"), (72, 2, "bfloat16"),
-                                                             (80, 4, "float32"), (256, 16, "float32")])
+    @pytest.mark.parametrize(
+        "head_size,group,cache_dtype",
+        [(40, 4, "float32"), (72, 2, "bfloat16"), (80, 4, "float32"), (256, 16, "float32")],
+    )
     def test_head_sizes(self, head_size, group, cache_dtype):
         """Head sizes off the vector kernels (40, 72: the portable loop), an odd multiple of 16
         (80) and the largest head with the largest group (256, 16)."""
-        self.check(scenario="ragged", block_size=16, head_size=head_size, group=group,
-                   cache_dtype=cache_dtype, q_dtype=jnp.float32, sliding_window=70)
+        self.check(
+            scenario="ragged",
+            block_size=16,
+            head_size=head_size,
+            group=group,
+            cache_dtype=cache_dtype,
+            q_dtype=jnp.float32,
+            sliding_window=70,
+        )
 
-    @pytest.mark.parametrize("group,sliding_window,soft_cap,cache_dtype,q_dtype", [
-        (1, None, None, "float32", jnp.float32), (4, 50, 20.0, "float32", jnp.float32),
-        (8, 7, None, "bfloat16", jnp.bfloat16), (4, None, None, "float16", jnp.float32),
-        (7, 30, None, "float32", jnp.float32), (6, None, 20.0, "bfloat16", jnp.float32),
-        (3, None, None, "float32", jnp.float32), (3, 9, 20.0, "float16", jnp.float32)])
+    @pytest.mark.parametrize(
+        "group,sliding_window,soft_cap,cache_dtype,q_dtype",
+        [
+            (1, None, None, "float32", jnp.float32),
+            (4, 50, 20.0, "float32", jnp.float32),
+            (8, 7, None, "bfloat16", jnp.bfloat16),
+            (4, None, None, "float16", jnp.float32),
+            (7, 30, None, "float32", jnp.float32),
+            (6, None, 20.0, "bfloat16", jnp.float32),
+            (3, None, None, "float32", jnp.float32),
+            (3, 9, 20.0, "float16", jnp.float32),
+        ],
+    )
     def test_prefill_tiles(self, group, sliding_window, soft_cap, cache_dtype, q_dtype):
         """Chunks of several 32-row tiles (mid-sequence, windowed), a tile of one row, decodes.
         A group's heads go in blocks of 4, 3, 2 and 1 (7 = 4 + 3, 6 = 4 + 2, 3 = 3: SmolLM2's
         9 query / 3 KV heads); head size 80 is
         5 vectors of 16, one p.v register block of 4 and one of 1 when 4 heads go together."""
-        self.check(scenario="chunked", block_size=16, head_size=80 if group >= 6 else 64, group=group,
-                   sliding_window=sliding_window, soft_cap=soft_cap, cache_dtype=cache_dtype,
-                   q_dtype=q_dtype)
+        self.check(
+            scenario="chunked",
+            block_size=16,
+            head_size=80 if group >= 6 else 64,
+            group=group,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            cache_dtype=cache_dtype,
+            q_dtype=q_dtype,
+        )
 
-    @pytest.mark.parametrize("block_size,sliding_window,soft_cap", [(16, None, None), (32, 200, 30.0)])
+    @pytest.mark.parametrize(
+        "block_size,sliding_window,soft_cap", [(16, None, None), (32, 200, 30.0)]
+    )
     def test_long_decodes_in_parts(self, block_size, sliding_window, soft_cap):
         """~20k keys: the kernel splits its (row, head) items into parts taken by XLA's pool
         threads and the caller; chunks of 64 keys cross page borders."""
-        self.check(scenario="long", block_size=block_size, head_size=64, group=4,
-                   sliding_window=sliding_window, soft_cap=soft_cap)
+        self.check(
+            scenario="long",
+            block_size=block_size,
+            head_size=64,
+            group=4,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
 
 
 @pytest.mark.skipif(ON_GPU, reason="the cpu backend's kernel is a CPU custom call")
@@ -230,10 +344,19 @@ def test_cpu_kernel_random_batches(data):
     window = data.draw(st.one_of(st.none(), st.integers(1, 90)))
     soft_cap = data.draw(st.sampled_from([None, 15.0]))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
-    b = make_batch(rng, q_lens=q_lens, kv_lens=kv_lens, block_size=bs, num_q_heads=group * 2,
-                   num_kv_heads=2, head_size=head_size, num_seq_rows=len(q_lens) + 1,
-                   num_tokens=sum(q_lens) + 2, sliding_window=window)
-    kw = dict(sm_scale=head_size ** -0.5, sliding_window=window, soft_cap=soft_cap)
+    b = make_batch(
+        rng,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        block_size=bs,
+        num_q_heads=group * 2,
+        num_kv_heads=2,
+        head_size=head_size,
+        num_seq_rows=len(q_lens) + 1,
+        num_tokens=sum(q_lens) + 2,
+        sliding_window=window,
+    )
+    kw = dict(sm_scale=head_size**-0.5, sliding_window=window, soft_cap=soft_cap)
     args = b.attention_args()
     want = np.asarray(pk.paged_attention(*args, backend="reference", **kw))
     got = np.asarray(pk.paged_attention(*args, backend="cpu", **kw))
@@ -252,8 +375,9 @@ def test_cpu_kernel_builds_where_a_compiler_exists():
     assert cpu_backend.available(), cpu_backend.build_error()
 
 
-@pytest.mark.skipif(not any(__import__("shutil").which(c) for c in ("c++", "g++")),
-                    reason="needs a C++ compiler")
+@pytest.mark.skipif(
+    not any(__import__("shutil").which(c) for c in ("c++", "g++")), reason="needs a C++ compiler"
+)
 def test_cpu_kernel_build_falls_back_to_flags_the_compiler_accepts(tmp_path, monkeypatch):
     """A compiler that rejects -march=native (Apple clang on arm64 did) and -fopenmp-simd still
     builds the kernels, with the next flag set; one that rejects everything reports its error."""
@@ -266,10 +390,12 @@ def test_cpu_kernel_build_falls_back_to_flags_the_compiler_accepts(tmp_path, mon
 
     real = shutil.which("c++") or shutil.which("g++")
     picky = tmp_path / "picky-c++"
-    picky.write_text("#!/bin/sh\n"
-                     'for a in "$@"; do case "$a" in -march=native|-fopenmp-simd) '
-                     'echo "unsupported option $a" >&2; exit 1;; esac; done\n'
-                     f'exec {real} "$@"\n')
+    picky.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do case "$a" in -march=native|-fopenmp-simd) '
+        'echo "unsupported option $a" >&2; exit 1;; esac; done\n'
+        f'exec {real} "$@"\n'
+    )
     picky.chmod(picky.stat().st_mode | stat.S_IEXEC)
     # The small source only: the flag logic is what is tested, not the attention kernel.
     monkeypatch.setattr(cpu_backend, "SOURCES", (cpu_backend.SOURCES[0].parent / "kv_write.cc",))
@@ -277,7 +403,7 @@ def test_cpu_kernel_build_falls_back_to_flags_the_compiler_accepts(tmp_path, mon
     flags, err = cpu_backend._compile(str(picky), jax.ffi.include_dir(), out)
     assert flags is not None, err
     assert "-march=native" not in flags and "-fopenmp-simd" not in flags
-    assert flags[:len(cpu_backend.FLAGS)] == cpu_backend.FLAGS and out.stat().st_size > 0
+    assert flags[: len(cpu_backend.FLAGS)] == cpu_backend.FLAGS and out.stat().st_size > 0
 
     broken = tmp_path / "broken-c++"
     broken.write_text("#!/bin/sh\necho 'no such compiler really' >&2\nexit 1\n")
@@ -293,6 +419,7 @@ def _subset(cases, keep):
 
 class TestPallas(TestXla):
     """The Pallas kernel: compiled on GPU (whole grid), interpret mode on CPU (a subset)."""
+
     backend, interpret = "pallas", not ON_GPU
 
     def check(self, **kw):
@@ -300,12 +427,14 @@ class TestPallas(TestXla):
         run_case(self.backend, self.interpret, **kw)
 
     if not ON_GPU:
+
         @pytest.mark.parametrize("block_size,head_size,group", _subset(GRID, {0, 5, 7}))
         def test_mixed_grid(self, block_size, head_size, group):
             self.check(scenario="mixed", block_size=block_size, head_size=head_size, group=group)
 
-        @pytest.mark.parametrize("sliding_window,soft_cap,cache_dtype,q_dtype,fp8_scale",
-                                 _subset(FEATURES, {2, 5}))
+        @pytest.mark.parametrize(
+            "sliding_window,soft_cap,cache_dtype,q_dtype,fp8_scale", _subset(FEATURES, {2, 5})
+        )
         def test_features(self, sliding_window, soft_cap, cache_dtype, q_dtype, fp8_scale):
             super().test_features(sliding_window, soft_cap, cache_dtype, q_dtype, fp8_scale)
 
@@ -323,8 +452,15 @@ class TestPallas(TestXla):
 
 
 def test_invalid_args_raise_value_error():
-    b = make_batch(np.random.default_rng(0), q_lens=[1], kv_lens=[3], block_size=8,
-                   num_q_heads=4, num_kv_heads=2, head_size=64)
+    b = make_batch(
+        np.random.default_rng(0),
+        q_lens=[1],
+        kv_lens=[3],
+        block_size=8,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_size=64,
+    )
     q, kv, sl, qsl, bt, ns = b.attention_args()
     call = functools.partial(pk.paged_attention, sm_scale=0.1)
     bad = [

@@ -25,9 +25,15 @@ INTERPRET = NATIVE is None
 
 
 def _lowerings():
-    return [pytest.param(low, marks=pytest.mark.skipif(
-        NATIVE not in (None, low), reason=f"{low} kernels do not run on {PLATFORM}"))
-        for low in ("triton", "mosaic")]
+    return [
+        pytest.param(
+            low,
+            marks=pytest.mark.skipif(
+                NATIVE not in (None, low), reason=f"{low} kernels do not run on {PLATFORM}"
+            ),
+        )
+        for low in ("triton", "mosaic")
+    ]
 
 
 def _case(rng, dtype, *, num_tokens, bs=8, hkv=2, d=64, n=5):
@@ -38,7 +44,7 @@ def _case(rng, dtype, *, num_tokens, bs=8, hkv=2, d=64, n=5):
     k = jnp.asarray(rng.standard_normal((num_tokens, hkv, d)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((num_tokens, hkv, d)), jnp.float32)
     special = [0, n * bs - 1, pk.PAD_SLOT_ID, -5, n * bs, n * bs + 3]
-    real = rng.permutation(np.arange(1, n * bs - 1))[:num_tokens - len(special)]
+    real = rng.permutation(np.arange(1, n * bs - 1))[: num_tokens - len(special)]
     slots = jnp.asarray(rng.permutation(np.concatenate([special, real])), jnp.int32)
     return buf, k, v, slots
 
@@ -48,9 +54,11 @@ def _case(rng, dtype, *, num_tokens, bs=8, hkv=2, d=64, n=5):
 def test_equals_xla_scatter_bit_for_bit(dtype, lowering):
     scale = 0.5 if dtype == "fp8" else None
     buf, k, v, slots = _case(np.random.default_rng(1), dtype, num_tokens=21)
-    write = lambda **kw: jax.jit(functools.partial(
-        pk.write_kv, block_size=8, dtype=dtype, k_scale=scale, v_scale=scale, **kw))(
-            buf, k, v, slots)
+    write = lambda **kw: jax.jit(
+        functools.partial(
+            pk.write_kv, block_size=8, dtype=dtype, k_scale=scale, v_scale=scale, **kw
+        )
+    )(buf, k, v, slots)
     want = np.asarray(write())
     got = np.asarray(write(backend="pallas", interpret=INTERPRET, lowering=lowering))
     np.testing.assert_array_equal(got, want)
@@ -68,9 +76,17 @@ def test_token_blocks_and_padding_write_nothing(lowering):
     row = d * resolve_kv_dtype(dtype).itemsize
     kb = jax.lax.bitcast_convert_type(k.astype(jnp.bfloat16), jnp.uint8).reshape(11, hkv, row)
     vb = jax.lax.bitcast_convert_type(v.astype(jnp.bfloat16), jnp.uint8).reshape(11, hkv, row)
-    got = np.asarray(jax.jit(functools.partial(
-        write_kv_pallas, block_size=bs, interpret=INTERPRET, lowering=lowering,
-        block_tokens=4))(buf, kb, vb, slots))
+    got = np.asarray(
+        jax.jit(
+            functools.partial(
+                write_kv_pallas,
+                block_size=bs,
+                interpret=INTERPRET,
+                lowering=lowering,
+                block_tokens=4,
+            )
+        )(buf, kb, vb, slots)
+    )
     want = np.asarray(pk.write_kv(buf, k, v, slots, block_size=bs, dtype=dtype))
     np.testing.assert_array_equal(got, want)
     view = got.reshape(n, 2, hkv, bs, row)
@@ -97,9 +113,18 @@ def test_cpu_write_equals_xla_scatter_bit_for_bit(dtype):
     _cpu_kernels()
     scale = 0.5 if dtype == "fp8" else None
     buf, k, v, slots = _case(np.random.default_rng(3), dtype, num_tokens=21)
-    write = lambda backend: np.asarray(jax.jit(functools.partial(
-        pk.write_kv, block_size=8, dtype=dtype, k_scale=scale, v_scale=scale, backend=backend))(
-            buf, k, v, slots))
+    write = lambda backend: np.asarray(
+        jax.jit(
+            functools.partial(
+                pk.write_kv,
+                block_size=8,
+                dtype=dtype,
+                k_scale=scale,
+                v_scale=scale,
+                backend=backend,
+            )
+        )(buf, k, v, slots)
+    )
     want = write("xla")
     np.testing.assert_array_equal(write("cpu"), want)
     assert (want != np.asarray(buf)).any()
@@ -110,8 +135,9 @@ def test_cpu_write_in_place_when_donated():
     kernel copies first and the input stays as it was."""
     cpu_backend = _cpu_kernels()
     bs, hkv, d, n = 16, 2, 64, 64
-    buf, k, v, slots = _case(np.random.default_rng(4), "float32", num_tokens=30, bs=bs, hkv=hkv,
-                             d=d, n=n)
+    buf, k, v, slots = _case(
+        np.random.default_rng(4), "float32", num_tokens=30, bs=bs, hkv=hkv, d=d, n=n
+    )
     f = jax.jit(functools.partial(cpu_backend.write_rows, block_size=bs), donate_argnums=0)
     compiled = f.lower(buf, k, v, slots).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < buf.nbytes // 8
@@ -129,11 +155,17 @@ def test_lowers_with_the_cache_aliased(lowering, platform, monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: {"cuda": "gpu"}.get(platform, platform))
     bs, hkv, d, t = 16, 2, 128, 24
     sds = jax.ShapeDtypeStruct
-    args = (sds((6 * pk.page_bytes(bs, hkv, d, "bfloat16"),), jnp.uint8),
-            sds((t, hkv, d), jnp.bfloat16), sds((t, hkv, d), jnp.bfloat16), sds((t,), jnp.int32))
-    f = jax.jit(functools.partial(pk.write_kv, block_size=bs, dtype="bfloat16", backend="pallas"),
-                donate_argnums=0)
-    with abstract_gpu() if platform == "cuda" else contextlib.nullcontext():   # see abstract_gpu
+    args = (
+        sds((6 * pk.page_bytes(bs, hkv, d, "bfloat16"),), jnp.uint8),
+        sds((t, hkv, d), jnp.bfloat16),
+        sds((t, hkv, d), jnp.bfloat16),
+        sds((t,), jnp.int32),
+    )
+    f = jax.jit(
+        functools.partial(pk.write_kv, block_size=bs, dtype="bfloat16", backend="pallas"),
+        donate_argnums=0,
+    )
+    with abstract_gpu() if platform == "cuda" else contextlib.nullcontext():  # see abstract_gpu
         text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert ("triton" if lowering == "triton" else "tpu_custom_call") in text
     assert "output_operand_aliases" in text
@@ -156,5 +188,13 @@ def test_write_kv_argument_errors():
     pb = pk.page_bytes(8, 2, 48, "float32")  # rows of 192 bytes: not a Triton tile
     k48 = jnp.zeros((8, 2, 48), jnp.float32)
     with pytest.raises(ValueError, match="power-of-two row"):
-        pk.write_kv(jnp.zeros(4 * pb, jnp.uint8), k48, k48, slots, backend="pallas",
-                    interpret=True, lowering="triton", **kw)
+        pk.write_kv(
+            jnp.zeros(4 * pb, jnp.uint8),
+            k48,
+            k48,
+            slots,
+            backend="pallas",
+            interpret=True,
+            lowering="triton",
+            **kw,
+        )

@@ -17,7 +17,9 @@ from jaxkv.kv_cache import (
 
 BS = 16
 FULL = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype="bfloat16")
-SW = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype="bfloat16", sliding_window=128)
+SW = SlidingWindowSpec(
+    block_size=BS, num_kv_heads=2, head_size=64, dtype="bfloat16", sliding_window=128
+)
 PAGE = 2 * BS * 2 * 64 * 2  # 8192 bytes
 
 
@@ -77,11 +79,16 @@ def test_vllm_example_strided_groups():
     specs = {str(i): FULL for i in (1, 2, 3)} | {str(i): SW for i in range(4, 11)}
     groups = get_kv_cache_groups(specs)
     assert [list(g.layer_names) for g in groups] == [
-        ["1", "2", "3"], ["4", "7", "10"], ["5", "8"], ["6", "9"]
+        ["1", "2", "3"],
+        ["4", "7", "10"],
+        ["5", "8"],
+        ["6", "9"],
     ]
     cfg = get_kv_cache_config(specs, 3 * 60 * PAGE, max_model_len=256, max_num_batched_tokens=64)
     assert [list(t.shared_by) for t in cfg.kv_cache_tensors] == [
-        ["1", "4", "5", "6"], ["2", "7", "8", "9"], ["3", "10"]
+        ["1", "4", "5", "6"],
+        ["2", "7", "8", "9"],
+        ["3", "10"],
     ]
     assert cfg.num_blocks == 60
 
@@ -150,7 +157,9 @@ def test_max_concurrency_vllm_numbers():
     assert get_max_concurrency(cfg, **kw) == 1.5
     cfg = get_kv_cache_config({"s": sw}, 387 * page, num_gpu_blocks_override=387, **kw)
     assert get_max_concurrency(cfg, **kw) == 3.0
-    cfg = get_kv_cache_config({"f": full, "s": sw}, 3459 * 2 * page, num_gpu_blocks_override=3459, **kw)
+    cfg = get_kv_cache_config(
+        {"f": full, "s": sw}, 3459 * 2 * page, num_gpu_blocks_override=3459, **kw
+    )
     assert get_max_concurrency(cfg, **kw) == 3.0
 
 

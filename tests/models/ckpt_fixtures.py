@@ -7,7 +7,20 @@ import numpy as np
 from tokenizers import pre_tokenizers
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["h e", "l l", "l o", "Ġ t", "Ġt he", "e ll", "h ell", "hell o", "Ġ w", "o r", "Ġw or", "1 2"]
+MERGES = [
+    "h e",
+    "l l",
+    "l o",
+    "Ġ t",
+    "Ġt he",
+    "e ll",
+    "h ell",
+    "hell o",
+    "Ġ w",
+    "o r",
+    "Ġw or",
+    "1 2",
+]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
@@ -33,14 +46,22 @@ def bpe_vocab() -> tuple[list[str], list[int]]:
 def gguf_permute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf's q/k permutation (the file-format fact being tested):
     per head, rows [first half | second half] -> interleaved pairs."""
-    return (w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
+    return (
+        w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 HF_TO_GGUF_BLOCK = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
 
@@ -50,13 +71,23 @@ def hf_to_gguf_name(name: str) -> str:
         _, _, idx, rest = name.split(".", 3)
         module, suffix = rest.rsplit(".", 1)
         return f"blk.{idx}.{HF_TO_GGUF_BLOCK[module]}.{suffix}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}[name]
+    return {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }[name]
 
 
-def write_llama_gguf(path, hf_config: dict, tensors: dict[str, np.ndarray], *,
-                     quantize: dict[str, "object"] | None = None, pre: str = "smollm",
-                     add_bos: bool = False, with_tokenizer: bool = True) -> None:
+def write_llama_gguf(
+    path,
+    hf_config: dict,
+    tensors: dict[str, np.ndarray],
+    *,
+    quantize: dict[str, "object"] | None = None,
+    pre: str = "smollm",
+    add_bos: bool = False,
+    with_tokenizer: bool = True,
+) -> None:
     """Writes a llama-architecture GGUF the way llama.cpp's converter does.
 
     ``quantize`` maps HF tensor names to a `gguf.GGMLQuantizationType` (default F32).
@@ -108,8 +139,16 @@ def small_config(name: str = "tiny-llama", **overrides):
     """A few-layer version of a named tiny config (fast on CPU; dims fit GGUF's 32-blocks)."""
     from jaxkv.models import get_config
 
-    kw = dict(vocab_size=288, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    kw = dict(
+        vocab_size=288,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
     if name == "tiny-hybrid":
         kw.update(sliding_window=4, query_pre_attn_scalar=16.0)
     kw.update(overrides)
@@ -119,21 +158,30 @@ def small_config(name: str = "tiny-llama", **overrides):
 def hf_config_dict(config) -> dict:
     """The HF config.json a transformers checkpoint of ``config`` would carry."""
     d = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-        rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=config.rope_theta,
         max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings, hidden_act=config.hidden_act,
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        tie_word_embeddings=config.tie_word_embeddings,
+        hidden_act=config.hidden_act,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
     )
     if config.architecture == "gemma2":
-        d.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"],
-                 sliding_window=config.sliding_window,
-                 attn_logit_softcapping=config.attn_logit_softcapping,
-                 final_logit_softcapping=config.final_logit_softcapping,
-                 query_pre_attn_scalar=config.query_pre_attn_scalar)
+        d.update(
+            model_type="gemma2",
+            architectures=["Gemma2ForCausalLM"],
+            sliding_window=config.sliding_window,
+            attn_logit_softcapping=config.attn_logit_softcapping,
+            final_logit_softcapping=config.final_logit_softcapping,
+            query_pre_attn_scalar=config.query_pre_attn_scalar,
+        )
     else:
         d.update(model_type="llama", architectures=["LlamaForCausalLM"])
     return d

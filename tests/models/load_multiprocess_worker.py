@@ -13,8 +13,13 @@ import jax
 
 def main(process_id: int, port: int, checkpoint: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                               process_id=process_id, local_device_ids=[0], initialization_timeout=60)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=process_id,
+        local_device_ids=[0],
+        initialization_timeout=60,
+    )
     import numpy as np
     from flax import nnx
     from jax.sharding import Mesh
@@ -26,13 +31,15 @@ def main(process_id: int, port: int, checkpoint: str) -> None:
     mesh = Mesh(np.array(jax.devices()), ("tp",))
     for source in (checkpoint, "tiny-hybrid"):
         sharded, _, _ = load_model(source, mesh=mesh, seed=1)
-        whole, _, _ = load_model(source, seed=1)          # this process's own device
-        want = {param_name(p): np.asarray(x)
-                for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(whole, nnx.Param))}
+        whole, _, _ = load_model(source, seed=1)  # this process's own device
+        want = {
+            param_name(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(whole, nnx.Param))
+        }
         split = 0
         for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(sharded, nnx.Param)):
             name = param_name(p)
-            (shard,) = x.addressable_shards                # one device here, one over there
+            (shard,) = x.addressable_shards  # one device here, one over there
             assert shard.device.process_index == process_id, name
             got = np.asarray(shard.data)
             assert np.array_equal(got.view(np.uint8), want[name][shard.index].view(np.uint8)), name

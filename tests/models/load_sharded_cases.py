@@ -32,7 +32,10 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices"
 
 
 def _params(model) -> dict:
-    return {param_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+    return {
+        param_name(p): x
+        for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+    }
 
 
 def _assert_bitwise_equal(a, b):
@@ -63,8 +66,8 @@ def _assert_split_like_small_llama(model):
     assert shards["model.layers.1.mlp.down_proj.kernel"] == ((128, 64), [(64, 64)] * 2)
     assert shards["model.embed_tokens.embedding"] == ((288, 64), [(144, 64)] * 2)
     assert shards["lm_head.weight"] == ((288, 64), [(144, 64)] * 2)
-    assert shards["model.norm.weight"] == ((64,), [(64,)] * 2)      # replicated
-    w = _params(model)["model.layers.0.mlp.up_proj.kernel"]          # the two halves differ
+    assert shards["model.norm.weight"] == ((64,), [(64,)] * 2)  # replicated
+    w = _params(model)["model.layers.0.mlp.up_proj.kernel"]  # the two halves differ
     a, b = sorted(w.addressable_shards, key=lambda s: s.device.id)
     np.testing.assert_array_equal(np.asarray(a.data), np.asarray(w)[:, :64])
     np.testing.assert_array_equal(np.asarray(b.data), np.asarray(w)[:, 64:])
@@ -75,13 +78,20 @@ def test_safetensors_shard_by_shard(tmp_path, monkeypatch, dtype, shard_bytes):
     """Same parameters as the one-device load; each device holds only its shard; a split
     parameter is read as slices of the file's tensor, never whole; no random init."""
     config = small_config("tiny-llama", dtype=dtype)
-    write_safetensors_dir(tmp_path, hf_config_dict(config), hf_state_dict(build_model(config, seed=3)),
-                          max_shard_bytes=shard_bytes)
+    write_safetensors_dir(
+        tmp_path,
+        hf_config_dict(config),
+        hf_state_dict(build_model(config, seed=3)),
+        max_shard_bytes=shard_bytes,
+    )
     one, one_config, _ = load_model(tmp_path, dtype=dtype)
     reads = []
     real_read = SafetensorsTensors.read
-    monkeypatch.setattr(SafetensorsTensors, "read",
-                        lambda self, name, index=None: reads.append((name, index)) or real_read(self, name, index))
+    monkeypatch.setattr(
+        SafetensorsTensors,
+        "read",
+        lambda self, name, index=None: reads.append((name, index)) or real_read(self, name, index),
+    )
     mesh = make_tp_mesh(2)
     with forbid_concrete_random_init(monkeypatch):
         two, two_config, _ = load_model(tmp_path, dtype=dtype, mesh=mesh)
@@ -89,7 +99,7 @@ def test_safetensors_shard_by_shard(tmp_path, monkeypatch, dtype, shard_bytes):
     _assert_bitwise_equal(one, two)
     _assert_split_like_small_llama(two)
     q = [index for name, index in reads if name == "model.layers.0.self_attn.q_proj.weight"]
-    assert len(q) == 2 and all(index is not None for index in q)     # HF [out, in]: split rows
+    assert len(q) == 2 and all(index is not None for index in q)  # HF [out, in]: split rows
     assert sorted((i[0].start or 0, i[0].stop) for i in q) == [(0, 32), (32, 64)], q
 
 
@@ -97,8 +107,12 @@ def test_gguf_on_a_mesh(tmp_path, monkeypatch):
     """A GGUF (one tensor Q8_0) loads onto the mesh with the one-device parameters."""
     config = small_config("tiny-llama")
     tensors = hf_state_dict(build_model(config, seed=4))
-    write_llama_gguf(tmp_path / "m.gguf", hf_config_dict(config), tensors,
-                     quantize={"model.layers.1.mlp.up_proj.weight": gguf.GGMLQuantizationType.Q8_0})
+    write_llama_gguf(
+        tmp_path / "m.gguf",
+        hf_config_dict(config),
+        tensors,
+        quantize={"model.layers.1.mlp.up_proj.weight": gguf.GGMLQuantizationType.Q8_0},
+    )
     one, _, tok1 = load_model(tmp_path / "m.gguf")
     with forbid_concrete_random_init(monkeypatch):
         two, _, tok2 = load_model(tmp_path / "m.gguf", mesh=make_tp_mesh(2))
@@ -112,7 +126,7 @@ def test_gguf_on_a_mesh(tmp_path, monkeypatch):
 def test_random_init_sharded_is_bitwise_the_same(family, dtype):
     """The jitted, sharded init gives the eager init's values bit for bit (threefry
     partitionable, scaling kept out of the sampler's fusion), each device its own shard."""
-    assert jax.config.jax_threefry_partitionable   # the default since jax 0.5: nothing set
+    assert jax.config.jax_threefry_partitionable  # the default since jax 0.5: nothing set
     config = small_config(family, dtype=dtype)
     one = build_model(config, seed=11)
     two = build_model(config, seed=11, mesh=make_tp_mesh(2))
@@ -125,15 +139,21 @@ def test_builtin_name_on_a_mesh():
     model, config, _ = load_model("tiny-hybrid", mesh=make_tp_mesh(2), seed=2)
     x = _params(model)["model.layers.0.mlp.gate_proj.kernel"]
     assert x.shape == (config.hidden_size, config.intermediate_size)
-    assert [s.data.shape for s in x.addressable_shards] == [(config.hidden_size, config.intermediate_size // 2)] * 2
+    assert [s.data.shape for s in x.addressable_shards] == [
+        (config.hidden_size, config.intermediate_size // 2)
+    ] * 2
     ref = build_model(config, seed=2)
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(_params(ref)["model.layers.0.mlp.gate_proj.kernel"]))
+    np.testing.assert_array_equal(
+        np.asarray(x), np.asarray(_params(ref)["model.layers.0.mlp.gate_proj.kernel"])
+    )
 
 
 def test_shard_state_keeps_placed_arrays(tmp_path):
     """ModelRunner still calls shard_state: arrays already placed are not moved or copied."""
     config = small_config("tiny-llama")
-    write_safetensors_dir(tmp_path, hf_config_dict(config), hf_state_dict(build_model(config, seed=3)))
+    write_safetensors_dir(
+        tmp_path, hf_config_dict(config), hf_state_dict(build_model(config, seed=3))
+    )
     mesh = make_tp_mesh(2)
     model, _, _ = load_model(tmp_path, mesh=mesh)
     state = nnx.state(model)
@@ -154,11 +174,21 @@ def test_orbax_restore_on_a_mesh(tmp_path):
 
 def test_splits_that_do_not_divide_are_refused(tmp_path):
     config = small_config("tiny-llama", intermediate_size=96 + 1)
-    write_safetensors_dir(tmp_path, hf_config_dict(config), hf_state_dict(build_model(config, seed=3)))
-    with pytest.raises(ValueError, match=r"does not divide axis 0 of model\.layers\.0\.mlp\.down_proj\.kernel \[97, 64\]"):
+    write_safetensors_dir(
+        tmp_path, hf_config_dict(config), hf_state_dict(build_model(config, seed=3))
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"does not divide axis 0 of model\.layers\.0\.mlp\.down_proj\.kernel \[97, 64\]",
+    ):
         load_model(tmp_path, mesh=make_tp_mesh(2))
-    with pytest.raises(ValueError, match=r"does not divide axis 0 of model\.layers\.0\.mlp\.down_proj\.kernel \[97, 64\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not divide axis 0 of model\.layers\.0\.mlp\.down_proj\.kernel \[97, 64\]",
+    ):
         build_model(config, mesh=make_tp_mesh(2))
-    odd_vocab = small_config("tiny-llama", vocab_size=287)           # IF_DIVISIBLE: replicated
+    odd_vocab = small_config("tiny-llama", vocab_size=287)  # IF_DIVISIBLE: replicated
     model = build_model(odd_vocab, mesh=make_tp_mesh(2))
-    assert [s.data.shape for s in _params(model)["lm_head.weight"].addressable_shards] == [(287, 64)] * 2
+    assert [s.data.shape for s in _params(model)["lm_head.weight"].addressable_shards] == [
+        (287, 64)
+    ] * 2

@@ -15,12 +15,12 @@ _forward = nnx.jit(dense_forward)
 
 def _greedy(model, prompt: list[int], new: int, width: int = 24) -> list[int]:
     buf = np.zeros((1, width), np.int32)
-    buf[0, :len(prompt)] = prompt
+    buf[0, : len(prompt)] = prompt
     n = len(prompt)
     for _ in range(new):
         buf[0, n] = int(jnp.argmax(_forward(model, jnp.asarray(buf))[0, n - 1]))
         n += 1
-    return buf[0, len(prompt):n].tolist()
+    return buf[0, len(prompt) : n].tolist()
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])

@@ -10,8 +10,15 @@ from flax import nnx
 
 from jaxkv.models import build_model, dense_forward, get_config, hf_state_dict, load_hf_weights
 
-_SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+_SMALL = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
 
 
 def _config(name: str, **kw):
@@ -25,7 +32,7 @@ def _ids():
 def test_llama_hf_names_and_layouts():
     sd = hf_state_dict(build_model(_config("tiny-llama", qk_norm=True, attention_bias=True)))
     assert sd["model.embed_tokens.weight"].shape == (128, 32)
-    assert sd["model.layers.0.self_attn.q_proj.weight"].shape == (32, 32)   # [out, in]
+    assert sd["model.layers.0.self_attn.q_proj.weight"].shape == (32, 32)  # [out, in]
     assert sd["model.layers.1.self_attn.k_proj.weight"].shape == (16, 32)
     assert sd["model.layers.1.self_attn.k_proj.bias"].shape == (16,)
     assert sd["model.layers.0.self_attn.q_norm.weight"].shape == (8,)
@@ -33,8 +40,10 @@ def test_llama_hf_names_and_layouts():
     assert sd["lm_head.weight"].shape == (128, 32)
     assert "model.layers.0.self_attn.o_proj.bias" not in sd  # attention_out_bias is separate
     assert {k for k in sd if "layernorm" in k} == {
-        f"model.layers.{i}.{n}.weight" for i in range(2)
-        for n in ("input_layernorm", "post_attention_layernorm")}
+        f"model.layers.{i}.{n}.weight"
+        for i in range(2)
+        for n in ("input_layernorm", "post_attention_layernorm")
+    }
     assert len(sd) == 2 + 1 + 2 * (4 + 3 + 3 + 2 + 2)  # embed, head, norm; per layer
 
 
@@ -42,28 +51,43 @@ def test_gemma2_hf_names():
     sd = hf_state_dict(build_model(_config("tiny-hybrid")))
     assert "lm_head.weight" not in sd  # tied
     assert {k.split(".", 3)[3] for k in sd if k.startswith("model.layers.1.")} == {
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
-        "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"}
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "pre_feedforward_layernorm.weight",
+        "post_feedforward_layernorm.weight",
+    }
 
 
-@pytest.mark.parametrize("name, kw", [
-    ("tiny-llama", dict(attention_bias=True, qk_norm=True)),
-    ("tiny-hybrid", dict(sliding_window=4)),
-])
+@pytest.mark.parametrize(
+    "name, kw",
+    [
+        ("tiny-llama", dict(attention_bias=True, qk_norm=True)),
+        ("tiny-hybrid", dict(sliding_window=4)),
+    ],
+)
 def test_round_trip_gives_identical_outputs(name, kw):
     config = _config(name, **kw)
     src = build_model(config, seed=1)
     sd = hf_state_dict(src)
     rng = np.random.RandomState(0)
-    sd = {k: v + 0.05 * rng.randn(*v.shape).astype(v.dtype) for k, v in sd.items()}  # non-trivial norms
+    sd = {
+        k: v + 0.05 * rng.randn(*v.shape).astype(v.dtype) for k, v in sd.items()
+    }  # non-trivial norms
     src = load_hf_weights(src, sd)
     dst = load_hf_weights(build_model(config, seed=2), hf_state_dict(src))
     for k, v in hf_state_dict(dst).items():
         np.testing.assert_array_equal(v, sd[k], err_msg=k)
-    np.testing.assert_array_equal(np.asarray(nnx.jit(dense_forward)(src, _ids())),
-                                  np.asarray(nnx.jit(dense_forward)(dst, _ids())))
+    np.testing.assert_array_equal(
+        np.asarray(nnx.jit(dense_forward)(src, _ids())),
+        np.asarray(nnx.jit(dense_forward)(dst, _ids())),
+    )
 
 
 def test_load_casts_to_config_dtype():
@@ -85,9 +109,14 @@ def test_missing_unexpected_and_shape_errors_are_all_named():
     with pytest.raises(ValueError) as e:
         load_hf_weights(model, sd)
     msg = str(e.value)
-    for needle in ("missing tensors (2)", "model.layers.1.mlp.up_proj.weight", "model.norm.weight",
-                   "unexpected tensors (1)", "model.layers.2.mlp.up_proj.weight",
-                   "model.layers.0.self_attn.q_proj.weight: got (32, 31), expected (32, 32)"):
+    for needle in (
+        "missing tensors (2)",
+        "model.layers.1.mlp.up_proj.weight",
+        "model.norm.weight",
+        "unexpected tensors (1)",
+        "model.layers.2.mlp.up_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight: got (32, 31), expected (32, 32)",
+    ):
         assert needle in msg, (needle, msg)
     np.testing.assert_array_equal(before, model.model.layers[0].self_attn.q_proj.kernel[...])
 
@@ -95,7 +124,7 @@ def test_missing_unexpected_and_shape_errors_are_all_named():
 def test_skips_buffers_and_tied_lm_head():
     model = build_model(_config("tiny-hybrid"))
     sd = hf_state_dict(model)
-    sd["lm_head.weight"] = sd["model.embed_tokens.weight"]          # tied checkpoints may store it
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # tied checkpoints may store it
     sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
     load_hf_weights(model, sd)
     untied = build_model(_config("tiny-llama"))
@@ -119,5 +148,7 @@ def test_abstract_build_then_load():
     model = build_model(config, abstract=True)  # nothing allocated until load_hf_weights
     assert isinstance(model.model.norm.weight.get_value(), jax.ShapeDtypeStruct)
     load_hf_weights(model, hf_state_dict(src))
-    np.testing.assert_array_equal(np.asarray(nnx.jit(dense_forward)(model, _ids())),
-                                  np.asarray(nnx.jit(dense_forward)(src, _ids())))
+    np.testing.assert_array_equal(
+        np.asarray(nnx.jit(dense_forward)(model, _ids())),
+        np.asarray(nnx.jit(dense_forward)(src, _ids())),
+    )

@@ -48,25 +48,40 @@ def test_f32_gguf_loads_back_exactly(tmp_path, tied):
     assert tokenizer is not None and template is not None
 
     loaded, loaded_config, _ = load_model(tmp_path / "m.gguf")
-    for field in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
-                  "rope_theta", "max_position_embeddings"):
+    for field in (
+        "num_hidden_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "tie_word_embeddings",
+        "rope_theta",
+        "max_position_embeddings",
+    ):
         assert getattr(loaded_config, field) == getattr(config, field), field
     assert loaded_config.rms_norm_eps == pytest.approx(config.rms_norm_eps)
-    np.testing.assert_allclose(np.asarray(dense_forward(loaded, IDS)), np.asarray(dense_forward(model, IDS)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(dense_forward(loaded, IDS)),
+        np.asarray(dense_forward(model, IDS)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_quantized_gguf_logits_close(tmp_path):
     config = small_config()
     model = build_model(config, seed=6)
     tensors = hf_state_dict(model)
-    quantize = {"model.layers.0.self_attn.q_proj.weight": Q.Q8_0,
-                "model.layers.0.self_attn.k_proj.weight": Q.Q8_0,
-                "model.layers.1.mlp.up_proj.weight": Q.Q8_0,
-                "model.layers.1.mlp.down_proj.weight": Q.F16,
-                "model.layers.1.self_attn.v_proj.weight": Q.Q4_0,
-                "model.layers.1.self_attn.o_proj.weight": Q.Q4_1}
+    quantize = {
+        "model.layers.0.self_attn.q_proj.weight": Q.Q8_0,
+        "model.layers.0.self_attn.k_proj.weight": Q.Q8_0,
+        "model.layers.1.mlp.up_proj.weight": Q.Q8_0,
+        "model.layers.1.mlp.down_proj.weight": Q.F16,
+        "model.layers.1.self_attn.v_proj.weight": Q.Q4_0,
+        "model.layers.1.self_attn.o_proj.weight": Q.Q4_1,
+    }
     write_llama_gguf(tmp_path / "q.gguf", hf_config_dict(config), tensors, quantize=quantize)
     _, back, _, _ = read_gguf(tmp_path / "q.gguf")
     for name, qtype in quantize.items():  # each dequantized tensor is near its original
@@ -85,6 +100,9 @@ def test_gguf_errors(tmp_path):
         read_gguf(tmp_path / "missing.gguf")
     w = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
     w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     with pytest.raises(ValueError, match="'mamba' is not supported"):
         read_gguf(tmp_path / "mamba.gguf")

@@ -44,7 +44,7 @@ def test_restore_untied_lm_head_saved_as_a_linear_kernel(tmp_path):
     save_params(model, tmp_path / "ckpt")
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     pure["lm_head"] = {"kernel": pure["lm_head"]["weight"].T}
-    values = jax.tree_util.tree_map(lambda x: {"value": x}, pure)   # nnx's saved layout
+    values = jax.tree_util.tree_map(lambda x: {"value": x}, pure)  # nnx's saved layout
     shutil.rmtree(tmp_path / "ckpt" / "params")
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(tmp_path / "ckpt" / "params", values)
@@ -54,7 +54,9 @@ def test_restore_untied_lm_head_saved_as_a_linear_kernel(tmp_path):
     got = dict(nnx.to_flat_state(nnx.state(restored, nnx.Param)))
     assert len(got) == len(want)
     for path, var in want:
-        np.testing.assert_array_equal(np.asarray(var[...]), np.asarray(got[path][...]), err_msg=str(path))
+        np.testing.assert_array_equal(
+            np.asarray(var[...]), np.asarray(got[path][...]), err_msg=str(path)
+        )
 
 
 def test_orbax_errors(tmp_path):

@@ -18,11 +18,14 @@ from jaxkv.models.registry import load_model  # noqa: E402
 IDS = jnp.asarray([[1, 5, 9, 200, 3, 77, 12, 8]], dtype=jnp.int32)  # [1, L]
 
 
-@pytest.mark.parametrize("name,dtype,shard_bytes", [
-    ("tiny-llama", "float32", None),
-    ("tiny-llama", "bfloat16", 40_000),   # bf16 tensors, several shards + index
-    ("tiny-hybrid", "float32", 100_000),  # Gemma 2, sharded
-])
+@pytest.mark.parametrize(
+    "name,dtype,shard_bytes",
+    [
+        ("tiny-llama", "float32", None),
+        ("tiny-llama", "bfloat16", 40_000),  # bf16 tensors, several shards + index
+        ("tiny-hybrid", "float32", 100_000),  # Gemma 2, sharded
+    ],
+)
 def test_roundtrip_gives_identical_logits(tmp_path, name, dtype, shard_bytes):
     config = small_config(name, dtype=dtype)
     model = build_model(config, seed=3)
@@ -38,7 +41,9 @@ def test_roundtrip_gives_identical_logits(tmp_path, name, dtype, shard_bytes):
     loaded, loaded_config, tokenizer = load_model(tmp_path, dtype=dtype, seed=99)
     assert tokenizer is None
     assert loaded_config == config
-    np.testing.assert_array_equal(np.asarray(dense_forward(loaded, IDS)), np.asarray(dense_forward(model, IDS)))
+    np.testing.assert_array_equal(
+        np.asarray(dense_forward(loaded, IDS)), np.asarray(dense_forward(model, IDS))
+    )
 
 
 def test_errors_name_the_problem(tmp_path):
@@ -50,7 +55,9 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
         read_safetensors_dir(tmp_path)
 
-    sharded = write_safetensors_dir(tmp_path / "sharded", hf_config_dict(config), tensors, max_shard_bytes=50_000)
+    sharded = write_safetensors_dir(
+        tmp_path / "sharded", hf_config_dict(config), tensors, max_shard_bytes=50_000
+    )
     next(sharded.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(ValueError, match="model-00002-of-.*missing"):
         read_safetensors_dir(sharded)

@@ -14,12 +14,16 @@ from jaxkv.models.checkpoint import read_gguf, read_gguf_metadata, tokenizer_fro
 from jaxkv.models.tokenizer import ChatTemplateError, Tokenizer  # noqa: E402
 
 CFG = hf_config_dict(small_config())
-TENSORS = {"model.embed_tokens.weight": np.zeros((CFG["vocab_size"], CFG["hidden_size"]), np.float32)}
+TENSORS = {
+    "model.embed_tokens.weight": np.zeros((CFG["vocab_size"], CFG["hidden_size"]), np.float32)
+}
 
 
 def _tokenizer(tmp_path, **kw) -> Tokenizer:
     write_llama_gguf(tmp_path / "t.gguf", CFG, TENSORS, **kw)
-    return tokenizer_from_gguf_metadata(read_gguf_metadata(gguf.GGUFReader(str(tmp_path / "t.gguf"))))
+    return tokenizer_from_gguf_metadata(
+        read_gguf_metadata(gguf.GGUFReader(str(tmp_path / "t.gguf")))
+    )
 
 
 def test_encode_decode_roundtrip(tmp_path):
@@ -60,9 +64,13 @@ def test_chat_template_renders_and_raises(tmp_path):
     assert tok.chat_template == CHAT_TEMPLATE
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     text = tok.apply_chat_template(messages)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-                    "<|im_start|>assistant\n")
-    assert not tok.apply_chat_template(messages, add_generation_prompt=False).endswith("assistant\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert not tok.apply_chat_template(messages, add_generation_prompt=False).endswith(
+        "assistant\n"
+    )
     assert tok.encode(text)[0] == 1
     with pytest.raises(ChatTemplateError, match="bad role tool"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])

@@ -28,14 +28,26 @@ def _free_port() -> int:
 
 def test_two_processes_load_their_own_shards(tmp_path):
     config = small_config("tiny-llama", dtype="bfloat16")
-    write_safetensors_dir(tmp_path, hf_config_dict(config), hf_state_dict(build_model(config, seed=3)),
-                          max_shard_bytes=40_000)
+    write_safetensors_dir(
+        tmp_path,
+        hf_config_dict(config),
+        hf_state_dict(build_model(config, seed=3)),
+        max_shard_bytes=40_000,
+    )
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port), str(tmp_path)], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), str(port), str(tmp_path)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = []
     try:
         for p in procs:

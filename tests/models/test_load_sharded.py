@@ -15,11 +15,15 @@ from ckpt_fixtures import hf_config_dict, small_config, write_llama_gguf  # noqa
 from no_random_init import ConcreteRandomInit, forbid_concrete_random_init  # noqa: E402
 
 from jaxkv.models import build_model, hf_state_dict  # noqa: E402
-from jaxkv.models.checkpoint import GGUFTensors, SafetensorsTensors, read_gguf, write_safetensors_dir  # noqa: E402
+from jaxkv.models.checkpoint import (
+    GGUFTensors,
+    SafetensorsTensors,
+    read_gguf,
+    write_safetensors_dir,
+)  # noqa: E402
 from jaxkv.models.checkpoint.smollm2 import SMOLLM2_NAME, smollm2_gguf_path  # noqa: E402
 from jaxkv.models.registry import load_model, load_model_config  # noqa: E402
 from tests.two_host_devices import run_cases_on_two_host_devices  # noqa: E402
-
 
 
 def _checkpoints(tmp_path):

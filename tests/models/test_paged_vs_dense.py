@@ -23,41 +23,72 @@ from jaxkv.models import KVCacheBinding, build_model, dense_forward, get_config,
 from jaxkv.pallas_kernels import NULL_BLOCK_ID, PAD_SLOT_ID, AttentionMetadata, page_bytes
 
 BLOCK_SIZE = 4
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 
 
-def slot_mapping_from_block_table(block_table: np.ndarray,  # [B] int32, one sequence's row
-                                  positions: np.ndarray,    # [n] int32
-                                  block_size: int) -> np.ndarray:  # [n] int32
+def slot_mapping_from_block_table(
+    block_table: np.ndarray,  # [B] int32, one sequence's row
+    positions: np.ndarray,  # [n] int32
+    block_size: int,
+) -> np.ndarray:  # [n] int32
     """slot = block_table[pos // bs] * bs + pos % bs.
 
     Example (bs 4): table [7, 3], positions [5, 6] -> [13, 14].
     """
-    return (block_table[positions // block_size] * block_size + positions % block_size).astype(np.int32)
+    return (block_table[positions // block_size] * block_size + positions % block_size).astype(
+        np.int32
+    )
 
 
 @dataclasses.dataclass
 class _Seq:
-    tokens: np.ndarray           # [L] the whole sequence (prompt + tokens fed as decodes)
+    tokens: np.ndarray  # [L] the whole sequence (prompt + tokens fed as decodes)
     computed: int = 0
-    tables: list = None          # per group: list of block ids (NULL_BLOCK_ID = freed)
+    tables: list = None  # per group: list of block ids (NULL_BLOCK_ID = freed)
 
 
 class MiniEngine:
     """Groups are lists of layer indices; tensor j is shared by layer j of every group."""
 
-    def __init__(self, model, groups: list[list[int]], *, num_blocks: int, num_tokens: int,
-                 max_seqs: int, max_blocks: int, backend: str = "xla", seed: int = 0):
+    def __init__(
+        self,
+        model,
+        groups: list[list[int]],
+        *,
+        num_blocks: int,
+        num_tokens: int,
+        max_seqs: int,
+        max_blocks: int,
+        backend: str = "xla",
+        seed: int = 0,
+    ):
         cache_dtype = model.config.dtype  # the cache holds exactly what the dense path sees
         c = model.config
         self.model, self.groups, self.num_tokens, self.max_seqs, self.max_blocks = (
-            model, groups, num_tokens, max_seqs, max_blocks)
+            model,
+            groups,
+            num_tokens,
+            max_seqs,
+            max_blocks,
+        )
         self.windows = [c.layer_window(g[0]) for g in groups]
         assert all(c.layer_window(i) == w for g, w in zip(groups, self.windows) for i in g)
         self.binding = KVCacheBinding(
-            layers=tuple((layer_name(i), gi, j) for gi, g in enumerate(groups) for j, i in enumerate(g)),
-            block_size=BLOCK_SIZE, cache_dtype=cache_dtype, backend=backend)
+            layers=tuple(
+                (layer_name(i), gi, j) for gi, g in enumerate(groups) for j, i in enumerate(g)
+            ),
+            block_size=BLOCK_SIZE,
+            cache_dtype=cache_dtype,
+            backend=backend,
+        )
         self.page_bytes = page_bytes(BLOCK_SIZE, c.num_key_value_heads, c.head_dim, cache_dtype)
         np_dtype = np.dtype(jnp.dtype(cache_dtype))
         nan_page = np.full(self.page_bytes // np_dtype.itemsize, np.nan, np_dtype).view(np.uint8)
@@ -93,8 +124,10 @@ class MiniEngine:
 
     def _poison(self, block: int) -> None:
         lo = block * self.page_bytes
-        self.buffers = tuple(buf.at[lo:lo + self.page_bytes].set(jnp.asarray(self.nan_page))
-                             for buf in self.buffers)
+        self.buffers = tuple(
+            buf.at[lo : lo + self.page_bytes].set(jnp.asarray(self.nan_page))
+            for buf in self.buffers
+        )
 
     def step(self, scheduled: list[tuple[_Seq, int]], max_q_len: int = 0) -> list[np.ndarray]:
         """Runs one step; returns per scheduled sequence the logits [n, V] of its new tokens."""
@@ -109,38 +142,51 @@ class MiniEngine:
         for row, (seq, n) in enumerate(scheduled):
             new_len = seq.computed + n
             p = np.arange(seq.computed, new_len, dtype=np.int32)
-            ids[t:t + n], pos[t:t + n] = seq.tokens[seq.computed:new_len], p
+            ids[t : t + n], pos[t : t + n] = seq.tokens[seq.computed : new_len], p
             for g in range(len(self.groups)):
                 self._free_out_of_window(seq, g)
                 while len(seq.tables[g]) * BLOCK_SIZE < new_len:
                     seq.tables[g].append(self.free.pop(0))
-                tables[g, row, :len(seq.tables[g])] = seq.tables[g]
-                slots[g, t:t + n] = slot_mapping_from_block_table(tables[g, row], p, BLOCK_SIZE)
+                tables[g, row, : len(seq.tables[g])] = seq.tables[g]
+                slots[g, t : t + n] = slot_mapping_from_block_table(tables[g, row], p, BLOCK_SIZE)
             seq_lens[row] = new_len
             t += n
             qsl[row + 1] = t
-        qsl[len(scheduled) + 1:] = t
-        md = tuple(AttentionMetadata(seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl),
-                                     block_tables=jnp.asarray(tables[g]), slot_mapping=jnp.asarray(slots[g]),
-                                     num_seqs=jnp.asarray(len(scheduled), jnp.int32), max_q_len=max_q_len)
-                   for g in range(len(self.groups)))
-        logits, self.buffers = self._step(self.state, jnp.asarray(ids), jnp.asarray(pos), self.buffers,
-                                          md, binding=self.binding)
+        qsl[len(scheduled) + 1 :] = t
+        md = tuple(
+            AttentionMetadata(
+                seq_lens=jnp.asarray(seq_lens),
+                query_start_loc=jnp.asarray(qsl),
+                block_tables=jnp.asarray(tables[g]),
+                slot_mapping=jnp.asarray(slots[g]),
+                num_seqs=jnp.asarray(len(scheduled), jnp.int32),
+                max_q_len=max_q_len,
+            )
+            for g in range(len(self.groups))
+        )
+        logits, self.buffers = self._step(
+            self.state, jnp.asarray(ids), jnp.asarray(pos), self.buffers, md, binding=self.binding
+        )
         logits = np.asarray(logits)
         out, t = [], 0
         for seq, n in scheduled:
-            out.append(logits[t:t + n])
+            out.append(logits[t : t + n])
             seq.computed += n
             t += n
         return out
 
 
-def _check_steps(engine: MiniEngine, seqs: list[_Seq], schedule: list[list[tuple[int, int]]],
-                 atol: float = 1e-4, rtol: float = 1e-4) -> None:
+def _check_steps(
+    engine: MiniEngine,
+    seqs: list[_Seq],
+    schedule: list[list[tuple[int, int]]],
+    atol: float = 1e-4,
+    rtol: float = 1e-4,
+) -> None:
     lengths = [len(s.tokens) for s in seqs]
     padded = np.zeros((len(seqs), max(lengths)), np.int32)
     for i, s in enumerate(seqs):
-        padded[i, :lengths[i]] = s.tokens
+        padded[i, : lengths[i]] = s.tokens
     dense = np.asarray(nnx.jit(dense_forward)(engine.model, jnp.asarray(padded)))
     for k, step in enumerate(schedule):
         decode_only = all(n == 1 for _, n in step)
@@ -148,10 +194,17 @@ def _check_steps(engine: MiniEngine, seqs: list[_Seq], schedule: list[list[tuple
         got = engine.step([(seqs[i], n) for i, n in step], max_q_len=max_q)
         for (i, n), g in zip(step, got):
             start = seqs[i].computed - n
-            want = dense[i, start:start + n]
-            assert np.isfinite(g).all(), f"step {k} seq {i}: non-finite logits (read an unwritten page?)"
-            np.testing.assert_allclose(g, want, atol=atol, rtol=rtol,
-                                       err_msg=f"step {k}, seq {i}, positions {start}..{start + n - 1}")
+            want = dense[i, start : start + n]
+            assert np.isfinite(g).all(), (
+                f"step {k} seq {i}: non-finite logits (read an unwritten page?)"
+            )
+            np.testing.assert_allclose(
+                g,
+                want,
+                atol=atol,
+                rtol=rtol,
+                err_msg=f"step {k}, seq {i}, positions {start}..{start + n - 1}",
+            )
 
 
 # Sequence lengths 34, 13, 21. Steps mix chunked prefill (seq 0 in 3 chunks), a late arrival
@@ -167,14 +220,25 @@ _SCHEDULE = [
     [(0, 1), (1, 1)],
 ]
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 _CASES = {
     # Llama 3: GQA, llama3 rope scaling, untied head.
     "llama3": dict(name="tiny-llama", num_hidden_layers=2, rope_scaling=_LLAMA3_ROPE),
     # Qwen3-style: per-head q/k norm, biases, tied embeddings.
-    "qwen": dict(name="tiny-llama", num_hidden_layers=2, qk_norm=True, attention_bias=True,
-                 attention_out_bias=True, tie_word_embeddings=True),
+    "qwen": dict(
+        name="tiny-llama",
+        num_hidden_layers=2,
+        qk_norm=True,
+        attention_bias=True,
+        attention_out_bias=True,
+        tie_word_embeddings=True,
+    ),
     # Mistral-style: one sliding-window group; out-of-window blocks are freed and reused.
     "mistral": dict(name="tiny-llama", num_hidden_layers=2, sliding_window=6),
     # bfloat16 parameters, activations and cache.
@@ -207,7 +271,9 @@ def test_paged_forward_matches_dense(case):
     groups = _groups(config)
     if case == "gemma2":
         assert groups == [[1, 3], [0, 2]]
-    engine = MiniEngine(model, groups, num_blocks=48, num_tokens=24, max_seqs=4, max_blocks=10, seed=3)
+    engine = MiniEngine(
+        model, groups, num_blocks=48, num_tokens=24, max_seqs=4, max_blocks=10, seed=3
+    )
     rng = np.random.RandomState(4)
     seqs = [engine.add(rng.randint(0, config.vocab_size, n)) for n in _LENGTHS]
     # bf16: XLA may keep excess precision differently in the two jitted programs (~0.04 here).
@@ -215,14 +281,24 @@ def test_paged_forward_matches_dense(case):
     with jax.default_matmul_precision("float32"):
         _check_steps(engine, seqs, _SCHEDULE, atol=atol, rtol=rtol)
     if config.sliding_window is not None:
-        assert NULL_BLOCK_ID in seqs[0].tables[-1], "the sliding group freed no block: window unused"
+        assert NULL_BLOCK_ID in seqs[0].tables[-1], (
+            "the sliding group freed no block: window unused"
+        )
 
 
 def test_paged_forward_reference_backend_hybrid():
     config = get_config("tiny-hybrid", **{**SMALL, "num_hidden_layers": 2, "sliding_window": 5})
     model = build_model(config, seed=5)
-    engine = MiniEngine(model, _groups(config), num_blocks=16, num_tokens=12, max_seqs=2, max_blocks=4,
-                        backend="reference", seed=6)
+    engine = MiniEngine(
+        model,
+        _groups(config),
+        num_blocks=16,
+        num_tokens=12,
+        max_seqs=2,
+        max_blocks=4,
+        backend="reference",
+        seed=6,
+    )
     rng = np.random.RandomState(7)
     seqs = [engine.add(rng.randint(0, config.vocab_size, n)) for n in (11, 6)]
     with jax.default_matmul_precision("float32"):

@@ -17,15 +17,28 @@ from jaxkv.models.registry import load_model  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              max_position_embeddings=128, initializer_range=0.1)
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+)
 CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**COMMON, rms_norm_eps=1e-5, rope_theta=10000.0,
-                                              tie_word_embeddings=False),
-    "gemma2": lambda: transformers.Gemma2Config(**COMMON, sliding_window=8, query_pre_attn_scalar=16,
-                                                attn_logit_softcapping=50.0,
-                                                final_logit_softcapping=30.0),
+    "llama": lambda: transformers.LlamaConfig(
+        **COMMON, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False
+    ),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **COMMON,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    ),
 }
 PROMPT = [[3, 17, 101, 45, 9, 200, 33, 7, 64, 12, 5, 250]]  # [1, 12]; longer than the window
 STEPS = 32
@@ -35,8 +48,9 @@ STEPS = 32
 def checkpoint(request, tmp_path):
     torch.manual_seed(0)
     config = CONFIGS[request.param]()
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                          torch_dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", torch_dtype=torch.float32
+    ).eval()
     model.save_pretrained(tmp_path, safe_serialization=True)
     return model, tmp_path
 
@@ -51,8 +65,14 @@ def test_logits_and_greedy_tokens_match(checkpoint):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
     with torch.no_grad():
-        hf_tokens = hf_model.generate(ids, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)[0, len(PROMPT[0]):].tolist()
+        hf_tokens = hf_model.generate(
+            ids,
+            max_new_tokens=STEPS,
+            min_new_tokens=STEPS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(PROMPT[0]) :].tolist()
     # Causal attention: right-padding to one fixed length changes no logit and compiles once.
     forward = jax.jit(dense_forward)
     n = len(PROMPT[0])
@@ -81,11 +101,16 @@ def test_smollm2_gguf_matches_transformers_on_the_same_weights():
     model, _, _ = load_model(path)
     prompt = tok.encode("def fibonacci(n):")
     with torch.no_grad():
-        hf_tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
-                                      eos_token_id=None, pad_token_id=2)[0, len(prompt):].tolist()
+        hf_tokens = hf_model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )[0, len(prompt) :].tolist()
     forward = jax.jit(dense_forward)
     seq = np.zeros((1, len(prompt) + 8), np.int32)
-    seq[0, :len(prompt)] = prompt
+    seq[0, : len(prompt)] = prompt
     for t in range(len(prompt), seq.shape[1]):
         seq[0, t] = int(jnp.argmax(forward(model, jnp.asarray(seq))[0, t - 1]))
-    assert seq[0, len(prompt):].tolist() == hf_tokens
+    assert seq[0, len(prompt) :].tolist() == hf_tokens

@@ -26,13 +26,24 @@ def test_profile_on_a_mesh_equals_the_tp_engines_step():
     the per-device temp equals the tensor-parallel engine's compiled step's."""
     mesh = make_tp_mesh(2)
     model = build_model(get_config("tiny-llama", **SMALL), seed=0, mesh=mesh)
-    llm = make_llm(model, tensor_parallel_size=2, kv_cache_memory_bytes=8 << 20, attention_backend="xla",
-                   **LIMITS)
+    llm = make_llm(
+        model,
+        tensor_parallel_size=2,
+        kv_cache_memory_bytes=8 << 20,
+        attention_backend="xla",
+        **LIMITS,
+    )
     runner = llm.llm_engine.runner
     specs = {n: g.kv_cache_spec for g in runner.config.kv_cache_groups for n in g.layer_names}
-    assert {s.num_kv_heads for s in specs.values()} == {1}     # 2 KV heads over 2 devices
-    step = profile_largest_programs(model, specs, mesh=mesh, attention_backend="xla",
-                                    eos_token_id=llm.llm_engine.input_processor.eos_token_id, **LIMITS)[0]
+    assert {s.num_kv_heads for s in specs.values()} == {1}  # 2 KV heads over 2 devices
+    step = profile_largest_programs(
+        model,
+        specs,
+        mesh=mesh,
+        attention_backend="xla",
+        eos_token_id=llm.llm_engine.input_processor.eos_token_id,
+        **LIMITS,
+    )[0]
     real = runner.programs.get(ProgramKey(FORWARD, runner.buckets.tokens[-1])).memory_analysis()
     assert step.program == "forward[128]" and step.temp_bytes == real.temp_size_in_bytes > 0
 

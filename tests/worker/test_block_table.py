@@ -63,8 +63,11 @@ def test_literal_scenario_two_groups():
     real_writes = [w for w in writes.tolist() if w[1] != PAD_ROW]
     assert real_writes == [
         [0, 0, 2, 11],
-        [0, 1, 1, 12], [0, 1, 2, 13], [1, 1, 1, 24],
-        [0, 2, 0, 14], [1, 2, 0, 25],
+        [0, 1, 1, 12],
+        [0, 1, 2, 13],
+        [1, 1, 1, 24],
+        [0, 2, 0, 14],
+        [1, 2, 0, 25],
     ]
     tables = apply_block_table_ops_jit(tables, ops, layout=layout)
     _assert_synced(s, tables)
@@ -141,8 +144,10 @@ class BlockTableMachine(RuleBasedStateMachine):
 
     @rule(row=st.integers(0, R - 1), data=st.data())
     def append_row(self, row, data):
-        ids = [self._ids(data.draw(st.integers(0, w - len(self.ref[g][row]))))
-               for g, w in enumerate(self.WIDTHS)]
+        ids = [
+            self._ids(data.draw(st.integers(0, w - len(self.ref[g][row]))))
+            for g, w in enumerate(self.WIDTHS)
+        ]
         self.stager.append_row(row, ids)
         for g in range(len(self.WIDTHS)):
             self.ref[g][row] += ids[g]

@@ -33,7 +33,12 @@ def test_add_remove_condense_literal():
     assert b.req_ids == ["a", "b", "c"] and b.num_reqs == 3
     assert b.req_id_to_index == {"a": 0, "b": 1, "c": 2}
     assert _rows(b) == [[10, 0, 0, 0], [11, 0, 0, 0], [12, 13, 0, 0], [0, 0, 0, 0]]
-    assert b.num_tokens.tolist() == [3, 2, 5, 0] and b.num_computed_tokens_cpu.tolist() == [0, 0, 4, 0]
+    assert b.num_tokens.tolist() == [3, 2, 5, 0] and b.num_computed_tokens_cpu.tolist() == [
+        0,
+        0,
+        4,
+        0,
+    ]
     assert b.request_keys[0].tolist() == make_request_key(5).tolist()
     assert b.request_keys[1].tolist() == make_unseeded_request_key(3, "b").tolist()
 
@@ -41,7 +46,7 @@ def test_add_remove_condense_literal():
     assert b.remove_request("a") == 0
     assert b.remove_request("zzz") is None
     assert b.add_request("d", [30, 31], [[14], [23]]) == 0
-    b.append_one_token_per_row(np.array([1]), np.array([50], np.int32))   # b is row 1
+    b.append_one_token_per_row(np.array([1]), np.array([50], np.int32))  # b is row 1
     b.append_block_ids("c", [[15], [24]])
     assert b.condense() == []  # no holes
     sync()
@@ -91,5 +96,3 @@ def test_errors():
     with pytest.raises(ValueError, match="request 'x' would have 5 tokens > max_model_len=4"):
         b.append_one_token_per_row(np.array([0]), np.array([10], np.int32))
     assert b.token_ids_cpu[0].tolist() == [1, 7, 8, 9] and b.num_tokens[0] == 4
-
-

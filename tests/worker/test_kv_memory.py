@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from jaxkv.kv_cache import FullAttentionSpec, SlidingWindowSpec, get_kv_cache_config
-from jaxkv.worker import allocate_kv_buffers, page_size_bytes, read_blocks, write_blocks, zero_blocks
+from jaxkv.worker import (
+    allocate_kv_buffers,
+    page_size_bytes,
+    read_blocks,
+    write_blocks,
+    zero_blocks,
+)
 from jaxkv.worker.forward import slot_mapping, token_positions
 from jaxkv.pallas_kernels import PAD_SLOT_ID, kv_cache_view, write_kv
 
@@ -42,8 +48,9 @@ def test_page_ops_in_place_and_padding_ids_touch_nothing(cpu_kernel):
     page = 256
     buf = jnp.arange(4 * page, dtype=jnp.uint32).astype(jnp.uint8)
     before = np.asarray(buf)
-    f = jax.jit(lambda b, ids: zero_blocks(b, ids, page_bytes=page, cpu_kernel=cpu_kernel),
-                donate_argnums=0)
+    f = jax.jit(
+        lambda b, ids: zero_blocks(b, ids, page_bytes=page, cpu_kernel=cpu_kernel), donate_argnums=0
+    )
     out = np.asarray(f(buf, jnp.array([2, -1, 7], jnp.int32)))  # -1 and 7 are padding
     expect = before.copy()
     expect[2 * page : 3 * page] = 0
@@ -76,13 +83,15 @@ def test_pad_slot_writes_nothing_and_last_slot_intact():
     (buf, _) = allocate_kv_buffers(cfg)
     k = jnp.full((3, H, D), 7.0, jnp.float32)
     slots = jnp.array([PAD_SLOT_ID, PAD_SLOT_ID, PAD_SLOT_ID], jnp.int32)
-    out = jax.jit(lambda b: write_kv(b, k, k, slots, block_size=BS, dtype="float32"), donate_argnums=0)(buf)
+    out = jax.jit(
+        lambda b: write_kv(b, k, k, slots, block_size=BS, dtype="float32"), donate_argnums=0
+    )(buf)
     assert not np.asarray(out).any()  # in particular the last slot (where -1 would wrap)
 
 
 def test_slot_mapping_worked_example():
     """vLLM's example: bs 4; row 0 = [7, 3] with 5 cached + 2 new; row 1 = [2] new with 3."""
-    qsl = jnp.array([0, 2, 5, 5], jnp.int32)   # a padding row at the end
+    qsl = jnp.array([0, 2, 5, 5], jnp.int32)  # a padding row at the end
     num_computed = jnp.array([5, 0, 0], jnp.int32)
     seq, pos, valid = token_positions(qsl, num_computed, jnp.int32(2), 8)
     np.testing.assert_array_equal(np.asarray(pos)[:5], [5, 6, 0, 1, 2])

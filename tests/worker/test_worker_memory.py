@@ -32,7 +32,11 @@ class FakeDevice:
         self.bytes_limit = bytes_limit
 
     def memory_stats(self):
-        return None if self.bytes_limit is None else {"bytes_limit": self.bytes_limit, "bytes_in_use": 0}
+        return (
+            None
+            if self.bytes_limit is None
+            else {"bytes_limit": self.bytes_limit, "bytes_in_use": 0}
+        )
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +53,10 @@ def checkpoint(tmp_path_factory):
 def worker_calls(monkeypatch):
     """Records what each worker reported for KV and the step temp it subtracted."""
     calls = {"available": [], "temp": [], "profiled": []}
-    real_available, real_temp = Worker.determine_available_memory, worker_module.largest_step_temp_bytes
+    real_available, real_temp = (
+        Worker.determine_available_memory,
+        worker_module.largest_step_temp_bytes,
+    )
 
     def available(self):
         calls["available"].append(real_available(self))
@@ -84,7 +91,9 @@ def _param_bytes(model) -> int:
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(model)))
 
 
-def test_front_end_reads_no_weights_and_the_worker_loads_once(checkpoint, monkeypatch, worker_calls):
+def test_front_end_reads_no_weights_and_the_worker_loads_once(
+    checkpoint, monkeypatch, worker_calls
+):
     """A model named by path: resolve_engine_config reads its config only (no tensor read,
     no parameter built); the worker loads it once, on its mesh (None: one device), reports
     the configured budget (CPU) without profiling, and greedy tokens equal the dense
@@ -102,13 +111,16 @@ def test_front_end_reads_no_weights_and_the_worker_loads_once(checkpoint, monkey
     assert loaded is None and engine_config.model == path and config == model.config
     loads = []
     real_load = registry.load_model
-    monkeypatch.setattr(registry, "load_model", lambda *a, **k: loads.append(k) or real_load(*a, **k))
+    monkeypatch.setattr(
+        registry, "load_model", lambda *a, **k: loads.append(k) or real_load(*a, **k)
+    )
     llm = make_llm(path, **LIMITS)
     assert [k["mesh"] for k in loads] == [None]
     assert worker_calls["available"] == [8 << 20] and not worker_calls["profiled"]
     prompt = list(range(3, 20))
-    (out,) = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-                          use_tqdm=False)
+    (out,) = llm.generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
     assert out.outputs[0].token_ids == dense_greedy(model, prompt, 6)
 
 
@@ -123,7 +135,10 @@ def test_cpu_budget_is_the_configured_one(checkpoint, worker_calls):
     worker = Worker(resolve_engine_config(checkpoint[0], **LIMITS, kv_cache_memory_bytes=None)[3])
     worker.init_device()
     worker.load_model()
-    assert worker.determine_available_memory() == DEFAULT_CPU_KV_CACHE_BYTES and not worker_calls["profiled"]
+    assert (
+        worker.determine_available_memory() == DEFAULT_CPU_KV_CACHE_BYTES
+        and not worker_calls["profiled"]
+    )
 
 
 def _sampling_state_bytes(worker) -> int:
@@ -131,8 +146,9 @@ def _sampling_state_bytes(worker) -> int:
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(worker.model_runner.sampling_state))
 
 
-def test_accelerator_memory_is_limit_x_util_minus_weights_minus_step_temp(checkpoint, monkeypatch,
-                                                                           worker_calls):
+def test_accelerator_memory_is_limit_x_util_minus_weights_minus_step_temp(
+    checkpoint, monkeypatch, worker_calls
+):
     """With a device reporting a 16 MiB limit at utilization 0.5: the worker reports
     8 MiB - weights - the device sampling state - the temp of the largest compiled program,
     which it profiled with the engine's own limits and KV specs; num_blocks follows from that."""
@@ -141,8 +157,9 @@ def test_accelerator_memory_is_limit_x_util_minus_weights_minus_step_temp(checkp
     worker = _worker(llm)
     (temp,), ((model, specs, kwargs),) = worker_calls["temp"], worker_calls["profiled"]
     assert model is worker.model and specs == worker.get_kv_cache_spec() and kwargs["mesh"] is None
-    assert {k: kwargs[k] for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")} == \
-        {k: LIMITS[k] for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")}
+    assert {k: kwargs[k] for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")} == {
+        k: LIMITS[k] for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
+    }
     assert kwargs["attention_backend"] == "auto" and 0 < temp < 4 << 20
     weights = _param_bytes(worker.model) + _sampling_state_bytes(worker)
     assert worker_calls["available"] == [(8 << 20) - weights - temp]
@@ -160,10 +177,15 @@ def test_override_wins_and_too_little_memory_names_the_terms(checkpoint, monkeyp
     llm = make_llm(checkpoint[0], **ACCELERATOR, num_gpu_blocks_override=5)
     assert llm.llm_engine.kv_cache_config.num_blocks == 5
     worker = _worker(llm)
-    assert worker_calls["available"] == [(7 << 20) - _param_bytes(worker.model) - _sampling_state_bytes(worker)]
+    assert worker_calls["available"] == [
+        (7 << 20) - _param_bytes(worker.model) - _sampling_state_bytes(worker)
+    ]
     _fake_devices(monkeypatch, 2 << 20)
-    with pytest.raises(ValueError, match=r"bytes_limit 2097152 x gpu_memory_utilization 0.5 .*temp "
-                                         r"memory 1048576"):
+    with pytest.raises(
+        ValueError,
+        match=r"bytes_limit 2097152 x gpu_memory_utilization 0.5 .*temp "
+        r"memory 1048576",
+    ):
         make_llm(checkpoint[0], **ACCELERATOR)
 
 

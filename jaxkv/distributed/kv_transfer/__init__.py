@@ -6,8 +6,18 @@
 ``transfer_agent``) and ``proxy`` (``jaxkv proxy``: prefill then decode instances over HTTP).
 """
 
-from jaxkv.distributed.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from jaxkv.distributed.kv_transfer.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from jaxkv.distributed.kv_transfer.config import KVTransferConfig
 from jaxkv.distributed.kv_transfer.factory import KVConnectorFactory
 
-__all__ = ["KVConnectorBase_V1", "KVConnectorFactory", "KVConnectorMetadata", "KVConnectorRole", "KVTransferConfig"]
+__all__ = [
+    "KVConnectorBase_V1",
+    "KVConnectorFactory",
+    "KVConnectorMetadata",
+    "KVConnectorRole",
+    "KVTransferConfig",
+]

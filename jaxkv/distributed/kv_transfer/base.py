@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxkv.core.outputs import KVConnectorOutput
 
-if TYPE_CHECKING:   # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover
     from jaxkv.core.kv_cache_manager import KVCacheBlocks
     from jaxkv.core.request import Request
     from jaxkv.core.sched_output import SchedulerOutput
@@ -57,8 +57,15 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
       rank, world_size: the worker's global rank and the number of workers (worker side).
     """
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None, *, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         self.config = config
         self.role = role
         self.kv_cache_config = kv_cache_config
@@ -115,13 +122,17 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
     def set_xfer_handshake_metadata(self, metadata: dict[int, dict]) -> None:
         """Every worker's ``get_handshake_metadata()``, by rank (once, at start-up)."""
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens beyond the local prefix hit (``num_computed_tokens``) that can be loaded from
         outside, and whether the load is asynchronous (then the request waits in
         ``WAITING_FOR_REMOTE_KVS``). ``(None, _)``: ask again later. Side-effect free."""
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         """After ``allocate_slots`` succeeded for a request (``blocks``: all its blocks)."""
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -131,7 +142,9 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The workers' report of a step."""
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
         """Before a finished request's blocks are freed: ``(keep the blocks until reported in
         finished_sending, kv_transfer_params for the request's output)``."""
         return False, None

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def positions(block_ids: Sequence[Sequence[int]], num_blocks: int | None = None) -> list[tuple[int, int]]:
+def positions(
+    block_ids: Sequence[Sequence[int]], num_blocks: int | None = None
+) -> list[tuple[int, int]]:
     """``(group, index)`` of every real block among each group's first ``num_blocks`` (all
     when None), group by group."""
     out = []
@@ -27,7 +29,9 @@ def ids_at(block_ids: Sequence[Sequence[int]], where: Sequence[tuple[int, int]])
     return [block_ids[g][i] for g, i in where]
 
 
-def receiver_ids(where: Sequence[Sequence[int]], block_ids: Sequence[Sequence[int]], first_index: int = 0) -> list[int]:
+def receiver_ids(
+    where: Sequence[Sequence[int]], block_ids: Sequence[Sequence[int]], first_index: int = 0
+) -> list[int]:
     """For each sent position, the receiver's block there, or -1: before ``first_index`` (its
     own prefix hit), beyond its table, or its null block."""
     out = []
@@ -46,7 +50,7 @@ class RequestBlockTracker:
 
     def __init__(self):
         self.block_ids: dict[str, list[list[int]]] = {}
-        self.num_computed: dict[str, int] = {}   # tokens computed once the step has run
+        self.num_computed: dict[str, int] = {}  # tokens computed once the step has run
 
     def track(self, req_id: str) -> None:
         self.block_ids.setdefault(req_id, None)
@@ -63,19 +67,25 @@ class RequestBlockTracker:
         for new in so.scheduled_new_reqs:
             if new.req_id in self.block_ids:
                 self.block_ids[new.req_id] = [list(ids) for ids in new.block_ids]
-                self.num_computed[new.req_id] = new.num_computed_tokens + so.num_scheduled_tokens[new.req_id]
+                self.num_computed[new.req_id] = (
+                    new.num_computed_tokens + so.num_scheduled_tokens[new.req_id]
+                )
                 scheduled.append(new.req_id)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             ids = self.block_ids.get(req_id)
             new_ids = cached.new_block_ids[i]
-            if req_id not in self.block_ids or (ids is None and not cached.resumed_from_preemption[i]):
+            if req_id not in self.block_ids or (
+                ids is None and not cached.resumed_from_preemption[i]
+            ):
                 continue
             if cached.resumed_from_preemption[i]:
                 self.block_ids[req_id] = [list(g) for g in new_ids]
             elif new_ids is not None:
                 for g, more in enumerate(new_ids):
                     ids[g].extend(more)
-            self.num_computed[req_id] = cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id]
+            self.num_computed[req_id] = (
+                cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id]
+            )
             scheduled.append(req_id)
         return scheduled

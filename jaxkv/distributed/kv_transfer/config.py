@@ -18,15 +18,15 @@ KV_LOAD_FAILURE_POLICIES = ("recompute",)
 @dataclasses.dataclass(frozen=True)
 class KVTransferConfig:
     """Attributes:
-        kv_connector: A connector name (``jaxkv.distributed.kv_transfer.factory``:
-            "SharedStorageConnector" / "ExampleConnector", "JaxTransferConnector" /
-            "TPUConnector") or "module:Class" of one of your own.
-        kv_role: "kv_producer" (prefill), "kv_consumer" (decode) or "kv_both".
-        kv_connector_extra_config: The connector's own settings (e.g. the storage connector's
-            ``shared_storage_path``; the device-to-device connector's ``host``,
-            ``hold_timeout_s``, ``load_timeout_s``).
-        engine_id: Names this instance to its peers (a random one by default).
-        kv_load_failure_policy: "recompute" (vLLM's default): a failed load recomputes.
+    kv_connector: A connector name (``jaxkv.distributed.kv_transfer.factory``:
+        "SharedStorageConnector" / "ExampleConnector", "JaxTransferConnector" /
+        "TPUConnector") or "module:Class" of one of your own.
+    kv_role: "kv_producer" (prefill), "kv_consumer" (decode) or "kv_both".
+    kv_connector_extra_config: The connector's own settings (e.g. the storage connector's
+        ``shared_storage_path``; the device-to-device connector's ``host``,
+        ``hold_timeout_s``, ``load_timeout_s``).
+    engine_id: Names this instance to its peers (a random one by default).
+    kv_load_failure_policy: "recompute" (vLLM's default): a failed load recomputes.
     """
 
     kv_connector: str
@@ -41,10 +41,14 @@ class KVTransferConfig:
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {list(KV_ROLES)}, got {self.kv_role!r}")
         if not isinstance(self.kv_connector_extra_config, dict):
-            raise TypeError(f"kv_connector_extra_config must be a dict, got {self.kv_connector_extra_config!r}")
+            raise TypeError(
+                f"kv_connector_extra_config must be a dict, got {self.kv_connector_extra_config!r}"
+            )
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ValueError(f"kv_load_failure_policy must be one of {list(KV_LOAD_FAILURE_POLICIES)}, "
-                             f"got {self.kv_load_failure_policy!r}")
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {list(KV_LOAD_FAILURE_POLICIES)}, "
+                f"got {self.kv_load_failure_policy!r}"
+            )
         if not isinstance(self.engine_id, str):
             raise TypeError(f"engine_id must be a str, got {self.engine_id!r}")
         if not self.engine_id:
@@ -68,9 +72,13 @@ class KVTransferConfig:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}: {value!r}") from None
+                raise ValueError(
+                    f"kv_transfer_config is not valid JSON: {exc}: {value!r}"
+                ) from None
         if not isinstance(value, dict):
-            raise TypeError(f"kv_transfer_config must be a KVTransferConfig, a dict or JSON, got {value!r}")
+            raise TypeError(
+                f"kv_transfer_config must be a KVTransferConfig, a dict or JSON, got {value!r}"
+            )
         unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"kv_transfer_config has unknown keys {sorted(unknown)}")

@@ -21,7 +21,9 @@ class KVConnectorFactory:
         """A registered name, or "module:Class" of a ``KVConnectorBase_V1`` subclass."""
         target = CONNECTORS.get(name, name)
         if ":" not in target:
-            raise ValueError(f"unknown kv_connector {name!r}: one of {sorted(CONNECTORS)} or 'module:Class'")
+            raise ValueError(
+                f"unknown kv_connector {name!r}: one of {sorted(CONNECTORS)} or 'module:Class'"
+            )
         module, cls_name = target.split(":", 1)
         cls = getattr(importlib.import_module(module), cls_name, None)
         if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)):
@@ -29,5 +31,9 @@ class KVConnectorFactory:
         return cls
 
     @staticmethod
-    def create_connector(config, role: KVConnectorRole, kv_cache_config=None, **kwargs) -> KVConnectorBase_V1:
-        return KVConnectorFactory.get_connector_class(config.kv_connector)(config, role, kv_cache_config, **kwargs)
+    def create_connector(
+        config, role: KVConnectorRole, kv_cache_config=None, **kwargs
+    ) -> KVConnectorBase_V1:
+        return KVConnectorFactory.get_connector_class(config.kv_connector)(
+            config, role, kv_cache_config, **kwargs
+        )

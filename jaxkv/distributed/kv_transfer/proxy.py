@@ -27,7 +27,9 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
     from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: PLC0415
 
     if not prefill or not decode:
-        raise ValueError(f"need at least one prefill and one decode URL, got {prefill!r} and {decode!r}")
+        raise ValueError(
+            f"need at least one prefill and one decode URL, got {prefill!r} and {decode!r}"
+        )
     app = FastAPI(title="jaxkv P/D proxy")
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
     next_p, next_d = itertools.cycle(prefill), itertools.cycle(decode)
@@ -38,7 +40,9 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
         return {"Authorization": auth} if auth else {}
 
     async def prefill_params(path: str, body: dict, headers: dict):
-        p_body = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        p_body = dict(
+            body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True}
+        )
         p_body.pop("stream_options", None)
         if "max_completion_tokens" in p_body:
             p_body["max_completion_tokens"] = 1
@@ -49,7 +53,7 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
             logger.warning("prefill %s failed: %s; decode computes the prompt", url, exc)
             return None
         if r.status_code != 200:
-            return r   # a bad request: the client gets the prefill instance's error
+            return r  # a bad request: the client gets the prefill instance's error
         return r.json().get("kv_transfer_params")
 
     async def relay(path: str, request: Request):
@@ -58,7 +62,9 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
         app.state.stats["requests"] += 1
         params = await prefill_params(path, body, headers)
         if isinstance(params, httpx.Response):
-            return Response(params.content, status_code=params.status_code, media_type="application/json")
+            return Response(
+                params.content, status_code=params.status_code, media_type="application/json"
+            )
         if params is None:
             app.state.stats["prefill_failures"] += 1
         d_body = dict(body, kv_transfer_params=params) if params else body
@@ -76,8 +82,11 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
             finally:
                 await r.aclose()
 
-        return StreamingResponse(chunks(), status_code=r.status_code,
-                                 media_type=r.headers.get("content-type", "text/event-stream"))
+        return StreamingResponse(
+            chunks(),
+            status_code=r.status_code,
+            media_type=r.headers.get("content-type", "text/event-stream"),
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -116,10 +125,25 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("proxy", help="route requests to prefill then decode instances (P/D disaggregation)",
-                       description=__doc__.split("\n\n")[1])
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances' base URLs, taken round robin (default: none, required)")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances' base URLs, taken round robin (default: none, required)")
+    p = sub.add_parser(
+        "proxy",
+        help="route requests to prefill then decode instances (P/D disaggregation)",
+        description=__doc__.split("\n\n")[1],
+    )
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="prefill instances' base URLs, taken round robin (default: none, required)",
+    )
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="decode instances' base URLs, taken round robin (default: none, required)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.set_defaults(func=cmd_proxy)
@@ -129,6 +153,14 @@ def cmd_proxy(args) -> int:
     import uvicorn  # noqa: PLC0415
 
     app = build_app([u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode])
-    print(json.dumps({"proxy": f"http://{args.host}:{args.port}", "prefill": args.prefill, "decode": args.decode}))
+    print(
+        json.dumps(
+            {
+                "proxy": f"http://{args.host}:{args.port}",
+                "prefill": args.prefill,
+                "decode": args.decode,
+            }
+        )
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -29,7 +29,11 @@ import time
 import numpy as np
 
 from jaxkv.distributed.kv_transfer import blocks
-from jaxkv.distributed.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from jaxkv.distributed.kv_transfer.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 
 DEFAULT_PATH = os.path.join(tempfile.gettempdir(), "jaxkv_kv_storage")
 
@@ -38,17 +42,17 @@ DEFAULT_PATH = os.path.join(tempfile.gettempdir(), "jaxkv_kv_storage")
 class _Load:
     req_id: str
     key: str
-    block_ids: tuple[list[int], ...]   # the request's blocks, per group
-    first_index: int                   # its local prefix hit, in blocks (not written)
-    external_ids: list[int]            # blocks the load fills (reported on failure)
+    block_ids: tuple[list[int], ...]  # the request's blocks, per group
+    first_index: int  # its local prefix hit, in blocks (not written)
+    external_ids: list[int]  # blocks the load fills (reported on failure)
 
 
 @dataclasses.dataclass
 class _Save:
     req_id: str
     key: str
-    block_ids: tuple[list[int], ...]   # the request's blocks, per group
-    num_blocks: int                    # N // block_size
+    block_ids: tuple[list[int], ...]  # the request's blocks, per group
+    num_blocks: int  # N // block_size
 
 
 @dataclasses.dataclass
@@ -59,10 +63,14 @@ class StorageMetadata(KVConnectorMetadata):
 
 def layout_fingerprint(kv_cache_config) -> str:
     """What two engines must share for pages to mean the same: layers, pages, blocks."""
-    groups = [(type(g.kv_cache_spec).__name__, g.kv_cache_spec.page_size_bytes, list(g.layer_names))
-              for g in kv_cache_config.kv_cache_groups]
+    groups = [
+        (type(g.kv_cache_spec).__name__, g.kv_cache_spec.page_size_bytes, list(g.layer_names))
+        for g in kv_cache_config.kv_cache_groups
+    ]
     tensors = [list(t.shared_by) for t in kv_cache_config.kv_cache_tensors]
-    return json.dumps({"block_size": kv_cache_config.block_size, "groups": groups, "tensors": tensors})
+    return json.dumps(
+        {"block_size": kv_cache_config.block_size, "groups": groups, "tensors": tensors}
+    )
 
 
 class SharedStorageConnector(KVConnectorBase_V1):
@@ -76,7 +84,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._fingerprint = layout_fingerprint(kv_cache_config).encode()
         # scheduler side
         self._pending_loads: dict[str, _Load] = {}
-        self._to_save: dict[str, tuple[str, int]] = {}   # producer: req id -> (key, N // block_size)
+        self._to_save: dict[str, tuple[str, int]] = {}  # producer: req id -> (key, N // block_size)
         self._tracker = blocks.RequestBlockTracker()
         # worker side
         self._kv = None
@@ -97,7 +105,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
 
     def _stored(self, key: str) -> bool:
         folder = os.path.join(self.path, key)
-        return all(os.path.exists(os.path.join(folder, f"rank{r}.json")) for r in range(self.world_size))
+        return all(
+            os.path.exists(os.path.join(folder, f"rank{r}.json")) for r in range(self.world_size)
+        )
 
     # ---- scheduler side -----------------------------------------------------------------------
 
@@ -114,11 +124,14 @@ class SharedStorageConnector(KVConnectorBase_V1):
         block_ids = blocks_.get_block_ids()
         if num_external_tokens > 0:
             n = self._num_blocks(request.prompt_token_ids)
-            first = (n * self.block_size - num_external_tokens) // self.block_size   # local hit
+            first = (n * self.block_size - num_external_tokens) // self.block_size  # local hit
             self._pending_loads[req_id] = _Load(
-                req_id, self._key(request.prompt_token_ids[: n * self.block_size]),
-                tuple(list(ids) for ids in block_ids), first,
-                [ids[i] for ids in block_ids for i in range(first, min(n, len(ids))) if ids[i]])
+                req_id,
+                self._key(request.prompt_token_ids[: n * self.block_size]),
+                tuple(list(ids) for ids in block_ids),
+                first,
+                [ids[i] for ids in block_ids for i in range(first, min(n, len(ids))) if ids[i]],
+            )
         elif self.config.is_kv_producer and req_id not in self._to_save:
             n = self._num_blocks(request.prompt_token_ids)
             key = self._key(request.prompt_token_ids[: n * self.block_size]) if n else None
@@ -132,7 +145,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         tracker = self._tracker
         for req_id in tracker.update(scheduler_output):
             key, n = self._to_save[req_id]
-            if tracker.num_computed[req_id] >= n * self.block_size:   # its N tokens are computed
+            if tracker.num_computed[req_id] >= n * self.block_size:  # its N tokens are computed
                 meta.saves.append(_Save(req_id, key, tuple(tracker.block_ids[req_id]), n))
                 del self._to_save[req_id]
                 tracker.forget(req_id)
@@ -170,7 +183,9 @@ class SharedStorageConnector(KVConnectorBase_V1):
         with open(os.path.join(folder, f"rank{self.rank}.json")) as f:
             info = json.load(f)
         if info["layout"] != self._kv.layout():
-            raise ValueError(f"stored KV layout {info['layout']} is not this engine's {self._kv.layout()}")
+            raise ValueError(
+                f"stored KV layout {info['layout']} is not this engine's {self._kv.layout()}"
+            )
         where = [tuple(p) for p in info["positions"]]
         with np.load(os.path.join(folder, f"rank{self.rank}.npz")) as data:
             pages = self._kv.pages_from_host(dict(data), len(where))
@@ -197,7 +212,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".json.tmp")
         with os.fdopen(fd, "w") as f:
             json.dump({"positions": where, "layout": self._kv.layout()}, f)
-        os.replace(tmp, os.path.join(folder, f"rank{self.rank}.json"))   # last: marks it complete
+        os.replace(tmp, os.path.join(folder, f"rank{self.rank}.json"))  # last: marks it complete
 
     def get_finished(self, finished_req_ids):
         done, self._loaded = self._loaded, set()
@@ -209,7 +224,11 @@ class SharedStorageConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> dict | None:
         if self.role is KVConnectorRole.WORKER:
-            return {"num_saved": self.num_saved, "num_loaded": self.num_loaded,
-                    "num_failed_loads": self.num_failed_loads, "bytes_loaded": self.bytes_loaded,
-                    "load_seconds": self.load_seconds}
+            return {
+                "num_saved": self.num_saved,
+                "num_loaded": self.num_loaded,
+                "num_failed_loads": self.num_failed_loads,
+                "bytes_loaded": self.bytes_loaded,
+                "load_seconds": self.load_seconds,
+            }
         return None

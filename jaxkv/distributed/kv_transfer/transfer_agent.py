@@ -61,18 +61,18 @@ SWEEP_UUID = 2**64 - 1
 
 @dataclasses.dataclass
 class _Offer:
-    expires_at: float                # time.monotonic() just past the server's own timeout
+    expires_at: float  # time.monotonic() just past the server's own timeout
     notify_token: Any
 
 
 @dataclasses.dataclass
 class _Pull:
-    arrays: list                     # the pull's own fresh arrays, pending until ready
+    arrays: list  # the pull's own fresh arrays, pending until ready
     peer: dict
-    deadline_s: float                # as given: seconds after start_pull
-    expires_at: float                # time.monotonic()
+    deadline_s: float  # as given: seconds after start_pull
+    expires_at: float  # time.monotonic()
     notify_token: Any
-    error: BaseException | None = None   # failed or cancelled already: reported next poll
+    error: BaseException | None = None  # failed or cancelled already: reported next poll
 
 
 def _host_port(host: str, port: int) -> str:
@@ -118,19 +118,22 @@ class TransferAgent:
             raise ValueError(f"devices {self._devices} span {len(clients)} clients, expected 1")
         self._lock = threading.Lock()
         self._server = transfer.start_transfer_server(
-            clients.pop(), _host_port(host, 0), [_host_port(host, 0)])
+            clients.pop(), _host_port(host, 0), [_host_port(host, 0)]
+        )
         self._zmq = zmq.Context()
         self._notify_in = self._zmq.socket(zmq.PULL)
         self._notify_in.setsockopt(zmq.LINGER, 0)
         if ":" in host:
             self._notify_in.setsockopt(zmq.IPV6, 1)
         port = self._notify_in.bind_to_random_port(f"tcp://{_host_port(host, 0).rsplit(':', 1)[0]}")
-        self._address = {"transfer": self._server.address(),
-                         "notify": f"tcp://{_host_port(host, port)}"}
+        self._address = {
+            "transfer": self._server.address(),
+            "notify": f"tcp://{_host_port(host, port)}",
+        }
         self._offers: dict[int, _Offer] = {}
         self._pulls: dict[int, _Pull] = {}
-        self._connections: dict[str, Any] = {}    # transfer address -> TransferConnection
-        self._notify_out: dict[str, Any] = {}     # notify address -> zmq PUSH socket
+        self._connections: dict[str, Any] = {}  # transfer address -> TransferConnection
+        self._notify_out: dict[str, Any] = {}  # notify address -> zmq PUSH socket
         self._sweep_array = None
         self._last_sweep = time.monotonic()
         self._sweep_interval_s = sweep_interval_s
@@ -143,8 +146,9 @@ class TransferAgent:
 
     # ---------------------------------------------------------------- P side
 
-    def offer(self, uuid: int, arrays: list[jax.Array], *, hold_timeout_s: float,
-              notify_token: Any = None) -> None:
+    def offer(
+        self, uuid: int, arrays: list[jax.Array], *, hold_timeout_s: float, notify_token: Any = None
+    ) -> None:
         """Registers ``arrays`` to be pulled once under ``uuid``; returns at once.
 
         Args:
@@ -190,10 +194,14 @@ class TransferAgent:
                     break
                 offer = self._offers.get(msg["uuid"])
                 if offer is None:
-                    continue                  # expired already, or a note for another life
+                    continue  # expired already, or a note for another life
                 if offer.notify_token is not None and offer.notify_token != msg.get("token"):
-                    logger.warning("note for uuid %s with token %r, expected %r: ignored",
-                                   msg["uuid"], msg.get("token"), offer.notify_token)
+                    logger.warning(
+                        "note for uuid %s with token %r, expected %r: ignored",
+                        msg["uuid"],
+                        msg.get("token"),
+                        offer.notify_token,
+                    )
                     continue
                 del self._offers[msg["uuid"]]
                 done.add(msg["uuid"])
@@ -223,9 +231,15 @@ class TransferAgent:
 
     # ---------------------------------------------------------------- D side
 
-    def start_pull(self, peer_address: dict[str, str], uuid: int,
-                   specs: list[jax.ShapeDtypeStruct], *, deadline_s: float,
-                   notify_token: Any = None) -> None:
+    def start_pull(
+        self,
+        peer_address: dict[str, str],
+        uuid: int,
+        specs: list[jax.ShapeDtypeStruct],
+        *,
+        deadline_s: float,
+        notify_token: Any = None,
+    ) -> None:
         """Starts pulling ``uuid`` from the peer into fresh arrays; returns at once.
 
         Args:
@@ -245,12 +259,13 @@ class TransferAgent:
             self._check_open()
             if uuid in self._pulls:
                 raise ValueError(f"uuid {uuid} is already being pulled")
-            pull = _Pull([], dict(peer_address), deadline_s,
-                         time.monotonic() + deadline_s, notify_token)
+            pull = _Pull(
+                [], dict(peer_address), deadline_s, time.monotonic() + deadline_s, notify_token
+            )
             try:
                 conn = self._connection(peer_address["transfer"])
                 pull.arrays = conn.pull(uuid, list(specs), timeout=_wall_deadline(deadline_s)[0])
-            except Exception as e:          # e.g. a bad spec: reported like any failure
+            except Exception as e:  # e.g. a bad spec: reported like any failure
                 pull.error = e
             self._pulls[uuid] = pull
 
@@ -272,14 +287,15 @@ class TransferAgent:
                     if all(a.is_ready() for a in pull.arrays):
                         try:
                             for a in pull.arrays:
-                                a.block_until_ready()     # ready: raises the error, if any
+                                a.block_until_ready()  # ready: raises the error, if any
                             result = pull.arrays
                         except Exception as e:
                             result = e
                     elif now >= pull.expires_at:
                         result = TimeoutError(
                             f"pull of uuid {uuid} from {pull.peer['transfer']} missed its "
-                            f"deadline of {pull.deadline_s} s")
+                            f"deadline of {pull.deadline_s} s"
+                        )
                     else:
                         continue
                 del self._pulls[uuid]
@@ -298,7 +314,7 @@ class TransferAgent:
             if pull is None or pull.error is not None:
                 return False
             pull.error = CancelledError(f"pull of uuid {uuid} cancelled")
-            pull.arrays = []                 # the transfer fills them, then they are freed
+            pull.arrays = []  # the transfer fills them, then they are freed
             return True
 
     def num_pulling(self) -> int:

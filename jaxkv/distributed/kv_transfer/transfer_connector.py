@@ -43,7 +43,11 @@ import time
 
 from jaxkv.core.request import RequestStatus
 from jaxkv.distributed.kv_transfer import blocks
-from jaxkv.distributed.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from jaxkv.distributed.kv_transfer.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +64,11 @@ class _Send:
 class _Recv:
     req_id: str
     uuid: int
-    agents: list[dict]                 # P's agents, by rank
-    where: list[tuple[int, int]]       # P's positions, in the order its pages come
-    block_ids: tuple[list[int], ...]   # D's blocks, per group
-    first_index: int                   # D's own prefix hit, in blocks (not written)
-    started: float = 0.0               # perf_counter() when the worker started the pull
+    agents: list[dict]  # P's agents, by rank
+    where: list[tuple[int, int]]  # P's positions, in the order its pages come
+    block_ids: tuple[list[int], ...]  # D's blocks, per group
+    first_index: int  # D's own prefix hit, in blocks (not written)
+    started: float = 0.0  # perf_counter() when the worker started the pull
 
 
 @dataclasses.dataclass
@@ -76,13 +80,23 @@ class TransferMetadata(KVConnectorMetadata):
 def _check_remote_params(params: dict) -> str | None:
     """What is wrong with a prefill instance's parameters, or None."""
     agents, where = params.get("remote_agents"), params.get("remote_positions")
-    if not isinstance(params.get("remote_uuid"), int) or isinstance(params.get("remote_uuid"), bool):
+    if not isinstance(params.get("remote_uuid"), int) or isinstance(
+        params.get("remote_uuid"), bool
+    ):
         return f"remote_uuid must be an int, got {params.get('remote_uuid')!r}"
-    if not (isinstance(agents, list) and agents and all(isinstance(a, dict) and "transfer" in a and "notify" in a
-                                                        for a in agents)):
+    if not (
+        isinstance(agents, list)
+        and agents
+        and all(isinstance(a, dict) and "transfer" in a and "notify" in a for a in agents)
+    ):
         return "remote_agents must be a non-empty list of agent addresses"
-    if not (isinstance(where, list) and all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p)
-                                            for p in where)):
+    if not (
+        isinstance(where, list)
+        and all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p)
+            for p in where
+        )
+    ):
         return "remote_positions must be a list of [group, index] pairs"
     if not isinstance(params.get("remote_layout"), dict):
         return "remote_layout is missing"
@@ -99,19 +113,30 @@ class JaxTransferConnector(KVConnectorBase_V1):
         self._agents: list[dict] = []
         self._layout: dict | None = None
         self._tracker = blocks.RequestBlockTracker()
-        self._to_send: dict[str, tuple[int, int]] = {}   # P: req id -> (uuid, prompt length) until sent
-        self._sent: dict[str, _Send] = {}         # P: offered this run
+        self._to_send: dict[
+            str, tuple[int, int]
+        ] = {}  # P: req id -> (uuid, prompt length) until sent
+        self._sent: dict[str, _Send] = {}  # P: offered this run
         self._pending_recvs: dict[str, _Recv] = {}
         # worker side
         self._agent = None
         self._kv = None
-        self._recving: dict[int, tuple[_Recv, list[int], list[int]]] = {}   # uuid -> (recv, dst ids, external ids)
+        self._recving: dict[
+            int, tuple[_Recv, list[int], list[int]]
+        ] = {}  # uuid -> (recv, dst ids, external ids)
         self._dropped: set[int] = set()
         self._failed_starts: set[str] = set()
         self._sending: dict[int, str] = {}
         self._failed_blocks: set[int] = set()
-        self.stats = {"bytes_pulled": 0, "pull_seconds": 0.0, "num_pulls": 0, "num_failed_pulls": 0,
-                      "bytes_offered": 0, "num_offers": 0, "num_expired_offers": 0}
+        self.stats = {
+            "bytes_pulled": 0,
+            "pull_seconds": 0.0,
+            "num_pulls": 0,
+            "num_failed_pulls": 0,
+            "bytes_offered": 0,
+            "num_offers": 0,
+            "num_expired_offers": 0,
+        }
         if role is KVConnectorRole.WORKER:
             from jaxkv.distributed.kv_transfer.transfer_agent import TransferAgent  # noqa: PLC0415
 
@@ -135,13 +160,24 @@ class JaxTransferConnector(KVConnectorBase_V1):
             return None
         problem = _check_remote_params(params)
         if problem:
-            logger.warning("request %s: bad kv_transfer_params (%s): computing the prompt here",
-                           request.request_id, problem)
+            logger.warning(
+                "request %s: bad kv_transfer_params (%s): computing the prompt here",
+                request.request_id,
+                problem,
+            )
             return None
-        if params.get("remote_layout") != self._layout or len(params.get("remote_agents", ())) != len(self._agents):
-            logger.warning("request %s: remote KV layout %s over %d workers does not match this engine's %s "
-                           "over %d: computing the prompt here", request.request_id, params.get("remote_layout"),
-                           len(params.get("remote_agents", ())), self._layout, len(self._agents))
+        if params.get("remote_layout") != self._layout or len(
+            params.get("remote_agents", ())
+        ) != len(self._agents):
+            logger.warning(
+                "request %s: remote KV layout %s over %d workers does not match this engine's %s "
+                "over %d: computing the prompt here",
+                request.request_id,
+                params.get("remote_layout"),
+                len(params.get("remote_agents", ())),
+                self._layout,
+                len(self._agents),
+            )
             return None
         return params
 
@@ -157,15 +193,27 @@ class JaxTransferConnector(KVConnectorBase_V1):
         if num_external_tokens > 0 and self._remote_prefill(request) is not None:
             local = request.num_prompt_tokens - num_external_tokens
             self._pending_recvs[req_id] = _Recv(
-                req_id, int(params["remote_uuid"]), list(params["remote_agents"]),
+                req_id,
+                int(params["remote_uuid"]),
+                list(params["remote_agents"]),
                 [tuple(p) for p in params["remote_positions"]],
-                tuple(list(ids) for ids in blocks_.get_block_ids()), local // self.block_size)
-            request.kv_transfer_params = dict(params, do_remote_prefill=False)   # once only
-        elif (params.get("do_remote_decode") and self.config.is_kv_producer and req_id not in self._to_send
-              and req_id not in self._sent):
+                tuple(list(ids) for ids in blocks_.get_block_ids()),
+                local // self.block_size,
+            )
+            request.kv_transfer_params = dict(params, do_remote_prefill=False)  # once only
+        elif (
+            params.get("do_remote_decode")
+            and self.config.is_kv_producer
+            and req_id not in self._to_send
+            and req_id not in self._sent
+        ):
             if request.max_tokens != 1:
-                logger.warning("request %s: do_remote_decode with max_tokens=%s; only max_tokens=1 (what the "
-                               "proxy sends) is sent to a decode instance", req_id, request.max_tokens)
+                logger.warning(
+                    "request %s: do_remote_decode with max_tokens=%s; only max_tokens=1 (what the "
+                    "proxy sends) is sent to a decode instance",
+                    req_id,
+                    request.max_tokens,
+                )
                 return
             self._to_send[req_id] = (self._uuid(req_id), request.num_prompt_tokens)
             self._tracker.track(req_id)
@@ -175,7 +223,7 @@ class JaxTransferConnector(KVConnectorBase_V1):
         self._pending_recvs.clear()
         for req_id in self._tracker.update(scheduler_output):
             uuid, prompt_len = self._to_send[req_id]
-            if self._tracker.num_computed[req_id] < prompt_len:   # the prompt is not done this step
+            if self._tracker.num_computed[req_id] < prompt_len:  # the prompt is not done this step
                 continue
             del self._to_send[req_id]
             ids = tuple(self._tracker.block_ids[req_id])
@@ -193,12 +241,18 @@ class JaxTransferConnector(KVConnectorBase_V1):
         send = self._sent.pop(req_id, None)
         if send is None:
             return False, None
-        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:   # stopped or aborted: no decode
-            return False, None   # the worker's offer (a copy) just expires
-        return True, {"do_remote_prefill": True, "do_remote_decode": False,
-                      "remote_engine_id": self.config.engine_id, "remote_agents": self._agents,
-                      "remote_uuid": send.uuid, "remote_positions": [list(p) for p in send.where],
-                      "remote_layout": self._layout, "remote_num_tokens": request.num_prompt_tokens}
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:  # stopped or aborted: no decode
+            return False, None  # the worker's offer (a copy) just expires
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.config.engine_id,
+            "remote_agents": self._agents,
+            "remote_uuid": send.uuid,
+            "remote_positions": [list(p) for p in send.where],
+            "remote_layout": self._layout,
+            "remote_num_tokens": request.num_prompt_tokens,
+        }
 
     # ---- worker side --------------------------------------------------------------------------
 
@@ -216,12 +270,18 @@ class JaxTransferConnector(KVConnectorBase_V1):
             dst = blocks.receiver_ids(recv.where, recv.block_ids, recv.first_index)
             external = [b for b in dst if b >= 0]
             try:
-                self._agent.start_pull(recv.agents[self.rank], recv.uuid, self._kv.shard_specs(len(recv.where)),
-                                       deadline_s=self.load_timeout_s)
+                self._agent.start_pull(
+                    recv.agents[self.rank],
+                    recv.uuid,
+                    self._kv.shard_specs(len(recv.where)),
+                    deadline_s=self.load_timeout_s,
+                )
             except Exception:  # noqa: BLE001 - e.g. the same uuid twice: this load fails, recompute
-                logger.exception("request %s: pull of uuid %s did not start", recv.req_id, recv.uuid)
+                logger.exception(
+                    "request %s: pull of uuid %s did not start", recv.req_id, recv.uuid
+                )
                 self._failed_blocks.update(external)
-                self._failed_starts.add(recv.req_id)   # reported by get_finished
+                self._failed_starts.add(recv.req_id)  # reported by get_finished
                 continue
             recv.started = time.perf_counter()
             self._recving[recv.uuid] = (recv, dst, external)
@@ -241,7 +301,7 @@ class JaxTransferConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids):
         recving_done, self._failed_starts = self._failed_starts - finished_req_ids, set()
         for uuid, (recv, _, _) in list(self._recving.items()):
-            if recv.req_id in finished_req_ids:   # aborted while loading: never written
+            if recv.req_id in finished_req_ids:  # aborted while loading: never written
                 self._agent.cancel(uuid)
                 self._dropped.add(uuid)
                 del self._recving[uuid]

@@ -20,7 +20,12 @@ from jaxkv.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from jaxkv.entrypoints.openai.serving_chat import ServingChat, render_messages
 from jaxkv.entrypoints.openai.serving_completion import ServingCompletion
 from jaxkv.entrypoints.openai.serving_embedding import ServingEmbedding
-from jaxkv.entrypoints.openai.serving_engine import OpenAIError, Serving, from_engine_error, parse_body
+from jaxkv.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    Serving,
+    from_engine_error,
+    parse_body,
+)
 
 
 class APIKeyMiddleware:
@@ -35,13 +40,16 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                response = OpenAIError(401, "Unauthorized: a valid API key is needed "
-                                            "(Authorization: Bearer KEY)").response()
+                response = OpenAIError(
+                    401, "Unauthorized: a valid API key is needed (Authorization: Bearer KEY)"
+                ).response()
                 return await response(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM, served_model_names: list[str], *, api_key: str | None = None
+) -> FastAPI:
     app = FastAPI(title="jaxkv", docs_url=None, redoc_url=None, openapi_url=None)
     base = Serving(engine, served_model_names)
     completion = ServingCompletion(engine, served_model_names)
@@ -49,7 +57,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     embedding = ServingEmbedding(engine, served_model_names)
     stat_logger = PrometheusStatLogger(base.model_name)
     info = getattr(getattr(engine, "engine_core", None), "info", None) or {}
-    stat_logger.start(num_compiles=int(info.get("num_compiles", 0)))   # the warm-up's programs
+    stat_logger.start(num_compiles=int(info.get("num_compiles", 0)))  # the warm-up's programs
     engine.stat_loggers.append(stat_logger)
     created = int(time.time())
 
@@ -78,10 +86,20 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
 
     @app.get("/v1/models")
     async def show_models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "jaxkv",
-             "root": engine.config.model, "max_model_len": engine.config.max_model_len}
-            for name in served_model_names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "jaxkv",
+                    "root": engine.config.model,
+                    "max_model_len": engine.config.max_model_len,
+                }
+                for name in served_model_names
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -112,7 +130,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give one of prompt or messages", "prompt")
         if req.messages is not None:
-            ids = tok.encode(render_messages(tok, req.messages, req.add_generation_prompt), add_special_tokens=False)
+            ids = tok.encode(
+                render_messages(tok, req.messages, req.add_generation_prompt),
+                add_special_tokens=False,
+            )
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids}
@@ -131,14 +152,28 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], *, api_key: str |
     return app
 
 
-def run_server(engine: AsyncLLM, served_model_names: list[str], *, host: str, port: int,
-               api_key: str | None = None, log_level: str = "info", ready_line: bool = True) -> None:
+def run_server(
+    engine: AsyncLLM,
+    served_model_names: list[str],
+    *,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    log_level: str = "info",
+    ready_line: bool = True,
+) -> None:
     """Serves until SIGINT / SIGTERM, then stops the engine core."""
     import uvicorn
 
     app = build_app(engine, served_model_names, api_key=api_key)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
     server = uvicorn.Server(config)
     try:
         server.run()

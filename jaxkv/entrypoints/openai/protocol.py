@@ -54,27 +54,55 @@ class _SamplingFields(OpenAIBaseModel):
     # prefill instance; a prefill response's kv_transfer_params to a decode instance)
     kv_transfer_params: dict | None = None
 
-    def sampling_params(self, max_tokens: int | None, *, logprobs: int | None, prompt_logprobs: int | None,
-                        stream: bool) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        *,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        stream: bool,
+    ) -> SamplingParams:
         """``SamplingParams`` (ValueError / TypeError naming the field on a bad value)."""
         bias = None
         if self.logit_bias is not None:
             try:
                 bias = {int(k): v for k, v in self.logit_bias.items()}
             except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:5]!r}") from None
-        kw = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
-                                                     "presence_penalty", "frequency_penalty", "repetition_penalty")
-              if getattr(self, name) is not None}
+                raise ValueError(
+                    f"logit_bias keys must be token ids, got {list(self.logit_bias)[:5]!r}"
+                ) from None
+        kw = {
+            name: getattr(self, name)
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+            )
+            if getattr(self, name) is not None
+        }
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed, logit_bias=bias,
-            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+            n=self.n,
+            max_tokens=max_tokens,
+            stop=self.stop,
+            seed=self.seed,
+            logit_bias=bias,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-            extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params is not None else None,
-            **kw)
+            extra_args={"kv_transfer_params": self.kv_transfer_params}
+            if self.kv_transfer_params is not None
+            else None,
+            **kw,
+        )
 
 
 class CompletionRequest(_SamplingFields):
@@ -120,8 +148,12 @@ class EmbeddingRequest(OpenAIBaseModel):
     priority: int = 0
 
     def pooling_params(self) -> PoolingParams:
-        return PoolingParams(task="embed", dimensions=self.dimensions, normalize=self.normalize,
-                             truncate_prompt_tokens=self.truncate_prompt_tokens)
+        return PoolingParams(
+            task="embed",
+            dimensions=self.dimensions,
+            normalize=self.normalize,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+        )
 
 
 class TokenizeRequest(OpenAIBaseModel):

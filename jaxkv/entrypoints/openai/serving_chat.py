@@ -22,9 +22,27 @@ from jaxkv.entrypoints.openai.serving_engine import (
     sse,
 )
 
-FIELDS = ("max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-          "stop_token_ids", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "logit_bias", "top_logprobs", "logprobs", "min_tokens", "priority", "messages", "n")
+FIELDS = (
+    "max_completion_tokens",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop_token_ids",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "top_logprobs",
+    "logprobs",
+    "min_tokens",
+    "priority",
+    "messages",
+    "n",
+)
 
 
 def render_messages(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
@@ -36,8 +54,12 @@ def render_messages(tokenizer, messages: list[ChatMessage], add_generation_promp
             texts = []
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise OpenAIError(400, f"messages.{i}.content: only text parts are supported, got "
-                                           f"{part.get('type')!r}", f"messages.{i}.content")
+                    raise OpenAIError(
+                        400,
+                        f"messages.{i}.content: only text parts are supported, got "
+                        f"{part.get('type')!r}",
+                        f"messages.{i}.content",
+                    )
                 texts.append(part["text"])
             content = "\n".join(texts)
         plain.append({"role": m.role, "content": content or ""})
@@ -45,8 +67,10 @@ def render_messages(tokenizer, messages: list[ChatMessage], add_generation_promp
         raise OpenAIError(400, "the model has no chat template: use /v1/completions", "messages")
     try:
         return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
-    except (ValueError, TypeError) as exc:   # the template raised (e.g. an unknown role)
-        raise OpenAIError(400, f"the chat template refused the messages: {exc}", "messages") from exc
+    except (ValueError, TypeError) as exc:  # the template raised (e.g. an unknown role)
+        raise OpenAIError(
+            400, f"the chat template refused the messages: {exc}", "messages"
+        ) from exc
 
 
 class ServingChat(Serving):
@@ -59,18 +83,26 @@ class ServingChat(Serving):
         prompt = render_messages(tok, req.messages, req.add_generation_prompt)
         prompt_ids = tok.encode(prompt, add_special_tokens=False)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        asked = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
         rid = request_id("chatcmpl")
         try:
             max_tokens = self.max_tokens_for(asked, len(prompt_ids), field)
-            sp = req.sampling_params(max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                     prompt_logprobs=None, stream=req.stream)
+            sp = req.sampling_params(
+                max_tokens,
+                logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                prompt_logprobs=None,
+                stream=req.stream,
+            )
             stream = await self.engine.add_request(rid, prompt_ids, sp, priority=req.priority)
         except BaseException as exc:
             raise from_engine_error(exc, FIELDS) from exc
         state = _State(self, req, rid, model)
         if req.stream:
-            return StreamingResponse(self.aborting(state.stream(stream), [rid]), media_type="text/event-stream")
+            return StreamingResponse(
+                self.aborting(state.stream(stream), [rid]), media_type="text/event-stream"
+            )
         try:
             return JSONResponse(await run_unless_disconnected(state.full(stream), raw))
         finally:
@@ -85,8 +117,11 @@ class _State:
         self.completion_tokens = 0
 
     def _usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
     def _logprobs(self, c) -> dict | None:
         if not self.req.logprobs:
@@ -97,9 +132,21 @@ class _State:
             chosen = entries[token_id]
             name = self.s.token_str(token_id, chosen.decoded_token)
             top = sorted(entries.items(), key=lambda kv: kv[1].rank)[:k]
-            content.append({"token": name, "logprob": chosen.logprob, "bytes": list(name.encode()),
-                            "top_logprobs": [{"token": (t := self.s.token_str(i, e.decoded_token)),
-                                              "logprob": e.logprob, "bytes": list(t.encode())} for i, e in top]})
+            content.append(
+                {
+                    "token": name,
+                    "logprob": chosen.logprob,
+                    "bytes": list(name.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": (t := self.s.token_str(i, e.decoded_token)),
+                            "logprob": e.logprob,
+                            "bytes": list(t.encode()),
+                        }
+                        for i, e in top
+                    ],
+                }
+            )
         return {"content": content}
 
     async def full(self, stream) -> dict:
@@ -112,31 +159,69 @@ class _State:
             self.prompt_tokens = len(out.prompt_token_ids)
             for c in out.outputs:
                 self.completion_tokens += len(c.token_ids)
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": self._logprobs(c), "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason})
+                choices.append(
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": self._logprobs(c),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
         choices.sort(key=lambda ch: ch["index"])
-        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage(), "kv_transfer_params": kv_params}
+        return {
+            "id": self.rid,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(),
+            "kv_transfer_params": kv_params,
+        }
 
     def _chunk(self, choices: list, **extra) -> str:
-        return sse({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.model, "choices": choices, **extra})
+        return sse(
+            {
+                "id": self.rid,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": choices,
+                **extra,
+            }
+        )
 
     async def stream(self, stream):
         try:
-            for i in range(self.req.n):   # vLLM's first chunk of each choice: the role
-                yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}])
+            for i in range(self.req.n):  # vLLM's first chunk of each choice: the role
+                yield self._chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
             async for _, out in merge([stream]):
                 self.prompt_tokens = len(out.prompt_token_ids)
                 for c in out.outputs:
                     self.completion_tokens += len(c.token_ids)
                     if not (c.text or c.finish_reason or (self.req.logprobs and c.token_ids)):
-                        continue   # nothing new yet (an incomplete UTF-8 sequence)
+                        continue  # nothing new yet (an incomplete UTF-8 sequence)
                     delta = {"content": c.text} if c.text else {}
-                    yield self._chunk([{"index": c.index, "delta": delta, "logprobs": self._logprobs(c),
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                    yield self._chunk(
+                        [
+                            {
+                                "index": c.index,
+                                "delta": delta,
+                                "logprobs": self._logprobs(c),
+                                "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason,
+                            }
+                        ]
+                    )
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
                 yield self._chunk([], usage=self._usage())
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream

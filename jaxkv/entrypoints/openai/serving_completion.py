@@ -21,9 +21,25 @@ from jaxkv.entrypoints.openai.serving_engine import (
     sse,
 )
 
-FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "stop",
-          "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
-          "min_tokens", "priority", "prompt", "n")
+FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop_token_ids",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "logprobs",
+    "min_tokens",
+    "priority",
+    "prompt",
+    "n",
+)
 
 
 class ServingCompletion(Serving):
@@ -33,7 +49,9 @@ class ServingCompletion(Serving):
         if req.suffix is not None:
             raise OpenAIError(400, "suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
-            raise OpenAIError(400, f"best_of={req.best_of} is not supported (only best_of == n)", "best_of")
+            raise OpenAIError(
+                400, f"best_of={req.best_of} is not supported (only best_of == n)", "best_of"
+            )
         prompts = self.prompts_of(req.prompt)
         rid = request_id("cmpl")
         streams, rids = [], []
@@ -41,16 +59,24 @@ class ServingCompletion(Serving):
             for i, prompt in enumerate(prompts):
                 plen = self.prompt_len(prompt)
                 max_tokens = self.max_tokens_for(req.max_tokens, plen, "max_tokens")
-                sp = req.sampling_params(max_tokens, logprobs=req.logprobs,
-                                         prompt_logprobs=req.logprobs if req.echo else None, stream=req.stream)
-                streams.append(await self.engine.add_request(f"{rid}-{i}", prompt, sp, priority=req.priority))
+                sp = req.sampling_params(
+                    max_tokens,
+                    logprobs=req.logprobs,
+                    prompt_logprobs=req.logprobs if req.echo else None,
+                    stream=req.stream,
+                )
+                streams.append(
+                    await self.engine.add_request(f"{rid}-{i}", prompt, sp, priority=req.priority)
+                )
                 rids.append(f"{rid}-{i}")
-        except BaseException as exc:   # every prompt is valid or none runs
+        except BaseException as exc:  # every prompt is valid or none runs
             await self.abort_all(rids)
             raise from_engine_error(exc, FIELDS) from exc
         state = _State(self, req, rid, model, len(prompts))
         if req.stream:
-            return StreamingResponse(self.aborting(state.stream(streams), rids), media_type="text/event-stream")
+            return StreamingResponse(
+                self.aborting(state.stream(streams), rids), media_type="text/event-stream"
+            )
         try:
             return JSONResponse(await run_unless_disconnected(state.full(streams), raw))
         finally:
@@ -58,22 +84,31 @@ class ServingCompletion(Serving):
 
 
 class _State:
-    def __init__(self, serving: Serving, req: CompletionRequest, rid: str, model: str, num_prompts: int):
+    def __init__(
+        self, serving: Serving, req: CompletionRequest, rid: str, model: str, num_prompts: int
+    ):
         self.s, self.req, self.rid, self.model = serving, req, rid, model
         self.created = now()
         self.prompt_tokens = [0] * num_prompts
         self.completion_tokens = 0
-        self.offsets: dict[int, int] = {}   # choice -> text offset (logprobs' text_offset)
+        self.offsets: dict[int, int] = {}  # choice -> text offset (logprobs' text_offset)
 
     def _usage(self) -> dict:
         p = sum(self.prompt_tokens)
-        return {"prompt_tokens": p, "completion_tokens": self.completion_tokens,
-                "total_tokens": p + self.completion_tokens}
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": p + self.completion_tokens,
+        }
 
     def _echo(self, out) -> tuple[str, list | None]:
         """The prompt's text and, with logprobs, its positions (the first has none)."""
         tok = self.s.engine.tokenizer
-        text = out.prompt if out.prompt is not None else (tok.decode(out.prompt_token_ids) if tok else "")
+        text = (
+            out.prompt
+            if out.prompt is not None
+            else (tok.decode(out.prompt_token_ids) if tok else "")
+        )
         if self.req.logprobs is None:
             return text, None
         plps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
@@ -86,12 +121,17 @@ class _State:
         offset = self.offsets.get(index, 0)
         for token_id, entries in positions:
             chosen = entries.get(token_id) if entries else None
-            name = self.s.token_str(token_id, chosen.decoded_token if chosen else
-                                    (tok.decode([token_id]) if tok else None))
+            name = self.s.token_str(
+                token_id,
+                chosen.decoded_token if chosen else (tok.decode([token_id]) if tok else None),
+            )
             lp["tokens"].append(name)
             lp["token_logprobs"].append(chosen.logprob if chosen else None)
             lp["top_logprobs"].append(
-                {self.s.token_str(t, e.decoded_token): e.logprob for t, e in entries.items()} if entries else None)
+                {self.s.token_str(t, e.decoded_token): e.logprob for t, e in entries.items()}
+                if entries
+                else None
+            )
             lp["text_offset"].append(offset)
             offset += len(name)
         self.offsets[index] = offset
@@ -108,8 +148,13 @@ class _State:
         if self.req.logprobs is not None:
             gen = self._logprobs(index, list(zip(c.token_ids, c.logprobs or [])))
             lp = gen if lp is None else {k: lp[k] + gen[k] for k in lp}
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
 
     async def full(self, streams) -> dict:
         choices = []
@@ -123,8 +168,15 @@ class _State:
                 self.completion_tokens += len(c.token_ids)
                 choices.append(self._choice(i, out, c, first=True))
         choices.sort(key=lambda ch: ch["index"])
-        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage(), "kv_transfer_params": kv_params}
+        return {
+            "id": self.rid,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self._usage(),
+            "kv_transfer_params": kv_params,
+        }
 
     async def stream(self, streams):
         seen: set[int] = set()
@@ -137,12 +189,27 @@ class _State:
                     choice = self._choice(i, out, c, first=index not in seen)
                     seen.add(index)
                     if not (c.token_ids or choice["text"] or choice["finish_reason"]):
-                        continue   # no new token (a chunk per token: text-less models stream too)
-                    yield sse({"id": self.rid, "object": "text_completion", "created": self.created,
-                               "model": self.model, "choices": [choice]})
+                        continue  # no new token (a chunk per token: text-less models stream too)
+                    yield sse(
+                        {
+                            "id": self.rid,
+                            "object": "text_completion",
+                            "created": self.created,
+                            "model": self.model,
+                            "choices": [choice],
+                        }
+                    )
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                yield sse({"id": self.rid, "object": "text_completion", "created": self.created,
-                           "model": self.model, "choices": [], "usage": self._usage()})
+                yield sse(
+                    {
+                        "id": self.rid,
+                        "object": "text_completion",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": self._usage(),
+                    }
+                )
         except Exception as exc:  # noqa: BLE001 - the status line is sent: the error goes in the stream
             yield sse(from_engine_error(exc).body())
         yield SSE_DONE

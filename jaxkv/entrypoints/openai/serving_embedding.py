@@ -33,7 +33,9 @@ class ServingEmbedding(Serving):
         try:
             pp = req.pooling_params()
             for i, prompt in enumerate(inputs):
-                streams.append(await self.engine.add_request(f"{rid}-{i}", prompt, pp, priority=req.priority))
+                streams.append(
+                    await self.engine.add_request(f"{rid}-{i}", prompt, pp, priority=req.priority)
+                )
                 rids.append(f"{rid}-{i}")
         except BaseException as exc:
             await self.abort_all(rids)
@@ -44,11 +46,19 @@ class ServingEmbedding(Serving):
             async for i, out in merge(streams):
                 vec = np.asarray(out.outputs.data, dtype="<f4")
                 tokens += len(out.prompt_token_ids)
-                emb = (base64.b64encode(vec.tobytes()).decode() if req.encoding_format == "base64"
-                       else vec.tolist())
+                emb = (
+                    base64.b64encode(vec.tobytes()).decode()
+                    if req.encoding_format == "base64"
+                    else vec.tolist()
+                )
                 data[i] = {"object": "embedding", "index": i, "embedding": emb}
-            return {"id": rid, "object": "list", "model": model, "data": data,
-                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+            return {
+                "id": rid,
+                "object": "list",
+                "model": model,
+                "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
 
         try:
             return JSONResponse(await run_unless_disconnected(collect(), raw))

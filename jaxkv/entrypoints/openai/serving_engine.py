@@ -17,8 +17,13 @@ from pydantic import ValidationError
 from jaxkv.core.errors import EngineStepError
 from jaxkv.engine.async_llm import AsyncLLM, EngineDeadError
 
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 class OpenAIError(Exception):
@@ -29,8 +34,14 @@ class OpenAIError(Exception):
         self.status, self.message, self.param = status, message, param
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "APIError"),
-                          "param": self.param, "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": _ERROR_TYPES.get(self.status, "APIError"),
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
@@ -42,7 +53,11 @@ def from_validation_error(exc: ValidationError) -> OpenAIError:
     for err in exc.errors(include_url=False):
         loc = ".".join(str(x) for x in err["loc"] if x != "body") or "body"
         first = first or loc
-        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        got = (
+            f" (got {err['input']!r})"
+            if "input" in err and not isinstance(err["input"], dict)
+            else ""
+        )
         parts.append(f"{loc}: {err['msg']}{got}")
     return OpenAIError(400, "; ".join(parts), first)
 
@@ -90,8 +105,11 @@ class Serving:
     def tokenizer_or_400(self, what: str):
         tok = self.engine.tokenizer
         if tok is None:
-            raise OpenAIError(400, f"model {self.model_name!r} has no tokenizer: {what} needs one "
-                                   "(send prompts as token-id lists)")
+            raise OpenAIError(
+                400,
+                f"model {self.model_name!r} has no tokenizer: {what} needs one "
+                "(send prompts as token-id lists)",
+            )
         return tok
 
     @staticmethod
@@ -113,13 +131,21 @@ class Serving:
         room = self.engine.config.max_model_len - prompt_len
         if asked is None:
             if room < 1:
-                raise OpenAIError(400, f"the prompt has {prompt_len} tokens: no room to generate within "
-                                       f"max_model_len={self.engine.config.max_model_len}", "prompt")
+                raise OpenAIError(
+                    400,
+                    f"the prompt has {prompt_len} tokens: no room to generate within "
+                    f"max_model_len={self.engine.config.max_model_len}",
+                    "prompt",
+                )
             return room
         if isinstance(asked, int) and asked >= 1 and asked > room:
-            raise OpenAIError(400, f"This model's maximum context length is {self.engine.config.max_model_len} "
-                                   f"tokens. However, you requested {prompt_len + asked} tokens ({prompt_len} "
-                                   f"in the prompt, {asked} in {field}). Please reduce the length.", field)
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {self.engine.config.max_model_len} "
+                f"tokens. However, you requested {prompt_len + asked} tokens ({prompt_len} "
+                f"in the prompt, {asked} in {field}). Please reduce the length.",
+                field,
+            )
         return asked
 
     async def abort_all(self, request_ids: list[str]) -> None:
@@ -128,7 +154,9 @@ class Serving:
         for rid in request_ids:
             await self.engine.abort(rid)
 
-    async def aborting(self, chunks: AsyncIterator[str], request_ids: list[str]) -> AsyncIterator[str]:
+    async def aborting(
+        self, chunks: AsyncIterator[str], request_ids: list[str]
+    ) -> AsyncIterator[str]:
         """A streamed body that aborts its requests however it ends (a disconnect included)."""
         try:
             async for chunk in chunks:
