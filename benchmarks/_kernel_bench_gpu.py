@@ -25,10 +25,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
-
-import jaxkv.pallas_kernels as pk
-
 from _kernel_bench_common import (
     Workload,
     bytes_read,
@@ -39,6 +35,9 @@ from _kernel_bench_common import (
     time_fn,
     write_results,
 )
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+import jaxkv.pallas_kernels as pk
 
 H = dict(num_q_heads=32, num_kv_heads=8, head_size=128)  # Llama-3-8B attention
 XLA_MAX_BYTES = 2 << 30  # the gather-based XLA backend materialises f32 K/V: skip beyond this

@@ -21,10 +21,9 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 import bench_common as bc
 import engine_harness as eh
+import numpy as np
 
 
 def _pass(engine, prompts, max_tokens, tag) -> tuple[float, list[list[int]]]:
@@ -67,9 +66,9 @@ def main(argv=None) -> dict:
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     lo, hi = (int(x) for x in args.prompt.split(":"))
-    from throughput import _kv_pairs, load_model
+    from _throughput_workloads import kv_pairs, load_model
 
-    model, tok = load_model(args.model, args.seed, overrides=_kv_pairs(args.model_config))
+    model, tok = load_model(args.model, args.seed, overrides=kv_pairs(args.model_config))
     rng = np.random.default_rng(args.seed)
     prompts = [
         eh.seeded_tokens(rng, int(rng.integers(lo, hi + 1)), model.config.vocab_size)

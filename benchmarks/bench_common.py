@@ -23,7 +23,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from _kernel_bench_common import environment as _kernel_environment
 from _kernel_bench_common import time_fn
 

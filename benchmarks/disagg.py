@@ -35,9 +35,8 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 import bench_common as bc
+import numpy as np
 import serve as sv
 
 HOST = sv.HOST

@@ -22,14 +22,14 @@ import pathlib
 import sys
 import time
 
+import bench_common as bc
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _throughput_workloads import kv_pairs, load_model
 
-import bench_common as bc
 from jaxkv import LLM, PoolingParams
 from jaxkv.models.dense_reference import dense_hidden
-from throughput import _kv_pairs, load_model
 
 
 def baseline_embed(fwd, prompts: list[list[int]], batch: int, kind: str) -> np.ndarray:
@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
         )
     )
     model, tok = load_model(
-        args.model, args.seed, max_pos=args.max_len + 1, overrides=_kv_pairs(args.model_config)
+        args.model, args.seed, max_pos=args.max_len + 1, overrides=kv_pairs(args.model_config)
     )
     llm = LLM(
         model,
@@ -167,7 +167,7 @@ def main(argv=None) -> dict:
         "max_abs_diff": diff,
         "tokens": tokens,
         "baseline_padded_positions": padded,
-        "stats": llm.llm_engine.get_stats(),
+        "stats": llm.llm_engine.get_stats().to_dict(),
     }
     print(f"# wrote {bc.write_json(args.json, payload)}", file=sys.stderr)
     if args.plot:

@@ -14,7 +14,7 @@ serialising a batch-64 decode ``SchedulerOutput`` and its ``ModelRunnerOutput`` 
 (protocol 5) and msgspec (msgpack).
 
     python benchmarks/executor_hop.py [--model tiny-llama] [--decode-steps 24]
-        [--json benchmarks/results/executor_hop_s15.json]
+        [--json benchmarks/results/executor_hop.json]
 """
 
 from __future__ import annotations
@@ -27,15 +27,14 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import pickle  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import argparse
+import pickle
+import statistics
+import sys
+import time
 
-import numpy as np  # noqa: E402
-
-from bench_common import environment, header_lines, table, write_json  # noqa: E402
+import numpy as np
+from bench_common import environment, header_lines, table, write_json
 
 
 def record(args):
@@ -149,10 +148,9 @@ def in_process(args, kv_config, tp: int):
 
 
 def multiproc(args, tp: int):
+    from jaxkv.engine_config import resolve_engine_config
     from jaxkv.executor.multiproc import MultiprocExecutor
     from jaxkv.kv_cache import get_kv_cache_configs
-
-    from jaxkv.engine_config import resolve_engine_config
 
     _, _, _, config = resolve_engine_config(
         args.model,
@@ -233,7 +231,7 @@ def serialisation(steps) -> list[dict]:
         try:
             mblob = enc.encode(obj)
             enc_us = timed(lambda: enc.encode(obj))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             rows.append(
                 dict(object=name, codec="msgspec msgpack", note=f"encode fails: {exc}"[:90])
             )
@@ -243,7 +241,7 @@ def serialisation(steps) -> list[dict]:
             back = dec.decode(mblob)
             note = "typed decode" + ("" if back == obj else " (not equal!)")
             dec_us = timed(lambda: dec.decode(mblob))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             note = f"typed decode fails ({type(exc).__name__}); untyped shown"
             untyped = msgspec.msgpack.Decoder()
             dec_us = timed(lambda: untyped.decode(mblob))
@@ -269,7 +267,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--configs", default="a,b,c,d", help="which of a,b,c,d to run (a and d for the hop)"
     )
-    p.add_argument("--json", default="benchmarks/results/executor_hop_s15.json")
+    p.add_argument("--json", default="benchmarks/results/executor_hop.json")
     args = p.parse_args(argv)
 
     env = environment()

@@ -24,7 +24,7 @@ import time
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # before jax starts its backends
 
-import bench_common as bc  # noqa: E402
+import bench_common as bc
 
 
 def main(argv=None) -> dict:

@@ -13,7 +13,7 @@
 # Usage: [GPU_CHECK_PARTS=tests,memory,bench,async] [GPU_CHECK_DRYRUN=1] benchmarks/gpu_check.sh [OUT_DIR]
 #   (OUT_DIR default: $OUT, else benchmarks/results/; GPU_CHECK_PARTS default: all four).
 # GPU_CHECK_DRYRUN=1: the same parts, commands and arguments on a machine WITHOUT a GPU, so
-# that an API break or a typo shows before a GPU is lent. It needs the CUDA plugin wheels at
+# that an API break or a typo shows before the run on a GPU. It needs the CUDA plugin wheels at
 # jaxlib's version and ptxas (see jaxkv/gpu_aot.py). What needs a GPU is compiled for a
 # compile-only H200 instead: 1. tests/kernels on CPU (interpret mode) plus the GPU cases of the
 # kernel tests compiled (tests/gpu_aot/test_h200_kernel_tests.py); 2. the step-memory test on
@@ -22,7 +22,7 @@
 # timeouts are longer (CPU); its logs go to the same files, gpu_env.txt says "dry run". (CI=true
 # on the tests/gpu_aot runs: a missing plugin fails them instead of skipping.)
 # Worst case (every part at its timeout) is ~11 minutes; typical runs are shorter. Under a
-# 600 s limit per call, run GPU_CHECK_PARTS=tests,memory,bench first, then GPU_CHECK_PARTS=async.
+# 600 s limit per command, run GPU_CHECK_PARTS=tests,memory,bench first, then GPU_CHECK_PARTS=async.
 # Writes OUT_DIR/gpu_tests.log, gpu_step_memory.log, gpu_bench.log, kernels_gpu.json, kernels_gpu.md, gpu_env.txt,
 # gpu_async_ab.log, async_ab_gpu.json.
 # Exit status: non-zero if the tests failed or timed out, or the benchmark failed.
@@ -92,7 +92,7 @@ tests_rc=0
 if want tests; then
 (
   rc=0
-  timeout --kill-after=10 "$(limit 180 1500)" python -m pytest tests/kernels -q -p no:cacheprovider \
+  timeout --kill-after=10 "$(limit 300 1500)" python -m pytest tests/kernels -q -p no:cacheprovider \
     --durations=10 || rc=$?
   if [[ "$DRYRUN" == 1 ]]; then   # what the GPU run compiles, compiled for the H200
     CI=true timeout --kill-after=10 900 python -m pytest tests/gpu_aot/test_h200_kernel_tests.py -q \

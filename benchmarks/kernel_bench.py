@@ -9,7 +9,8 @@ slower it would flatten the other bars).
 
 jax's reference (jax.experimental.pallas.ops.gpu.paged_attention.paged_attention_reference) is
 decode-only and reads DENSE, contiguous [S, L, Hkv, D] K/V (materialised outside the timing), so
-it is the "no paging" baseline (for fp8 workloads it reads the bf16-widened K/V). Interpret-mode Pallas runs only on the smallest shapes: it
+it is the "no paging" baseline (for fp8 workloads it reads the bf16-widened K/V). Interpret-mode
+Pallas runs only on the smallest shapes: it
 executes the kernel grid program by program (~100x slower than XLA; not a GPU prediction).
 CPU numbers on shared, noisy cores: compare ratios within one run, not across runs.
 """
@@ -21,14 +22,9 @@ import functools
 import pathlib
 import sys
 
+import bench_common as bc
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
-
-import jaxkv.pallas_kernels as pk
-from jaxkv.pallas_kernels.layout import typed_to_bytes
-
-import bench_common as bc
 from _kernel_bench_common import (
     Workload,
     bytes_read,
@@ -38,6 +34,10 @@ from _kernel_bench_common import (
     time_fn,
     write_results,
 )
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+import jaxkv.pallas_kernels as pk
+from jaxkv.pallas_kernels.layout import typed_to_bytes
 
 HEADS = dict(num_q_heads=32, num_kv_heads=8, head_size=64)  # Llama-3.2-1B-like attention
 
@@ -87,7 +87,7 @@ def run(w: Workload, *, repeats: int, interpret_ok: bool) -> list[dict]:
             )
         )
     }
-    from jaxkv.pallas_kernels import cpu_backend  # noqa: PLC0415
+    from jaxkv.pallas_kernels import cpu_backend
 
     if jax.default_backend() == "cpu" and cpu_backend.available():
         # The "cpu" backend (C++ kernel; fp8 caches run the XLA backend), byte view.

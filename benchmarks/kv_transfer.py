@@ -15,13 +15,13 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = 64 << 10

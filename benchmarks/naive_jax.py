@@ -92,7 +92,7 @@ class Dims:
     act: str
 
     @classmethod
-    def from_model(cls, model) -> "Dims":
+    def from_model(cls, model) -> Dims:
         c = model.config
         a0 = model.model.layers[0].self_attn
         return cls(

@@ -21,9 +21,9 @@ import statistics
 import sys
 import time
 
+import bench_common as bc
 import numpy as np
 
-import bench_common as bc
 from jaxkv.worker.spec_decode import propose_ngram
 
 

@@ -103,6 +103,7 @@ class JaxkvEngine:
 
     def describe(self) -> dict:
         import jax
+
         import jaxkv
 
         return {

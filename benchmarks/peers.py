@@ -50,10 +50,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-import bench_common as bc  # noqa: E402
-import peer_envs  # noqa: E402
-import peer_weights  # noqa: E402
-from peer_worker import PREFIX  # noqa: E402
+import bench_common as bc
+import peer_envs
+import peer_weights
+from peer_worker import PREFIX
 
 ENGINES = ("jaxkv", "vllm", "llamacpp")
 WORKLOADS = ("fixed", "batch1", "shared-prefix", "mixed")

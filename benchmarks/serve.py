@@ -6,8 +6,9 @@ offline ``LLM.generate`` on the same requests, in one run.
         [--max-model-len 1024] [--timeout 900] [--json PATH]
 
 Requests are ``benchmarks/throughput.py``'s seeded workloads (token-id prompts, greedy, EOS
-ignored), sent to ``/v1/completions`` streamed (``stream_options.include_usage``) through
-``httpx``, at each ``--request-rate``: "inf" sends all at t=0, a number sends a Poisson
+ignored), sent to ``/v1/completions`` streamed (``stream_options.include_usage``; with
+``--no-stream`` one response per request, so TTFT is the latency) through ``httpx``, at each
+``--request-rate``: "inf" sends all at t=0, a number sends a Poisson
 process of that many requests a second (exponential gaps, seeded). Per rate it reports request
 throughput, output tok/s, TTFT, TPOT ((latency - TTFT) / (output tokens - 1)) and ITL (gaps
 between streamed chunks, one token each), mean / p50 / p99 in ms. The server is started here
@@ -15,9 +16,12 @@ between streamed chunks, one token each), mean / p50 / p99 in ms. The server is 
 prefix caching off) and sent the requests ``--warm-passes`` times untimed before each timed
 pass, with the same arrivals (warming the host side: nothing compiles after start-up; the
 server's ``jaxkv:compiles_total`` is read at start, after the untimed passes and after the timed
-one, and each row reports the compiles of both); then it is stopped
-and an in-process ``LLM`` with the same engine flags runs the same requests (one untimed, one
-timed pass). Everything is bounded by ``--timeout``; the
+one, and each row reports the compiles of both; and the CPU seconds the client (this process)
+and the server's processes (front end, engine core: read from ``/proc``) spent in the timed
+pass, since on a small machine they share the cores that run the model); then it is stopped
+``AsyncLLM`` (the server's front end and engine-core process, without HTTP) and an in-process
+``LLM`` with the same engine flags run the same requests (one untimed, one timed pass each).
+Everything is bounded by ``--timeout``; the
 server listens on 127.0.0.1 only. CPU numbers on shared cores are noisy: compare within a run.
 """
 
@@ -29,16 +33,16 @@ import contextlib
 import json
 import os
 import pathlib
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import time
 
-import numpy as np
-
+import _throughput_workloads as workloads
 import bench_common as bc
-import throughput as tp
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"  # the benchmark never talks to anything else
@@ -161,20 +165,38 @@ def compiles_from_metrics(text: str) -> int:
 
 
 async def one_request(
-    http, url: str, model: str, prompt: list[int], max_tokens: int, sent: float
+    http, url: str, model: str, prompt: list[int], max_tokens: int, sent: float, stream: bool = True
 ) -> dict:
-    """Streams one completion; the arrival times of its token chunks and its usage."""
+    """Streams one completion; the arrival times of its token chunks and its usage. Without
+    ``stream`` the one response is its only chunk."""
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": stream,
     }
     import httpx
 
+    if not stream:
+        try:
+            r = await http.post(f"{url}/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        end = time.perf_counter()
+        if r.status_code != 200:
+            return {"error": f"{r.status_code}: {r.content[:300]!r}"}
+        usage = r.json()["usage"]
+        return {
+            "sent": sent,
+            "end": end,
+            "chunks": [end],
+            "output_tokens": usage["completion_tokens"],
+            "error": None,
+            "prompt_tokens": usage["prompt_tokens"],
+        }
+    body["stream_options"] = {"include_usage": True}
     chunks, usage, error = [], None, None
     try:
         async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -205,7 +227,14 @@ async def one_request(
 
 
 async def run_pass(
-    url: str, model: str, prompts, outs, rate: float, seed: int, timeout_s: float
+    url: str,
+    model: str,
+    prompts,
+    outs,
+    rate: float,
+    seed: int,
+    timeout_s: float,
+    stream: bool = True,
 ) -> dict:
     """Sends every request (Poisson at ``rate`` a second, or all at once for inf)."""
     import httpx
@@ -224,7 +253,9 @@ async def run_pass(
             if gap:
                 await asyncio.sleep(gap)
             tasks.append(
-                asyncio.create_task(one_request(http, url, model, p, n, time.perf_counter()))
+                asyncio.create_task(
+                    one_request(http, url, model, p, n, time.perf_counter(), stream)
+                )
             )
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
     return summarize_pass(results, t0, rate)
@@ -264,6 +295,35 @@ def summarize_pass(results: list[dict], t0: float, rate: float) -> dict:
     return row
 
 
+# ---- CPU accounting --------------------------------------------------------------------------------
+
+
+def own_cpu_s() -> float:
+    """CPU seconds (user + system) this process has used."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def tree_cpu_s(pid: int) -> float | None:
+    """CPU seconds used so far by ``pid`` and its children (the server and its engine-core
+    process), from ``/proc``; None where there is no ``/proc``."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for p in entries:
+        if not p.isdigit():
+            continue
+        try:  # fields after "(command)": state, ppid, ..., utime (12th), stime (13th)
+            f = pathlib.Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(p) == pid or int(f[1]) == pid:
+            total += (int(f[11]) + int(f[12])) / tick
+    return total
+
+
 # ---- offline -------------------------------------------------------------------------------------
 
 
@@ -286,6 +346,50 @@ def run_offline(args, prompts, outs) -> dict:
         "req_per_s": len(res) / duration,
         "output_tokens": out_tokens,
         "output_tok_per_s": out_tokens / duration,
+    }
+
+
+def run_async_llm(args, prompts, outs) -> dict:
+    """The server's engine without HTTP: ``AsyncLLM`` (the same front end and engine-core
+    process) in this process, every request at once, streamed as deltas (one untimed pass,
+    one timed): what the process hop costs, apart from HTTP and the client."""
+    from jaxkv import SamplingParams
+    from jaxkv.engine.async_llm import AsyncLLM
+    from jaxkv.sampling_params import RequestOutputKind
+
+    engine = AsyncLLM(args.model, **engine_kwargs(args))
+    params = [
+        SamplingParams(
+            max_tokens=n, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
+        for n in outs
+    ]
+
+    async def one(i, tag):
+        n = 0
+        async for out in engine.generate(prompts[i], params[i], f"{tag}-{i}"):
+            n += len(out.outputs[0].token_ids)
+        return n
+
+    async def both():
+        await asyncio.gather(*[one(i, "warm") for i in range(len(prompts))])
+        t0, cpu0 = time.perf_counter(), own_cpu_s()
+        counts = await asyncio.gather(*[one(i, "timed") for i in range(len(prompts))])
+        return time.perf_counter() - t0, own_cpu_s() - cpu0, sum(counts)
+
+    try:
+        duration, cpu, out_tokens = asyncio.run(both())
+    finally:
+        engine.shutdown()
+    return {
+        "request_rate": "inf",
+        "requests": len(prompts),
+        "completed": len(prompts),
+        "duration_s": duration,
+        "req_per_s": len(prompts) / duration,
+        "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / duration,
+        "client_cpu_s": cpu,
     }
 
 
@@ -335,6 +439,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-offline", action="store_true", help="skip the offline LLM.generate comparison"
     )
+    p.add_argument(
+        "--no-async-llm",
+        action="store_true",
+        help="skip the AsyncLLM row (the server's engine in this process, without HTTP)",
+    )
+    p.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stream each completion token by token (default), or one response per request",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     return p
 
@@ -348,8 +463,8 @@ def main(argv=None) -> dict:
     from jaxkv.models import load_model_config
 
     cfg, _ = load_model_config(args.model)
-    sizes = tp.QUICK if args.quick else tp.FULL
-    prompts, outs, desc = tp.make_requests(args.workload, sizes, cfg.vocab_size, args.seed)
+    sizes = workloads.QUICK if args.quick else workloads.FULL
+    prompts, outs, desc = workloads.make_requests(args.workload, sizes, cfg.vocab_size, args.seed)
     if args.num_prompts is not None:
         prompts, outs = prompts[: args.num_prompts], outs[: args.num_prompts]
         desc["requests"] = len(prompts)
@@ -367,23 +482,43 @@ def main(argv=None) -> dict:
             for rate in rates:  # untimed passes first (same arrivals): host-side warm-up
                 for _ in range(args.warm_passes):
                     asyncio.run(
-                        run_pass(server.url, args.model, prompts, outs, rate, args.seed, left())
+                        run_pass(
+                            server.url,
+                            args.model,
+                            prompts,
+                            outs,
+                            rate,
+                            args.seed,
+                            left(),
+                            args.stream,
+                        )
                     )
                 mid = server.compiles()
+                cpu0, server0 = own_cpu_s(), tree_cpu_s(server.proc.pid)
                 row = asyncio.run(
-                    run_pass(server.url, args.model, prompts, outs, rate, args.seed, left())
+                    run_pass(
+                        server.url, args.model, prompts, outs, rate, args.seed, left(), args.stream
+                    )
                 )
+                cpu1, server1 = own_cpu_s(), tree_cpu_s(server.proc.pid)
                 last, before = server.compiles(), last
                 rows.append(
                     {
                         "system": "jaxkv serve",
+                        "stream": args.stream,
                         **row,
                         "compiles_warm_passes": mid - before,
                         "compiles_timed": last - mid,
+                        "client_cpu_s": cpu1 - cpu0,
+                        "server_cpu_s": None
+                        if server0 is None or server1 is None
+                        else server1 - server0,
                     }
                 )
         finally:
             server.stop()
+    if not args.no_async_llm:
+        rows.append({"system": "AsyncLLM", **run_async_llm(args, prompts, outs)})
     if not args.no_offline:
         offline = run_offline(args, prompts, outs)
         for row in rows:  # the throughput ratio at each rate (inf is the one comparable to offline)
@@ -405,6 +540,7 @@ def main(argv=None) -> dict:
             rows,
             [
                 "system",
+                "stream",
                 "request_rate",
                 "completed",
                 "duration_s",
@@ -413,6 +549,8 @@ def main(argv=None) -> dict:
                 "vs_offline",
                 "compiles_warm_passes",
                 "compiles_timed",
+                "client_cpu_s",
+                "server_cpu_s",
             ],
         )
     )

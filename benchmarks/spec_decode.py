@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
         "prompt_lookup_max": hi,
         "prompt_lookup_min": lo,
     }
-    from throughput import load_model
+    from _throughput_workloads import load_model
 
     model, tok = load_model(args.model, 0)
     if tok is None or not tok.chat_template:

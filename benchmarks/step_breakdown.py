@@ -22,9 +22,8 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 import bench_common as bc
+import numpy as np
 
 VARIANTS = ("full", "no-attention", "no-kv-write")
 WORKLOAD = dict(

@@ -22,118 +22,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import pathlib
-import statistics
 import sys
 import time
 
-import numpy as np
-
 import bench_common as bc
 import engine_harness as eh
-
-FLOPS_FORMULA = (
-    "model FLOPs = 2 * P_nonembed * computed_tokens + 2 * hidden * vocab * output_tokens "
-    "(LM head, one row per sampled token) + 4 * layers * q_heads * head_dim * sum(context "
-    "of each computed token); computed_tokens = prompt - prefix_hit + output - 1"
+from _throughput_flops import FLOPS_FORMULA, model_matmuls, request_flops
+from _throughput_long_decode import run_long_decode
+from _throughput_report import headline_figures, plot, print_report
+from _throughput_workloads import (
+    WORKLOADS,
+    Sizes,
+    kv_pairs,
+    load_model,
+    make_requests,
+    sizes_from,
 )
 
-
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    fixed_n: int = 64
-    fixed_prompt: tuple = (32, 256)
-    fixed_out: int = 64
-    mixed_n: int = 256
-    mixed_prompt: tuple = (32, 512)
-    mixed_out: tuple = (16, 256)
-    shared_n: int = 64
-    shared_len: int = 1024
-    shared_private: tuple = (32, 128)
-    shared_out: int = 64
-    contexts: tuple = (1024, 2048, 4096, 8192, 16384)
-    decode_batches: tuple = (1, 16)
-    decode_steps: int = 16
-    kv_compare_context: int = 4096
-
-
-FULL = Sizes()
-QUICK = Sizes(
-    fixed_n=32,
-    fixed_prompt=(32, 128),
-    fixed_out=32,
-    mixed_n=64,
-    mixed_prompt=(32, 256),
-    mixed_out=(8, 64),
-    shared_n=16,
-    shared_len=256,
-    shared_private=(16, 64),
-    shared_out=16,
-    contexts=(1024, 2048),
-    decode_steps=6,
-    kv_compare_context=1024,
-)
-WORKLOADS = ("fixed", "mixed", "shared-prefix", "long-decode")
-KV_COMPARE_ROUNDS = 3  # alternating small / large KV-cache measurements
-
-
-# ---- workloads and FLOPs ----------------------------------------------------------------------
-
-
-def make_requests(name: str, sz: Sizes, vocab: int, seed: int) -> tuple[list, list, dict]:
-    rng = np.random.default_rng(seed)
-    if name == "fixed":
-        lens = rng.integers(sz.fixed_prompt[0], sz.fixed_prompt[1] + 1, sz.fixed_n)
-        prompts = [eh.seeded_tokens(rng, int(n), vocab) for n in lens]
-        outs = [sz.fixed_out] * sz.fixed_n
-        desc = dict(
-            requests=sz.fixed_n, prompt_len=f"U{list(sz.fixed_prompt)}", output_len=sz.fixed_out
-        )
-    elif name == "mixed":
-        lens = rng.integers(sz.mixed_prompt[0], sz.mixed_prompt[1] + 1, sz.mixed_n)
-        prompts = [eh.seeded_tokens(rng, int(n), vocab) for n in lens]
-        outs = rng.integers(sz.mixed_out[0], sz.mixed_out[1] + 1, sz.mixed_n).tolist()
-        desc = dict(
-            requests=sz.mixed_n,
-            prompt_len=f"U{list(sz.mixed_prompt)}",
-            output_len=f"U{list(sz.mixed_out)}",
-        )
-    elif name == "shared-prefix":
-        shared = eh.seeded_tokens(rng, sz.shared_len, vocab)
-        lens = rng.integers(sz.shared_private[0], sz.shared_private[1] + 1, sz.shared_n)
-        prompts = [shared + eh.seeded_tokens(rng, int(n), vocab) for n in lens]
-        outs = [sz.shared_out] * sz.shared_n
-        desc = dict(
-            requests=sz.shared_n,
-            shared_prefix=sz.shared_len,
-            private_len=f"U{list(sz.shared_private)}",
-            output_len=sz.shared_out,
-        )
-    else:
-        raise ValueError(name)
-    desc.update(seed=seed, sampling="greedy, ignore_eos")
-    return prompts, [int(o) for o in outs], desc
-
-
-def nonembed_params(cfg) -> int:
-    h, d = cfg.hidden_size, cfg.head_dim
-    attn = h * cfg.num_attention_heads * d * 2 + h * cfg.num_key_value_heads * d * 2
-    return cfg.num_hidden_layers * (attn + 3 * h * cfg.intermediate_size)
-
-
-def request_flops(cfg, prompt_len: int, output_len: int, cached: int = 0) -> float:
-    """Useful model FLOPs of one request (see FLOPS_FORMULA)."""
-    first, last = cached, prompt_len + output_len - 2  # positions computed (inclusive)
-    tokens = max(0, last - first + 1)
-    ctx_sum = (last + 1) * (last + 2) // 2 - first * (first + 1) // 2  # sum of (p + 1)
-    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * ctx_sum
-    return (
-        2.0 * nonembed_params(cfg) * tokens
-        + 2.0 * cfg.hidden_size * cfg.vocab_size * output_len
-        + attn
-    )
-
+# The parts of this benchmark: _throughput_workloads.py (sizes, requests, model loading),
+# _throughput_flops.py (the FLOP model), _throughput_long_decode.py (the long-decode workload),
+# _throughput_report.py (tables, headline figures, plots).
 
 # ---- one workload -----------------------------------------------------------------------------
 
@@ -265,147 +174,7 @@ def run_throughput_workload(name, ctx, sz: Sizes) -> dict:
     return result
 
 
-# ---- long decode ------------------------------------------------------------------------------
-
-
-def run_long_decode(ctx, sz: Sizes) -> dict:
-    args, cfg = ctx.args, ctx.cfg
-    max_ctx = max(sz.contexts)
-    model, tok = load_model(
-        args.model, args.seed, max_pos=max_ctx, overrides=_kv_pairs(args.model_config)
-    )
-    if model.config.max_position_embeddings < max_ctx:
-        contexts = tuple(c for c in sz.contexts if c <= model.config.max_position_embeddings)
-        print(
-            f"# [long-decode] {args.model} supports {model.config.max_position_embeddings} positions: "
-            f"contexts {contexts}",
-            file=sys.stderr,
-        )
-    else:
-        contexts = sz.contexts
-    max_ctx = max(contexts)
-    rng = np.random.default_rng(args.seed + 1)
-    stream = eh.seeded_tokens(rng, max_ctx, cfg.vocab_size)
-    tail, steps = 16, sz.decode_steps
-    batches = sz.decode_batches
-    budget = args.max_num_batched_tokens or 2048
-
-    def room(b):  # decode tokens a request may take: the measured steps + the steps
-        return steps + 4 + -(-b * 2 * tail // budget)  # its batch needs to prefill the tails
-
-    def prompts_for(c, b):  # shared prefix (prefix caching pays its prefill once) + private tails
-        return [
-            stream[: c - room(b) - tail] + eh.seeded_tokens(rng, tail, cfg.vocab_size)
-            for _ in range(b)
-        ]
-
-    def measure(engine, timer, c, b):
-        return eh.decode_step_times(engine, timer, prompts_for(c, b), steps, room(b))
-
-    kw = dict(
-        max_num_seqs=max(batches),
-        max_model_len=max_ctx,
-        attention_backend=args.attention_backend,
-        max_num_batched_tokens=args.max_num_batched_tokens or 2048,
-    )
-    small, large = args.kv_compare
-    engine, timer = eh.build_engine(model, tok, kv_cache_memory_bytes=small, **kw)
-    rows = []
-    for c in contexts:
-        for b in batches:
-            t0 = time.perf_counter()
-            r = measure(engine, timer, c, b)
-            row = {
-                "context": c,
-                "batch": b,
-                "jaxkv_step_ms": r["step_ms_median"],
-                "jaxkv_device_ms": r.get("device_ms_median"),
-                "measured_steps": r["steps"],
-                "wall_s": time.perf_counter() - t0,
-            }
-            if ctx.naive is not None:
-                row["naive_step_ms"] = 1e3 * ctx.naive.decode_step_time(b, c, steps)
-                row["jaxkv_speedup"] = (
-                    row["naive_step_ms"] / row["jaxkv_step_ms"] if row["jaxkv_step_ms"] else None
-                )
-            print(
-                f"# [long-decode] context {c} batch {b}: {bc.fmt(row['jaxkv_step_ms'])} ms/step",
-                file=sys.stderr,
-            )
-            rows.append(row)
-    cc = min(sz.kv_compare_context, max_ctx)
-    bcmp = max(batches)
-    compare = {
-        "context": cc,
-        "batch": bcmp,
-        "small_MiB": small // 2**20,
-        "large_MiB": large // 2**20,
-        "small_blocks": engine.kv_cache_config.num_blocks,
-        "rounds": KV_COMPARE_ROUNDS,
-    }
-    try:  # small and large in alternating rounds (this VM's speed drifts by up to ~2x within a
-        # minute): the ratio of the two medians over the rounds, and the paired per-round ratios
-        eng_l, timer_l = eh.build_engine(model, tok, kv_cache_memory_bytes=large, **kw)
-        compare["large_blocks"] = eng_l.kv_cache_config.num_blocks
-        measure(engine, timer, cc, 1)  # primes the prefixes
-        measure(eng_l, timer_l, cc, 1)
-        small_ms, large_ms = [], []
-        for _ in range(KV_COMPARE_ROUNDS):
-            small_ms.append(measure(engine, timer, cc, bcmp)["step_ms_median"])
-            large_ms.append(measure(eng_l, timer_l, cc, bcmp)["step_ms_median"])
-        del eng_l, timer_l
-        gc.collect()
-        compare.update(small_step_ms=small_ms, large_step_ms=large_ms)
-        if all(small_ms) and all(large_ms):
-            compare["large_over_small"] = statistics.median(large_ms) / statistics.median(small_ms)
-            compare["paired_ratios"] = [lg / sm for lg, sm in zip(large_ms, small_ms)]
-    except (ValueError, MemoryError, RuntimeError) as e:  # noqa: PERF203
-        compare["large_error"] = str(e)
-    del engine, timer
-    gc.collect()
-    return {
-        "workload": dict(
-            contexts=list(contexts),
-            batches=list(batches),
-            decode_steps=steps,
-            private_tail=tail,
-            note="requests share their context prefix through "
-            "prefix caching (prefill paid once); each still attends its full context",
-        ),
-        "rows": rows,
-        "kv_size_compare": compare,
-    }
-
-
-# ---- setup and output -------------------------------------------------------------------------
-
-
-def load_model(name: str, seed: int, max_pos: int | None = None, overrides: dict | None = None):
-    """(model, tokenizer). Random-init configs take ``overrides`` (``--model-config``) and get
-    ``max_position_embeddings >= max_pos`` (positions do not change the weights: same seed,
-    same parameters)."""
-    from jaxkv.models import build_model, get_config, load_model as _load
-    from jaxkv.models.registry import RANDOM_INIT_NAMES
-
-    if name in RANDOM_INIT_NAMES and (max_pos or overrides):
-        cfg = get_config(name, **(overrides or {}))
-        cfg = dataclasses.replace(
-            cfg, max_position_embeddings=max(cfg.max_position_embeddings, max_pos or 0)
-        )
-        return build_model(cfg, seed=seed), None
-    if overrides:
-        raise ValueError(f"--model-config applies to random-init models only, not {name!r}")
-    model, _, tok = _load(name, seed=seed)
-    return model, tok
-
-
-def _kv_pairs(text: str | None) -> dict:
-    """'a=1,b=2:3' -> {'a': 1, 'b': (2, 3)} (ints; ':' separates tuple items)."""
-    out = {}
-    for item in filter(None, (text or "").split(",")):
-        k, v = item.split("=")
-        out[k.strip()] = tuple(int(x) for x in v.split(":")) if ":" in v else int(v)
-    return out
+# ---- setup and main --------------------------------------------------------------------------
 
 
 class Context:
@@ -415,7 +184,7 @@ class Context:
     def __init__(self, args, workloads):
         self.args = args
         self.model, self.tok = load_model(
-            args.model, args.seed, overrides=_kv_pairs(args.model_config)
+            args.model, args.seed, overrides=kv_pairs(args.model_config)
         )
         self.cfg = self.model.config
         self.peak_flops = None
@@ -462,206 +231,6 @@ class Context:
             file=sys.stderr,
         )
         return engine, timer
-
-
-def _model_matmuls(cfg, decode_rows: int, prefill_rows: int | None, peak: float) -> dict | None:
-    """XLA's FLOP/s on the model's own matmul chain at a decode step's and a prefill step's
-    rows (``bench_common.model_matmul_flops``): the ceiling for MFU with XLA's dots here.
-    Skipped for models whose fp32 weights would not fit comfortably (> 2 GiB)."""
-    weight_bytes = 4 * (nonembed_params(cfg) + cfg.hidden_size * cfg.vocab_size)
-    if weight_bytes > 2 * 2**30 or not prefill_rows:
-        return None
-    out = {
-        "decode": bc.model_matmul_flops(cfg, decode_rows, lm_head=True),
-        "prefill": bc.model_matmul_flops(cfg, prefill_rows, lm_head=False),
-    }
-    for r in out.values():
-        r["pct_of_matmul_probe"] = 100.0 * r["flops_per_s"] / peak
-    return out
-
-
-def print_report(payload: dict) -> None:
-    env = payload["env"]
-    print("\n".join(bc.header_lines("jaxkv offline throughput", env, payload["config"])))
-    mm = payload["matmul"]
-    print(
-        f"# matmul probe: {mm['n']}x{mm['n']} fp32 jnp.dot, best of {mm['repeats']}: "
-        f"{mm['flops_per_s'] / 1e9:.1f} GFLOP/s at the start, "
-        f"{payload['matmul_end']['flops_per_s'] / 1e9:.1f} at the end; MFU uses the higher"
-    )
-    chain = payload.get("model_matmuls")
-    if chain:
-        d, p = chain["decode"], chain["prefill"]
-        print(
-            f"# the model's own matmul chain in XLA (random fp32 weights, no attention / cache): "
-            f"{d['rows']} rows + LM head {d['flops_per_s'] / 1e9:.1f} GFLOP/s "
-            f"({d['pct_of_matmul_probe']:.0f}% of the probe), {p['rows']} rows "
-            f"{p['flops_per_s'] / 1e9:.1f} GFLOP/s ({p['pct_of_matmul_probe']:.0f}%)"
-        )
-    print(f"# {FLOPS_FORMULA}")
-    rows, summary = [], []
-    for name, res in payload["results"].items():
-        if name == "long-decode":
-            continue
-        for r in res["rows"]:
-            rows.append(
-                dict(
-                    r,
-                    workload=name,
-                    **{
-                        "GFLOP/s": r["model_flops_per_s"] / 1e9,
-                        "host%": r.get("host", {}).get("host_pct"),
-                    },
-                )
-            )
-        if "jaxkv_over_baseline" in res:
-            summary.append(
-                {
-                    "workload": name,
-                    "jaxkv/baseline out tok/s": res["jaxkv_over_baseline"],
-                    "greedy tokens equal": res["baseline_tokens_equal"],
-                }
-            )
-    if rows:
-        print(
-            bc.table(
-                rows,
-                [
-                    "workload",
-                    "system",
-                    "requests",
-                    "elapsed_s",
-                    "req_per_s",
-                    "output_tok_per_s",
-                    "total_tok_per_s",
-                    "GFLOP/s",
-                    "mfu_pct_of_matmul",
-                    "peak_kv_pct",
-                    "preemptions",
-                    "compiles",
-                    "host%",
-                ],
-                "throughput",
-            )
-        )
-        print(
-            bc.table(
-                rows,
-                [
-                    "workload",
-                    "system",
-                    "ttft_ms_mean",
-                    "ttft_ms_median",
-                    "ttft_ms_p99",
-                    "tpot_ms_mean",
-                    "tpot_ms_median",
-                    "tpot_ms_p99",
-                    "compile_s",
-                ],
-                "latency",
-            )
-        )
-        host = [
-            dict(workload=n, **r["host_decode"])
-            for n, res in payload["results"].items()
-            if n != "long-decode"
-            for r in res["rows"]
-            if "host_decode" in r
-        ]
-        print(
-            bc.table(
-                host,
-                [
-                    "workload",
-                    "batch",
-                    "steps",
-                    "step_ms_median",
-                    "host_pct",
-                    "schedule_pct",
-                    "prepare_pct",
-                    "update_pct",
-                    "device_pct",
-                ],
-                "jaxkv decode steps at the largest batch (host = step - device)",
-            )
-        )
-    sp = payload["results"].get("shared-prefix", {}).get("prefix")
-    if sp:
-        print(bc.table([sp], list(sp), "shared-prefix: prefix caching"))
-    ld = payload["results"].get("long-decode")
-    if ld:
-        print(
-            bc.table(
-                ld["rows"],
-                [
-                    "context",
-                    "batch",
-                    "jaxkv_step_ms",
-                    "jaxkv_device_ms",
-                    "width_blocks",
-                    "measured_steps",
-                    "naive_step_ms",
-                    "jaxkv_speedup",
-                ],
-                "long-decode: decode step time",
-            )
-        )
-        print(
-            bc.table(
-                [ld["kv_size_compare"]], list(ld["kv_size_compare"]), "decode step vs KV-cache size"
-            )
-        )
-    if summary:
-        print(bc.table(summary, list(summary[0]), "jaxkv / naive JAX baseline"))
-    print(bc.table(payload["targets"], ["target", "measured", "met"], "targets (this CPU)"))
-
-
-def targets(payload: dict) -> list[dict]:
-    res = payload["results"]
-    out = []
-
-    def add(name, value, ok):
-        out.append({"target": name, "measured": value, "met": ok})
-
-    for w, need in (("fixed", 1.3), ("mixed", 2.0)):
-        r = res.get(w, {}).get("jaxkv_over_baseline")
-        if r is not None:
-            add(f"{w}: jaxkv >= {need}x naive JAX", f"{r:.2f}x", r >= need)
-    f = res.get("fixed", {}).get("rows", [{}])[0].get("mfu_pct_of_matmul")
-    if f is not None:
-        add("fixed: model FLOP/s >= 60% of matmul", f"{f:.1f}%", f >= 60)
-    chain = payload.get("model_matmuls")
-    if chain:
-        add(
-            "(context) XLA on the model's matmuls alone, decode / prefill rows",
-            f"{chain['decode']['pct_of_matmul_probe']:.0f}% / {chain['prefill']['pct_of_matmul_probe']:.0f}%"
-            " of matmul",
-            None,
-        )
-    sp = res.get("shared-prefix", {}).get("prefix")
-    if sp:
-        add(
-            "shared-prefix: prefill saved ~ shared fraction",
-            f"{bc.fmt(sp['prefill_saved_pct'])}% (ideal {bc.fmt(sp['ideal_saved_pct'])}%), "
-            f"speedup {sp['speedup_on_vs_off']:.2f}x",
-            None,
-        )
-    for w in ("fixed", "mixed"):
-        hd = res.get(w, {}).get("rows", [{}])[0].get("host_decode", {})
-        if hd.get("steps"):
-            add(
-                f"{w}: host < 10% of decode step (batch {hd['batch']})",
-                f"{hd['host_pct']:.1f}%",
-                hd["host_pct"] < 10 if hd["batch"] >= 64 else None,
-            )
-    kv = res.get("long-decode", {}).get("kv_size_compare", {})
-    if kv.get("large_over_small"):
-        add(
-            "decode step: large vs small KV cache within 10%",
-            f"{kv['large_over_small']:.3f}x",
-            abs(kv["large_over_small"] - 1) <= 0.10,
-        )
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -743,15 +312,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _sizes(args) -> Sizes:
-    sz = QUICK if args.quick else FULL
-    kw = _kv_pairs(args.sizes)
-    for k, v in kw.items():
-        if isinstance(getattr(sz, k), tuple) and isinstance(v, int):
-            kw[k] = (v,)
-    return dataclasses.replace(sz, **kw)
-
-
 def main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -761,7 +321,7 @@ def main(argv=None) -> dict:
         from jaxkv import compile_cache
 
         compile_cache.enable()  # JAXKV_COMPILE_CACHE=off leaves it off
-    sz = _sizes(args)
+    sz = sizes_from(args.quick, args.sizes)
     workloads = WORKLOADS if args.workload == "all" else (args.workload,)
     env = bc.environment()
     mm = bc.matmul_flops(args.matmul_n)
@@ -808,14 +368,14 @@ def main(argv=None) -> dict:
     payload["matmul_end"] = mm_end
     peak = max(mm["flops_per_s"], mm_end["flops_per_s"])
     payload["matmul_flops_per_s_used"] = peak
-    payload["model_matmuls"] = _model_matmuls(
+    payload["model_matmuls"] = model_matmuls(
         ctx.cfg, args.max_num_seqs, config["max_num_batched_tokens"], peak
     )
     for res in payload["results"].values():
         for r in res.get("rows", []):
             if "model_flops_per_s" in r:
                 r["mfu_pct_of_matmul"] = 100.0 * r["model_flops_per_s"] / peak
-    payload["targets"] = targets(payload)
+    payload["headline"] = headline_figures(payload)
     for res in payload["results"].values():
         for r in res.get("rows", []):
             r.pop("records", None)
@@ -823,48 +383,8 @@ def main(argv=None) -> dict:
     path = bc.write_json(args.json, payload)
     print(f"# wrote {path}")
     if args.plot:
-        _plot(payload, pathlib.Path(args.json))
+        plot(payload, pathlib.Path(args.json))
     return payload
-
-
-def _plot(payload, json_path: pathlib.Path) -> None:
-    groups = {
-        n: {r["system"]: r["output_tok_per_s"] for r in res["rows"]}
-        for n, res in payload["results"].items()
-        if n != "long-decode"
-    }
-    title = f"{payload['config']['model']} on {payload['env']['cpu']} x{payload['env']['cores']}"
-    written = []
-    if groups:
-        written.append(
-            bc.plot_bars(json_path.with_suffix(".png"), title, groups, "output tokens/s")
-        )
-    ld = payload["results"].get("long-decode")
-    if ld:
-        series = {}
-        for b in sorted({r["batch"] for r in ld["rows"]}):
-            rs = [r for r in ld["rows"] if r["batch"] == b]
-            series[f"jaxkv batch {b}"] = (
-                [r["context"] for r in rs],
-                [r["jaxkv_step_ms"] for r in rs],
-            )
-            if "naive_step_ms" in rs[0]:
-                series[f"naive batch {b}"] = (
-                    [r["context"] for r in rs],
-                    [r["naive_step_ms"] for r in rs],
-                )
-        written.append(
-            bc.plot_lines(
-                json_path.with_name(json_path.stem + "_long_decode.png"),
-                title,
-                series,
-                "context (tokens)",
-                "decode step (ms)",
-            )
-        )
-    for w in written:
-        if w:
-            print(f"# wrote {w}")
 
 
 if __name__ == "__main__":

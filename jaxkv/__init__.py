@@ -25,7 +25,7 @@ if (
     )
     and _os.path.isfile(_os.path.join(_root, "pyproject.toml"))
 ):
-    __path__.append(_root)  # noqa: F821 (a package's __path__)
+    __path__.append(_root)
 del _root
 
 from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence

@@ -30,7 +30,7 @@ _OFF = ("off", "0", "false", "no", "none")
 
 
 def default_dir() -> Path:
-    from jaxkv.models.checkpoint.smollm2 import cache_dir  # noqa: PLC0415 - jaxkv's cache dir
+    from jaxkv.models.checkpoint.smollm2 import cache_dir  # lazy: jaxkv's cache dir
 
     return cache_dir() / "xla"
 
@@ -48,7 +48,7 @@ def resolve(setting: bool | str | os.PathLike | None = True) -> Path | None:
         return None
     if env:
         return Path(env).expanduser()
-    import jax  # noqa: PLC0415
+    import jax
 
     current = jax.config.jax_compilation_cache_dir
     return Path(current) if current else default_dir()
@@ -60,8 +60,8 @@ def enable(setting: bool | str | os.PathLike | None = True) -> Path | None:
     path = resolve(setting)
     if path is None:
         return None
-    import jax  # noqa: PLC0415
-    from jax.experimental.compilation_cache import compilation_cache as cc  # noqa: PLC0415
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
 
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -74,6 +74,6 @@ def enable(setting: bool | str | os.PathLike | None = True) -> Path | None:
 
 def current() -> str | None:
     """The directory jax's persistent cache uses in this process, or None."""
-    import jax  # noqa: PLC0415
+    import jax
 
     return jax.config.jax_compilation_cache_dir or None

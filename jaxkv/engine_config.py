@@ -6,21 +6,29 @@ import dataclasses
 import numbers
 import os
 
-
 from jaxkv.core import SchedulerConfig
 from jaxkv.core.stop_check import merge_eos_token_ids
+from jaxkv.models.config import DTYPES
+from jaxkv.models.sharding import check_device_count
 from jaxkv.pooling_params import PoolerConfig
 from jaxkv.worker.backends import BACKENDS
 from jaxkv.worker.sampler import LOGPROBS_MODES
 from jaxkv.worker.spec_decode import SpeculativeConfig
-from jaxkv.models.config import DTYPES
-from jaxkv.models.sharding import check_device_count
 
 #: vLLM's ``runner`` values; "auto" takes generation and pooling requests alike.
 RUNNERS = ("auto", "generate", "pooling")
 
 #: KV budget on devices that report no memory stats (CPU) when none is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
+
+
+def default_max_num_batched_tokens(
+    max_num_seqs: int, max_model_len: int, enable_chunked_prefill: bool = True
+) -> int:
+    """Tokens per step when none is given: 2048 with chunked prefill, else a whole prompt of
+    ``max_model_len``; at least one per running request."""
+    return max(2048 if enable_chunked_prefill else max_model_len, max_num_seqs)
+
 
 #: vLLM's ``distributed_executor_backend`` values jaxkv has: "uni" (the worker in process)
 #: and "mp" (one worker process per JAX process of a ``jax.distributed`` job).
@@ -70,10 +78,13 @@ class EngineConfig:
     )
     kv_transfer_config: object = None  # a KVTransferConfig: the KV connector (P/D disaggregation)
     compile_cache_dir: str | None = None  # jax's persistent compilation cache (None: left alone)
+    # weight-only quantization of the linear layers and LM head: None, "int8" or "fp8"
+    # (jaxkv.models.quant; load_model(..., quantization=...))
+    quantization: str | None = None
 
 
 def _compile_cache_dir(setting) -> str | None:
-    from jaxkv.compile_cache import resolve  # noqa: PLC0415
+    from jaxkv.compile_cache import resolve
 
     path = resolve(setting)
     return None if path is None else str(path)
@@ -288,6 +299,7 @@ def resolve_engine_config(
     devices_per_worker: int = 1,
     kv_transfer_config=None,
     compile_cache=True,
+    quantization: str | None = None,
 ):
     """Resolves and checks every engine argument. Returns (model, model_config, tokenizer,
     EngineConfig); ``model`` is the NNX model given (the in-process worker serves it), or
@@ -303,7 +315,7 @@ def resolve_engine_config(
     verifier of every position bucket with speculative decoding, and three small update
     programs (``jaxkv.worker.program_set``; ``2 F + 2 Q + V + 3`` for F token, Q request and V
     position buckets). Sampling options are data, not compiled variants, so after warm-up no
-    request compiles anything (a compile after it is counted in ``get_stats()["late_compiles"]``
+    request compiles anything (a compile after it is counted in ``get_stats().late_compiles``
     and logged). ``False`` compiles each program on first use. jax's persistent compilation
     cache (``jaxkv.compile_cache``) makes a restart with the same configuration read the
     programs back instead of compiling them.
@@ -367,6 +379,11 @@ def resolve_engine_config(
     for ``$JAXKV_COMPILE_CACHE``, else a directory the process already gave jax, else
     ``~/.cache/jaxkv/xla``; a directory; or False / "off" to leave jax's setting alone.
 
+    ``quantization`` (vLLM's name): None (float weights), "int8" or "fp8": every linear
+    layer and the LM head kept quantized in device memory (``jaxkv.models.quant``; a GGUF
+    checkpoint's int8 keeps Q8_0's blocks of 32). A model object given is quantized here, in
+    place.
+
     ``model`` is a name or path (``str`` or ``os.PathLike``) for ``jaxkv.models.load_model``, or an
     already built NNX model (then ``tokenizer`` may be given). Flags (``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``async_scheduling``, ``verbose``) must be real bools.
@@ -393,6 +410,9 @@ def resolve_engine_config(
         tokenizer=tokenizer,
         pipeline_parallel_size=pipeline_parallel_size,
     )
+    from jaxkv.models.quant import check_quantization
+
+    check_quantization(quantization)  # ValueError naming a bad value
     model = _checked_model(model)
     check_executor_args(
         distributed_executor_backend,
@@ -409,7 +429,7 @@ def resolve_engine_config(
         check_device_count(tensor_parallel_size)  # ValueError saying how to get more devices
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
-    from jaxkv.distributed.kv_transfer.config import KVTransferConfig  # noqa: PLC0415
+    from jaxkv.distributed.kv_transfer.config import KVTransferConfig
 
     kv_transfer_config = KVTransferConfig.from_any(kv_transfer_config)
     if pooler_config is None:
@@ -433,6 +453,10 @@ def resolve_engine_config(
     else:
         loaded, model_config, tok = model, model.config, None
         name = type(model).__name__
+        if quantization is not None:
+            from jaxkv.models.quant import quantize_model
+
+            loaded = quantize_model(model, quantization)
     tokenizer = tokenizer if tokenizer is not None else tok
 
     _positive("block_size", block_size)
@@ -448,8 +472,8 @@ def resolve_engine_config(
             f"max_position_embeddings={model_config.max_position_embeddings}"
         )
     if max_num_batched_tokens is None:
-        max_num_batched_tokens = (
-            max(2048, max_num_seqs) if enable_chunked_prefill else max(max_model_len, max_num_seqs)
+        max_num_batched_tokens = default_max_num_batched_tokens(
+            max_num_seqs, max_model_len, enable_chunked_prefill
         )
     _positive("max_num_batched_tokens", max_num_batched_tokens)
     if max_num_batched_tokens < max_num_seqs:
@@ -507,5 +531,6 @@ def resolve_engine_config(
         devices_per_worker=devices_per_worker,
         kv_transfer_config=kv_transfer_config,
         compile_cache_dir=_compile_cache_dir(compile_cache),
+        quantization=quantization,
     )
     return loaded, model_config, tokenizer, config

@@ -128,40 +128,27 @@ def gpu_step_report(
     max_num_batched_tokens: int,
     block_size: int = 16,
     kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
 ) -> str:
     """What the forward of a decode step of ``max_num_seqs`` rows and of a full mixed step
     would take on the GPU ``target``: each one's temp memory and KV aliasing, and each Triton
     kernel's grid,
     threads, shared memory, registers and spills, compiled deviceless for the model's config
     (weights abstract: nothing the size of the model is allocated)."""
-    from flax import nnx
-
-    from jaxkv.engine import LLMEngine
-    from jaxkv.plan import build_plan, layer_infos
-    from jaxkv.models import build_model
+    from jaxkv.plan import abstract_engine_for_plan
     from jaxkv.worker.program_set import FORWARD, ProgramKey
 
-    cache_dtype = model_config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    plan = build_plan(
-        layer_infos(model_config),
-        block_size=block_size,
-        cache_dtype=cache_dtype,
+    plan, engine, weight_bytes = abstract_engine_for_plan(
+        model_config,
         kv_cache_memory_bytes=kv_cache_memory_bytes,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-    )
-    model = nnx.eval_shape(lambda: build_model(model_config, seed=0))
-    engine = LLMEngine.from_config(  # a tiny real cache: the compile uses the plan's size
-        model,
-        attention_backend="pallas",
-        warmup=False,
-        block_size=block_size,
-        kv_cache_dtype=kv_cache_dtype,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        num_gpu_blocks_override=-(-max_model_len // block_size) * 2 + 2,
+        block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype,
+        quantization=quantization,
     )
+    cache_dtype = model_config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     runner, dev = engine.runner, aot_device(target)
     limit = shared_memory_limit(target)
     lines = [
@@ -169,6 +156,10 @@ def gpu_step_report(
         f"layers, hidden {model_config.hidden_size}, {plan.num_blocks} KV blocks of {block_size} "
         f"tokens ({kv_cache_memory_bytes / 2**30:.2f} GiB, {cache_dtype})"
     ]
+    lines.append(
+        f"  weights {weight_bytes / 2**30:.3f} GiB "
+        f"({quantization + ' weight-only' if quantization else model_config.dtype})"
+    )
     S = runner.buckets.seqs[-1]
     for label, T in (("decode", S), ("mixed", runner.buckets.tokens[-1])):
         compiled, kernels = compile_runner_program(

@@ -30,7 +30,7 @@ class DeferredInterrupt:
             raise KeyboardInterrupt
         self.pending = True
 
-    def __enter__(self) -> "DeferredInterrupt":
+    def __enter__(self) -> DeferredInterrupt:
         self.pending = False
         self._installed = (
             threading.current_thread() is threading.main_thread()

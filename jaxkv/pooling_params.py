@@ -111,14 +111,14 @@ class PoolingParams:
                 "task 'embed' returns one vector; pooling_type 'ALL' is task 'token_embed'"
             )
 
-    def for_task(self, task: str | None) -> "PoolingParams":
+    def for_task(self, task: str | None) -> PoolingParams:
         """A copy for a call of ``task`` (``LLM.encode`` / ``embed``): ValueError when the params
         name another task."""
         if self.task is not None and task is not None and task != self.task:
             raise ValueError(f"PoolingParams(task={self.task!r}) passed to a {task!r} call")
         return dataclasses.replace(self, task=self.task or task)
 
-    def resolved(self, config: PoolerConfig, hidden_size: int) -> "PoolingParams":
+    def resolved(self, config: PoolerConfig, hidden_size: int) -> PoolingParams:
         """A copy with every None filled from ``config`` (task: "embed"), checked against the
         model (``dimensions <= hidden_size``). The engine stores this copy."""
         task = self.task or "embed"

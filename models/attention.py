@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
@@ -19,13 +20,14 @@ from jaxkv.models.config import KVCacheBinding, ModelConfig
 from jaxkv.models.layers import RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
 from jaxkv.models.sharding import TP_AXIS
 from jaxkv.pallas_kernels import AttentionMetadata, kv_cache_byte_view, paged_attention, write_kv
+from jaxkv.pallas_kernels.layout import kv_cache_word_view
 
 
 def attend_paged(
     q: jax.Array,  # [T, Hq, D]
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
-    buffer: jax.Array,  # [N * page_bytes] uint8: the layer's KV tensor
+    buffer: jax.Array,  # [N * page_bytes] uint8 | [N * page_bytes / 4] uint32
     md: AttentionMetadata,  # the layer's KV-cache group
     binding: KVCacheBinding,
     *,
@@ -40,6 +42,11 @@ def attend_paged(
     attn_metadata[group]``, ``(group, tensor) = binding.lookup(its layer name)``; the layer
     names are those the model's ``kv_layer_infos()`` returns. Carry the returned buffer on
     (the engine donates the buffers to the step, so nothing is copied).
+
+    The buffer's dtype is its layout (``jaxkv.worker.kv_memory``): uint8, the byte layout
+    (``write_kv`` then ``paged_attention`` on the byte view, any backend); uint32, the TPU word
+    layout (``write_kv_words`` then ``paged_attention_words`` on the word view: Mosaic kernels,
+    backend "pallas" only; ``binding.interpret`` runs them in TPU interpret mode).
 
     Under tensor parallelism (``binding.mesh``) q, k and v are split by heads and the buffer
     by KV heads over the mesh's ``"tp"`` axis, and each device attends with its own heads
@@ -67,6 +74,18 @@ def attend_paged(
 def _attend_local(q, k, v, buffer, md, *, binding, sm_scale, sliding_window, soft_cap):
     """``attend_paged`` on one device: q [T, Hq, D], k / v [T, Hkv, D], buffer its own pages."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    if buffer.dtype == jnp.uint32:
+        return _attend_words(
+            q,
+            k,
+            v,
+            buffer,
+            md,
+            binding=binding,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
     buffer = write_kv(
         buffer,
         k,
@@ -107,6 +126,53 @@ def _attend_local(q, k, v, buffer, md, *, binding, sm_scale, sliding_window, sof
     return o, buffer
 
 
+def _attend_words(q, k, v, buffer, md, *, binding, sm_scale, sliding_window, soft_cap):
+    """``_attend_local`` on a word-layout buffer ``[N * page_bytes / 4]`` uint32: the Mosaic
+    write in place, then the Mosaic attention over the word view (a reshape, free on TPU)."""
+    if binding.backend != "pallas":
+        raise ValueError(
+            f"a uint32 (TPU word layout) KV buffer needs backend='pallas', got {binding.backend!r}"
+        )
+    from jaxkv.pallas_kernels.kv_write_pallas import write_kv_words  # lazy: Pallas TPU
+    from jaxkv.pallas_kernels.pallas_attention import paged_attention_words
+
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    scales = dict(k_scale=binding.k_scale, v_scale=binding.v_scale)
+    buffer = write_kv_words(
+        buffer,
+        k,
+        v,
+        md.slot_mapping,
+        block_size=binding.block_size,
+        dtype=binding.cache_dtype,
+        interpret=binding.interpret,
+        **scales,
+    )
+    words = kv_cache_word_view(
+        buffer,
+        block_size=binding.block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_dim,
+        dtype=binding.cache_dtype,
+    )
+    o = paged_attention_words(
+        q,
+        words,
+        md.seq_lens,
+        md.query_start_loc,
+        md.block_tables,
+        md.num_seqs,
+        dtype=binding.cache_dtype,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        max_q_len=md.max_q_len or None,
+        interpret=binding.interpret,
+        **scales,
+    )
+    return o, buffer
+
+
 class Attention(nnx.Module):
     """GQA attention of one decoder layer (HF names: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm)."""
 
@@ -118,9 +184,7 @@ class Attention(nnx.Module):
         self.sliding_window = c.layer_window(layer_idx)
         self.soft_cap = c.attn_logit_softcapping
         self.sm_scale = c.sm_scale
-        self.inv_freq = tuple(
-            float(f) for f in rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-        )
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(c.head_dim, *c.layer_rope(layer_idx)))
         self.max_positions = c.max_position_embeddings  # RoPE tables cover [0, max_positions)
         dt = c.dtype
         h, d = c.hidden_size, c.head_dim
@@ -137,8 +201,8 @@ class Attention(nnx.Module):
             self.num_heads * d, h, use_bias=c.attention_out_bias, param_dtype=dt, rngs=rngs
         )
         if c.qk_norm:
-            self.q_norm = RMSNorm(d, eps=c.rms_norm_eps, param_dtype=dt)
-            self.k_norm = RMSNorm(d, eps=c.rms_norm_eps, param_dtype=dt)
+            self.q_norm = RMSNorm(d, eps=c.rms_norm_eps, unit_offset=c.is_gemma, param_dtype=dt)
+            self.k_norm = RMSNorm(d, eps=c.rms_norm_eps, unit_offset=c.is_gemma, param_dtype=dt)
         else:
             self.q_norm = self.k_norm = None
 
@@ -147,7 +211,7 @@ class Attention(nnx.Module):
         x: jax.Array,  # [..., T, hidden]
         positions: jax.Array,  # [..., T] int32
     ) -> tuple[jax.Array, jax.Array, jax.Array]:  # q [..., T, Hq, D], k/v [..., T, Hkv, D]
-        """q, k, v for tokens at ``positions``: projections, q/k norm (Qwen3), then RoPE."""
+        """q, k, v for tokens at ``positions``: projections, q/k norm (Qwen3, Gemma 3), then RoPE."""
         lead = x.shape[:-1]
         q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
@@ -170,7 +234,7 @@ class Attention(nnx.Module):
         q: jax.Array,  # [T, Hq, D]
         k: jax.Array,  # [T, Hkv, D]
         v: jax.Array,  # [T, Hkv, D]
-        buffer: jax.Array,  # [N * page_bytes] uint8, this layer's KV tensor
+        buffer: jax.Array,  # this layer's KV tensor, flat uint8 | uint32
         md: AttentionMetadata,  # this layer's KV-cache group
         binding: KVCacheBinding,
     ) -> tuple[jax.Array, jax.Array]:  # o [T, Hq, D], new buffer

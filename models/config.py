@@ -1,11 +1,14 @@
 """Model configuration, per-layer KV-cache facts, and the KV-cache binding of a step.
 
-``ModelConfig`` covers two families:
+``ModelConfig`` covers three families:
   * "llama": Llama 2/3, Mistral, Qwen2, Qwen3 (RMSNorm, RoPE, GQA, gated MLP; optional q/k/v
     bias, per-head q/k RMSNorm, sliding window on some or all layers).
   * "gemma2": alternating local (sliding-window) / global layers, attention and final logit
     soft-capping, pre- and post- norms with (1 + weight) RMSNorm, embeddings scaled by
     sqrt(hidden), sm_scale = query_pre_attn_scalar ** -0.5, GeGLU MLP, tied embeddings.
+  * "gemma3": Gemma 2's layer and norms without soft-capping, plus per-head q/k (1 + weight)
+    RMSNorm, five local layers to one global by default (``sliding_window_pattern`` 6), and
+    local layers' own RoPE base (``rope_local_base_freq``, no scaling).
 
 Configs are frozen and hashable (they sit in the static part of an ``nnx.split`` graphdef).
 """
@@ -16,7 +19,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-ARCHITECTURES = ("llama", "gemma2")
+ARCHITECTURES = ("llama", "gemma2", "gemma3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 DTYPES = ("float32", "bfloat16")
@@ -113,6 +116,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
+    rope_local_base_freq: float | None = None  # gemma3: sliding layers' RoPE base (no scaling)
     hidden_act: str = "silu"
     dtype: str = "float32"
     bos_token_id: int | None = None
@@ -176,6 +180,10 @@ class ModelConfig:
         if types is None:
             if self.architecture == "gemma2":
                 types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+            elif self.architecture == "gemma3":  # HF's default sliding_window_pattern 6
+                types = [
+                    "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)
+                ]
             else:
                 kind = "sliding_attention" if self.sliding_window else "full_attention"
                 types = [kind] * n
@@ -187,20 +195,47 @@ class ModelConfig:
         object.__setattr__(self, "layer_types", types)
 
     def _check_family(self):
-        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        for name in (
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "query_pre_attn_scalar",
+            "rope_local_base_freq",
+        ):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0 or None, got {value}")
-        if self.architecture == "gemma2":
+        if self.is_gemma:
             if self.query_pre_attn_scalar is None:
-                raise ValueError("gemma2 needs query_pre_attn_scalar (sm_scale = its ** -0.5)")
-            if self.qk_norm:
+                raise ValueError(
+                    f"{self.architecture} needs query_pre_attn_scalar (sm_scale = its ** -0.5)"
+                )
+            if self.architecture == "gemma2" and self.qk_norm:
                 raise ValueError("gemma2 has no q/k norm (qk_norm=True is a Gemma 3 feature)")
+            if self.architecture == "gemma3" and not self.qk_norm:
+                raise ValueError("gemma3 has a q/k norm (qk_norm must be True)")
         elif self.attn_logit_softcapping is not None or self.final_logit_softcapping is not None:
             raise ValueError(
-                f"soft-capping is a gemma2 feature; architecture={self.architecture!r} got "
+                f"soft-capping is a Gemma feature; architecture={self.architecture!r} got "
                 f"attn={self.attn_logit_softcapping}, final={self.final_logit_softcapping}"
             )
+        if self.rope_local_base_freq is not None and self.architecture != "gemma3":
+            raise ValueError(
+                f"rope_local_base_freq is a gemma3 feature; architecture={self.architecture!r}"
+            )
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma 2 / 3: (1 + weight) RMSNorms, sandwich norms, embeddings scaled by sqrt(hidden)."""
+        return self.architecture in ("gemma2", "gemma3")
+
+    def layer_rope(self, i: int) -> tuple[float, RopeScaling | None]:
+        """Layer ``i``'s RoPE base and scaling: a gemma3 sliding layer's own base, unscaled;
+        otherwise ``rope_theta`` and ``rope_scaling``."""
+        if self.architecture == "gemma3" and self.layer_types[i] == "sliding_attention":
+            return (
+                self.rope_local_base_freq if self.rope_local_base_freq is not None else 10000.0
+            ), None
+        return self.rope_theta, self.rope_scaling
 
     # ---- derived per-layer facts -------------------------------------------------------------
     def layer_window(self, i: int) -> int | None:
@@ -214,18 +249,6 @@ class ModelConfig:
             self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
         )
         return float(base) ** -0.5
-
-    @classmethod
-    def from_hf_config(cls, d: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
-        """From an HF ``config.json`` dict (model_type llama/mistral/qwen2/qwen3/gemma2).
-
-        Raises ValueError naming any model_type or field value this package does not support.
-        """
-        from jaxkv.models.hf_config import (
-            config_from_hf,
-        )  # local: keeps the mapping in its own file
-
-        return config_from_hf(d, dtype=dtype)
 
 
 @dataclasses.dataclass(frozen=True)

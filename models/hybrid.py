@@ -1,4 +1,4 @@
-"""Hybrid family (Gemma 2): alternating local sliding-window / global attention layers.
+"""Hybrid families (Gemma 2, Gemma 3): local sliding-window and global attention layers.
 
 Layer i slides when ``config.layer_types[i] == "sliding_attention"`` (HF Gemma 2: even layers,
 layer 0 local). Sandwich norms, all (1 + weight) RMSNorm (HF Gemma2DecoderLayer):
@@ -7,6 +7,10 @@ layer 0 local). Sandwich norms, all (1 + weight) RMSNorm (HF Gemma2DecoderLayer)
 Embeddings are scaled by sqrt(hidden); attention logits are soft-capped by
 ``attn_logit_softcapping`` after sm_scale = query_pre_attn_scalar ** -0.5; final logits by
 ``final_logit_softcapping`` (in ``compute_logits``).
+
+Gemma 3 (HF Gemma3DecoderLayer) is the same layer without soft-capping, with per-head q/k
+(1 + weight) RMSNorm before RoPE, five local layers to each global one, and the local layers'
+own RoPE base (``ModelConfig.layer_rope``).
 """
 
 from __future__ import annotations
@@ -29,12 +33,10 @@ class Gemma2DecoderLayer(nnx.Module):
         self.mlp = GatedMLP(
             c.hidden_size, c.intermediate_size, act=c.hidden_act, param_dtype=c.dtype, rngs=rngs
         )
-        norm = lambda: RMSNorm(
-            c.hidden_size,
-            eps=c.rms_norm_eps,
-            unit_offset=True,  # noqa: E731
-            param_dtype=c.dtype,
-        )
+
+        def norm():
+            return RMSNorm(c.hidden_size, eps=c.rms_norm_eps, unit_offset=True, param_dtype=c.dtype)
+
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
@@ -55,4 +57,11 @@ class Gemma2DecoderLayer(nnx.Module):
 
 class Gemma2ForCausalLM(CausalLM):
     layer_cls = Gemma2DecoderLayer
+    embed_scale = True
+
+
+class Gemma3ForCausalLM(CausalLM):
+    layer_cls = (
+        Gemma2DecoderLayer  # the same sandwich-norm layer; q/k norm and RoPE from the config
+    )
     embed_scale = True

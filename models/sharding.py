@@ -35,11 +35,21 @@ _ROW = r"(o_proj|down_proj)"
 
 #: HF / Llama names: column-parallel q, k, v, gate, up; row-parallel o, down (nnx.Linear
 #: kernels are [in, out]); embedding and LM head ([V, hidden] both) by vocabulary.
+#: Quantized weights (``jaxkv.models.quant``) split with their kernels: an int8 / fp8 kernel
+#: as the float one; per-output-channel ``scale [out]`` along the output axis (so replicated
+#: for row-parallel o / down); per-block ``block_scale [in / block, out]`` along both (a
+#: row-parallel shard holds whole blocks when ``in / tp`` divides by the block); the quantized
+#: LM head's ``scale [V]`` / ``block_scale [V, hidden / block]`` by vocabulary, like its weight.
 DEFAULT_TP_RULES: tuple[tuple, ...] = (
     (rf"\.{_COLUMN}\.kernel$", (None, TP_AXIS)),
     (rf"\.{_COLUMN}\.bias$", (TP_AXIS,)),
+    (rf"\.{_COLUMN}\.scale$", (TP_AXIS,)),
+    (rf"\.{_COLUMN}\.block_scale$", (None, TP_AXIS)),
     (rf"\.{_ROW}\.kernel$", (TP_AXIS, None)),
+    (rf"\.{_ROW}\.block_scale$", (TP_AXIS, None)),
     (r"^lm_head\.weight$", (TP_AXIS, None), IF_DIVISIBLE),
+    (r"^lm_head\.scale$", (TP_AXIS,), IF_DIVISIBLE),
+    (r"^lm_head\.block_scale$", (TP_AXIS, None), IF_DIVISIBLE),
     (r"^model\.embed_tokens\.embedding$", (TP_AXIS, None), IF_DIVISIBLE),
 )
 

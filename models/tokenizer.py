@@ -124,7 +124,7 @@ class Tokenizer:
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
         chat_template: str | None = None,
-    ) -> "Tokenizer":
+    ) -> Tokenizer:
         """Loads a ``tokenizer.json``."""
         if not Path(path).is_file():
             raise ValueError(f"tokenizer file {str(path)!r} does not exist")
@@ -137,7 +137,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer | None":
+    def from_hf_dir(cls, path: str | os.PathLike) -> Tokenizer | None:
         """Loads ``tokenizer.json`` of an HF directory, None when there is none.
 
         Special tokens and the chat template come from ``tokenizer_config.json`` (or

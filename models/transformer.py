@@ -12,12 +12,14 @@ and the dense reference share every projection and norm and differ only in atten
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxkv.models.config import KVCacheBinding, LayerKVInfo, ModelConfig, layer_name
 from jaxkv.models.layers import RMSNorm, normal_init
+from jaxkv.models.quant import QuantizedLMHead
 from jaxkv.pallas_kernels import AttentionMetadata
 
 
@@ -38,10 +40,7 @@ class DecoderStack(nnx.Module):
             [layer_cls(config, i, rngs=rngs) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(
-            h,
-            eps=config.rms_norm_eps,
-            unit_offset=config.architecture == "gemma2",
-            param_dtype=config.dtype,
+            h, eps=config.rms_norm_eps, unit_offset=config.is_gemma, param_dtype=config.dtype
         )
 
 
@@ -125,15 +124,19 @@ class CausalLM(nnx.Module):
         *,
         vocab_major: bool = False,
     ) -> jax.Array:  # [..., V] f32, or [V, R] f32 when vocab_major
-        """LM head (the tied embedding when ``tie_word_embeddings``), then the final soft-cap.
+        """LM head (the tied embedding when ``tie_word_embeddings``; a quantized head,
+        ``jaxkv.models.quant``, dequantized in the compute dtype), then the final soft-cap.
 
         ``vocab_major=True`` returns the logits transposed, ``[V, R]`` (``W @ h^T``): the faster
         GEMM orientation on XLA:CPU for a decode step's few rows; the greedy sampler takes its
         argmax over axis 0.
         """
-        w = (self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head.weight)[
-            ...
-        ]
+        if isinstance(self.lm_head, QuantizedLMHead):  # dequantized here, inside the program
+            w = self.lm_head.dequantized()  # [V, hidden]
+        else:
+            w = (
+                self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head.weight
+            )[...]
         hidden = hidden.astype(w.dtype)
         if vocab_major:
             if hidden.ndim != 2:

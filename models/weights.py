@@ -19,6 +19,13 @@ import numpy as np
 from flax import nnx
 
 from jaxkv.models.checkpoint.tensors import CheckpointTensors, InMemoryTensors
+from jaxkv.models.quant import (
+    GGUF_BLOCK,
+    QuantizedLinear,
+    QuantizedLMHead,
+    quantize,
+    quantized_modules,
+)
 from jaxkv.models.sharding import model_rules, param_sharding
 from jaxkv.models.transformer import CausalLM
 
@@ -26,15 +33,28 @@ _LEAF_NAMES = {"kernel": "weight", "bias": "bias", "weight": "weight", "embeddin
 
 
 def _hf_layout(model: CausalLM) -> dict[str, tuple[tuple, tuple[int, ...], bool]]:
-    """HF name -> (nnx path, HF shape, transposed?) for every parameter of ``model``."""
+    """HF name -> (nnx path, HF shape, transposed?) for every parameter of ``model``.
+
+    A quantized module (``jaxkv.models.quant``) is one entry, its float HF tensor: path the
+    module's, HF shape the float one's; its scales have no HF name. A quantized head of tied
+    embeddings has none (it is made from ``model.embed_tokens.weight``)."""
+    qmods = quantized_modules(model)
     layout = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         leaf = path[-1]
+        owner = qmods.get(tuple(path[:-1]))
+        if owner is not None and leaf != "bias":
+            if leaf not in ("kernel", "weight"):  # scales
+                continue
+            if isinstance(owner, QuantizedLMHead) and model.config.tie_word_embeddings:
+                continue
         if leaf not in _LEAF_NAMES:
             raise ValueError(f"parameter {path} has no HF name mapping")
         name = ".".join(str(p) for p in path[:-1]) + "." + _LEAF_NAMES[leaf]
         shape = tuple(var.get_value().shape)  # works for abstract (eval_shape) models too
         transposed = leaf == "kernel"
+        if owner is not None and leaf != "bias":
+            path = tuple(path[:-1])  # the module: hf_params quantizes the float tensor into it
         layout[name] = (path, shape[::-1] if transposed else shape, transposed)
     return layout
 
@@ -97,8 +117,21 @@ def hf_params(model: CausalLM, tensors: CheckpointTensors, *, mesh=None, rules=N
     """
     dtype = jnp.dtype(model.config.dtype)
     rules = model_rules(model) if rules is None else rules
+    qmods = quantized_modules(model)
     updates = []
-    for name, (path, hf_shape, transposed) in _hf_layout(model).items():
+
+    def place(path, arr):  # a whole host array, placed (shard by shard on a mesh)
+        if mesh is None:
+            return jnp.asarray(arr)
+        name = ".".join(str(p) for p in path)
+        sharding = param_sharding(name, arr.shape, mesh, rules)
+        return jax.make_array_from_callback(arr.shape, sharding, lambda index: arr[index])
+
+    layout = _hf_layout(model)
+    for name, (path, hf_shape, transposed) in layout.items():
+        if path in qmods:
+            updates.extend(_quantized_params(path, qmods[path], tensors, name, place))
+            continue
 
         def host(index, name=name, transposed=transposed):  # index into the model's layout
             if index is not None and transposed:
@@ -114,14 +147,50 @@ def hf_params(model: CausalLM, tensors: CheckpointTensors, *, mesh=None, rules=N
             sharding = param_sharding(".".join(str(p) for p in path), shape, mesh, rules)
             value = jax.make_array_from_callback(shape, sharding, host)
         updates.append((path, value))
+    for path, module in qmods.items():  # a tied head: quantized from the embedding
+        if isinstance(module, QuantizedLMHead) and model.config.tie_word_embeddings:
+            updates.extend(
+                _quantized_params(path, module, tensors, "model.embed_tokens.weight", place)
+            )
     return nnx.from_flat_state(updates)
 
 
+def _quantized_params(path: tuple, module, tensors: CheckpointTensors, name: str, place):
+    """``[(leaf path, array)]`` of a quantized module from HF tensor ``name``, quantized on
+    the host as the module is laid out (its mode, its block); a GGUF Q8_0 tensor whose blocks
+    are the module's (int8, 32 inputs) is taken as stored (``read_q8_0``), bit for bit."""
+    linear = isinstance(module, QuantizedLinear)
+    blocks = None
+    if module.mode == "int8" and module.block == GGUF_BLOCK and hasattr(tensors, "read_q8_0"):
+        blocks = tensors.read_q8_0(name)  # (q [out, in] int8, scale [out, in / 32]) or None
+    if blocks is not None:
+        q, scale = blocks
+        if linear:
+            q, scale = q.T, scale.T  # [in, out], [in / 32, out]
+    else:
+        w = np.asarray(tensors.read(name, None), np.float32)  # HF layout [out, in] / [V, h]
+        q, scale = quantize(w.T, module.mode, module.block)  # [in, out]
+        if not linear:
+            q, scale = q.T, scale.T  # vocab-major [V, hidden], [V] | [V, hidden / block]
+    leaves = (
+        ("kernel" if linear else "weight", q),
+        ("scale" if module.block is None else "block_scale", scale),
+    )
+    return [
+        (path + (leaf,), place(path + (leaf,), np.ascontiguousarray(arr))) for leaf, arr in leaves
+    ]
+
+
 def hf_state_dict(model: CausalLM) -> dict[str, np.ndarray]:
-    """The inverse of ``load_hf_weights``: HF name -> numpy array in HF layout (config.dtype)."""
+    """The inverse of ``load_hf_weights``: HF name -> numpy array in HF layout (config.dtype);
+    quantized kernels and an untied quantized head dequantized (``jaxkv.models.quant``)."""
     out = {}
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    qmods = quantized_modules(model)
     for name, (path, _, transposed) in _hf_layout(model).items():
-        arr = np.asarray(params[path][...])
+        if path in qmods:
+            arr = np.asarray(qmods[path].dequantized())
+        else:
+            arr = np.asarray(params[path][...])
         out[name] = np.ascontiguousarray(arr.T) if transposed else arr
     return out

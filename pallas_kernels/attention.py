@@ -111,7 +111,7 @@ def paged_attention(
         return paged_attention_reference(
             q, kv_cache, seq_lens, query_start_loc, block_tables, num_seqs, **kw
         )  # validates again: cheap, shapes only
-    from jaxkv.pallas_kernels.pallas_attention import paged_attention_pallas  # noqa: PLC0415
+    from jaxkv.pallas_kernels.pallas_attention import paged_attention_pallas
 
     return paged_attention_pallas(
         q,

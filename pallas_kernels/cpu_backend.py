@@ -12,7 +12,8 @@ backend has its own C++ paged attention for the same reason.
 The kernel is compiled on first use with the system C++ compiler (``$CXX``, else ``c++`` /
 ``g++``; ``-O3 -march=native``, or ``-mcpu=native`` / no arch flag where the compiler rejects
 it) into ``$JAXKV_CACHE_DIR/cpu_kernels`` (default ``~/.cache/jaxkv``), keyed by the source,
-the compiler, jaxlib and this CPU's flags, and registered with XLA once per process. Without a compiler (or with ``JAXKV_CPU_KERNELS=0``)
+the compiler, jaxlib and this CPU's flags, and registered with XLA once per process. Without a
+compiler (or with ``JAXKV_CPU_KERNELS=0``)
 :func:`available` is False and "auto" keeps the pure-XLA backend; :func:`build_error` says why.
 
 Supported: f32 / bf16 / f16 caches (typed or as bytes), head_size <= 256, GQA group <= 16,

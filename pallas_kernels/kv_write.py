@@ -14,26 +14,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.pallas_kernels.layout import page_bytes, resolve_kv_dtype, typed_to_bytes
-from jaxkv.pallas_kernels.validation import check_scales, validate_lowering
+from jaxkv.pallas_kernels.layout import (
+    page_bytes,
+    quantize_to_cache,
+    resolve_kv_dtype,
+    typed_to_bytes,
+)
+from jaxkv.pallas_kernels.validation import check_scales, check_write_inputs, validate_lowering
 
 #: Implementations of ``write_kv``.
 WRITE_BACKENDS = ("xla", "cpu", "pallas")
-
-
-def quantize_to_cache(
-    x: jax.Array,  # [..., D] model dtype
-    dtype: jnp.dtype,
-    scale=None,
-) -> jax.Array:
-    """Converts ``x`` to the cache dtype; fp8: ``clip(x / scale, finfo) -> float8_e4m3fn``."""
-    if dtype == jnp.float8_e4m3fn:
-        fi = jnp.finfo(dtype)
-        y = x.astype(jnp.float32)
-        if scale is not None:
-            y = y / jnp.asarray(scale, jnp.float32)
-        return jnp.clip(y, float(fi.min), float(fi.max)).astype(dtype)
-    return x.astype(dtype)
 
 
 def write_kv(
@@ -72,14 +62,7 @@ def write_kv(
     validate_lowering(lowering, backend)
     dt = resolve_kv_dtype(dtype)
     check_scales(dt, k_scale, v_scale)
-    if k.ndim != 3 or k.shape != v.shape:
-        raise ValueError(f"k and v must both be [T, Hkv, D], got {k.shape} and {v.shape}")
-    num_tokens, num_kv_heads, head_size = k.shape
-    if slot_mapping.shape != (num_tokens,) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
-        raise ValueError(
-            f"slot_mapping must be int [T={num_tokens}], got {slot_mapping.shape} "
-            f"{slot_mapping.dtype}"
-        )
+    num_tokens, num_kv_heads, head_size = check_write_inputs(k, v, slot_mapping, interpret)
     pb = page_bytes(block_size, num_kv_heads, head_size, dt)
     if buffer.ndim != 1 or buffer.dtype != jnp.uint8 or buffer.shape[0] % pb:
         raise ValueError(
@@ -87,7 +70,7 @@ def write_kv(
             f"shape {buffer.shape} dtype {buffer.dtype}"
         )
     if backend == "cpu":
-        from jaxkv.pallas_kernels import cpu_backend  # noqa: PLC0415
+        from jaxkv.pallas_kernels import cpu_backend
 
         if cpu_backend.use_cpu_kernels():  # the rows' bytes as they are: no byte view needed
             return cpu_backend.write_rows(
@@ -106,7 +89,7 @@ def write_kv(
     vb = typed_to_bytes(quantize_to_cache(v, dt, v_scale))
     slot = slot_mapping.astype(jnp.int32)
     if backend == "pallas":
-        from jaxkv.pallas_kernels.kv_write_pallas import write_kv_pallas  # noqa: PLC0415
+        from jaxkv.pallas_kernels.kv_write_pallas import write_kv_pallas
 
         return write_kv_pallas(
             buffer, kb, vb, slot, block_size=block_size, interpret=interpret, lowering=lowering

@@ -15,6 +15,18 @@ and V tiles of the same head sit at a fixed stride. Token-major orders (``[bs, H
 make each tile ``bs`` strided runs of ``D`` elements.
 
 Dtypes: "float32" | "bfloat16" | "float16" | "fp8" (float8_e4m3fn, 1 byte), or the jnp dtype.
+
+TPU word layout (:func:`kv_cache_word_view`). On a TPU every array has a tiled layout that
+depends on its element width (32-bit: 8 x 128 tiles; 16-bit values are packed two rows to a
+32-bit word, 8-bit four), so a uint8 buffer viewed as bf16 pages is a relayout (a copy of the
+cache), not a view. The word layout keeps one flat buffer of ``uint32`` words and stores each
+(page, K|V, head, 128-lane chunk) as the TPU's own packed tile: ``[bs / pack, 128]`` words, row
+``s`` holding typed rows ``s * pack + i`` (``i = 0`` in the low bits), ``pack = 4 / itemsize``.
+The view ``[N, 2, Hkv, D / 128, bs / pack, 128]`` of the flat words is then the same bytes under
+TPU tiling (a bitcast, checked on compiled TPU executables) whenever ``bs / pack`` is a multiple
+of 8; the Mosaic kernels DMA word tiles and unpack them in VMEM (``pltpu.bitcast``). Pages stay
+whole contiguous byte ranges (block copies, zeroing and transfers are unchanged); only the order
+inside a page differs from the byte layout above.
 """
 
 from __future__ import annotations
@@ -191,3 +203,117 @@ def compute_dtype(q_dtype, cache_dtype):
     if cache_dtype == jnp.float8_e4m3fn:
         return q_dtype if q_dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
     return cache_dtype if cache_dtype == q_dtype else jnp.dtype(jnp.float32)
+
+
+#: Lanes of a TPU vector register / a word-layout row.
+WORD_LANES = 128
+#: Word rows of one TPU (8, 128) 32-bit tile.
+WORD_SUBLANES = 8
+
+
+def word_packing(dtype) -> int:
+    """KV values per 32-bit word: 1 (float32), 2 (bfloat16, float16), 4 (fp8)."""
+    return 4 // resolve_kv_dtype(dtype).itemsize
+
+
+def check_word_layout(*, block_size: int, head_size: int, dtype) -> None:
+    """Raises ValueError unless the word view of these pages is free under TPU tiling:
+    ``head_size`` a multiple of 128 and ``block_size / pack`` a multiple of 8 (block_size a
+    multiple of 8 for float32, 16 for 16-bit caches, 32 for fp8)."""
+    _check_dims(block_size=block_size, head_size=head_size)
+    pack = word_packing(dtype)
+    if head_size % WORD_LANES:
+        raise ValueError(
+            f"the TPU word layout needs head_size to be a multiple of {WORD_LANES}, got {head_size}"
+        )
+    if block_size % (WORD_SUBLANES * pack):
+        raise ValueError(
+            f"the TPU word layout of a {resolve_kv_dtype(dtype).name} cache needs "
+            f"block_size to be a multiple of {WORD_SUBLANES * pack} (whole packed "
+            f"TPU tiles), got {block_size}"
+        )
+
+
+def kv_cache_words_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype
+) -> tuple[int, ...]:
+    """``(N, 2, Hkv, D / 128, bs / pack, 128)``: the word view of a cache (module docstring)."""
+    _check_dims(num_blocks=num_blocks, num_kv_heads=num_kv_heads)
+    check_word_layout(block_size=block_size, head_size=head_size, dtype=dtype)
+    return (
+        int(num_blocks),
+        2,
+        int(num_kv_heads),
+        head_size // WORD_LANES,
+        block_size // word_packing(dtype),
+        WORD_LANES,
+    )
+
+
+def kv_cache_word_view(
+    buffer: jax.Array,  # [N * page_bytes / 4] uint32
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype,
+) -> jax.Array:
+    """The word view ``[N, 2, Hkv, D / 128, bs / pack, 128]`` uint32 of a flat uint32 KV buffer:
+    a reshape, free under TPU tiling (no relayout). Pass it to ``pallas_attention.paged_attention_words``
+    and ``kv_write_pallas.write_kv_words``.
+
+    Example: bs 16, Hkv 8, D 128, bfloat16 -> pack 2, page_bytes 65536 = 16384 words; a buffer
+    of 262144 words is 16 blocks and views as [16, 2, 8, 1, 8, 128]: the K of block 3, head 5
+    is the (8, 128) word tile [3, 0, 5, 0], whose row 2 holds tokens 4 (low half) and 5.
+    """
+    pb = page_bytes(block_size, num_kv_heads, head_size, dtype)
+    check_word_layout(block_size=block_size, head_size=head_size, dtype=dtype)
+    if buffer.ndim != 1 or buffer.dtype != jnp.uint32 or buffer.shape[0] % (pb // 4):
+        raise ValueError(
+            f"a word-layout KV buffer must be flat uint32 of whole {pb // 4}-word pages, "
+            f"got shape {buffer.shape} dtype {buffer.dtype}"
+        )
+    return buffer.reshape(
+        kv_cache_words_shape(
+            buffer.shape[0] // (pb // 4), block_size, num_kv_heads, head_size, dtype
+        )
+    )
+
+
+def typed_to_words(kv: jax.Array) -> jax.Array:
+    """Typed pages ``[N, 2, Hkv, bs, D]`` -> their word view (the layout's definition in jnp,
+    for tests and tools; the kernels do this in VMEM)."""
+    n, two, hkv, bs, d = kv.shape
+    pack = word_packing(kv.dtype)
+    x = kv.reshape(n, two, hkv, bs // pack, pack, d // WORD_LANES, WORD_LANES)
+    x = jnp.moveaxis(x, 5, 3)  # [N, 2, Hkv, C, bs / pack, pack, 128]
+    bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{32 // pack}")).astype(jnp.uint32)
+    shifts = (jnp.arange(pack, dtype=jnp.uint32) * (32 // pack))[:, None]
+    return jnp.bitwise_or.reduce(bits << shifts, axis=5) if pack > 1 else bits[..., 0, :]
+
+
+def words_to_typed(words: jax.Array, dtype) -> jax.Array:
+    """The inverse of :func:`typed_to_words`: word view -> typed ``[N, 2, Hkv, bs, D]``."""
+    dt = resolve_kv_dtype(dtype)
+    pack = word_packing(dt)
+    n, two, hkv, c, rows, lanes = words.shape
+    bits = 32 // pack
+    parts = words[..., None, :] >> (jnp.arange(pack, dtype=jnp.uint32) * bits)[:, None]
+    parts = (parts & jnp.uint32((1 << bits) - 1)).astype(jnp.dtype(f"uint{bits}"))
+    x = lax.bitcast_convert_type(parts, dt)  # [N, 2, Hkv, C, bs / pack, pack, 128]
+    return jnp.moveaxis(x, 3, 5).reshape(n, two, hkv, rows * pack, c * lanes)
+
+
+def quantize_to_cache(
+    x: jax.Array,  # [..., D] model dtype
+    dtype: jnp.dtype,
+    scale=None,
+) -> jax.Array:
+    """Converts ``x`` to the cache dtype; fp8: ``clip(x / scale, finfo) -> float8_e4m3fn``."""
+    if dtype == jnp.float8_e4m3fn:
+        fi = jnp.finfo(dtype)
+        y = x.astype(jnp.float32)
+        if scale is not None:
+            y = y / jnp.asarray(scale, jnp.float32)
+        return jnp.clip(y, float(fi.min), float(fi.max)).astype(dtype)
+    return x.astype(dtype)

@@ -2,7 +2,8 @@
 
 Same contract as ``triton_backend.attend_tiles`` (query tiles of ``M`` rows = ``tile_q`` tokens
 x ``G`` query heads of one KV head, row r = token r // G, per-tile metadata from
-``pallas_attention._tile_meta``), written the way a TPU kernel is:
+``tiles.tile_meta`` with the columns ``tiles.META_COLUMNS``, sizes from ``tiles.choose_tiles``),
+written the way a TPU kernel is:
 
 * Scalar prefetch (``pltpu.PrefetchScalarGridSpec``): the tile metadata ``[NT * 8]`` and the
   block tables ``[S * Bp]`` (both flattened: 2-D SMEM arrays pad their minor dim) are copied
@@ -33,6 +34,7 @@ which Mosaic may reject at compile time on some chips.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -42,12 +44,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxkv.pallas_kernels.metadata import NULL_BLOCK_ID
+from jaxkv.pallas_kernels.tiles import (
+    KV_HI,
+    KV_LO,
+    KV_T0,
+    KV_T1,
+    META_COLS,
+    NUM_Q,
+    POS0,
+    SEQ,
+)
 
-#: Columns of the per-tile metadata (same order as triton_backend / pallas_attention._tile_meta).
-SEQ, POS0, NUM_Q, KV_LO, KV_HI, KV_T0, KV_T1, _PAD = range(8)
-META_COLS = 8
-#: Keys per KV tile by default: a full MXU/lane width of logits per step.
-KV_TILE_TOKENS = 128
 LANES = 128
 _MASK = -1e30  # finite "minus infinity": keeps exp(m_prev - m_new) well defined
 
@@ -66,13 +73,6 @@ def check_shapes(*, head_size: int, block_size: int) -> None:
         )
 
 
-def tile_rows(n: int, compute_dtype) -> int:
-    """Rows of a query tile holding ``n`` (token, head) rows: whole sublane tiles (8 rows of
-    32-bit, 16 of 16-bit values)."""
-    sub = 8 * (4 // jnp.dtype(compute_dtype).itemsize)
-    return -(-max(n, 1) // sub) * sub
-
-
 def interpret_params(interpret: bool):
     """The ``interpret`` argument of a Mosaic ``pallas_call``: TPU interpret mode (simulated
     DMAs, semaphores and SMEM) when asked for, else compile for TPU."""
@@ -80,14 +80,15 @@ def interpret_params(interpret: bool):
 
 
 def _kernel(
-    meta_ref,  # [NT * 8] int32 SMEM (scalar prefetch), see the column names
+    meta_ref,  # [NT * META_COLS] int32 SMEM (scalar prefetch), tiles.META_COLUMNS
     tables_ref,  # [S * Bp] int32 SMEM (scalar prefetch), row-major block tables
     scale_ref,  # [1] float32 SMEM, sm_scale * k_scale
     q_ref,  # [M, D] VMEM, this tile's rows for this KV head (unscaled)
-    kv_hbm,  # [N, 2, Hkv, bs, D] cache dtype, left in HBM
+    kv_hbm,  # [N, 2, Hkv, bs, D] cache dtype, or the word view [N, 2, Hkv, C, bs / pack,
+    # 128] uint32 (``word_dtype`` set), left in HBM
     o_ref,  # [M, D] float32 VMEM, normalised output
-    k_buf,  # [2, BK, D] cache dtype VMEM scratch (double buffer)
-    v_buf,  # [2, BK, D] cache dtype VMEM scratch
+    k_buf,  # [2, BK, D] cache dtype VMEM scratch (double buffer); words: [2, C, BK / pack, 128]
+    v_buf,  # the same for V
     sems,  # [2] DMA semaphores, one per buffer slot
     m_ref,  # [M, 1] float32 VMEM scratch, running max
     l_ref,  # [M, 1] float32 VMEM scratch, softmax denominator
@@ -100,6 +101,7 @@ def _kernel(
     sliding_window,
     soft_cap,
     compute_dtype,
+    word_dtype,
 ):
     tile, head = pl.program_id(0), pl.program_id(1)
     base = tile * META_COLS
@@ -112,6 +114,7 @@ def _kernel(
     t1 = meta_ref[base + KV_T1]
     rows, head_size = q_ref.shape
     block_k = pages_per_tile * block_size
+    page_rows = None if word_dtype is None else block_size * jnp.dtype(word_dtype).itemsize // 4
 
     def tile_copies(j, slot):
         """The 2 * pages_per_tile DMAs of KV tile j into buffer ``slot`` (same list to wait)."""
@@ -121,14 +124,20 @@ def _kernel(
             used = ((col + 1) * block_size > key_lo) & (col * block_size < key_hi)
             block = jnp.where(used, tables_ref[seq * width + col], NULL_BLOCK_ID)
             for kv, buf in ((0, k_buf), (1, v_buf)):
-                copies.append(
-                    pltpu.make_async_copy(
-                        kv_hbm.at[block, kv, head],
-                        buf.at[slot, pl.ds(p * block_size, block_size)],
-                        sems.at[slot],
-                    )
-                )
+                if word_dtype is None:  # [bs, D] run of the typed cache
+                    dst = buf.at[slot, pl.ds(p * block_size, block_size)]
+                else:  # [C, bs / pack, 128] word tiles: whole TPU tiles
+                    dst = buf.at[slot, :, pl.ds(p * page_rows, page_rows)]
+                copies.append(pltpu.make_async_copy(kv_hbm.at[block, kv, head], dst, sems.at[slot]))
         return copies
+
+    def load(buf, slot):
+        """KV tile ``slot`` as [BK, D] in the compute dtype (word tiles unpacked in VMEM)."""
+        if word_dtype is None:
+            return buf[slot].astype(compute_dtype)
+        chunks = [pltpu.bitcast(buf[slot, c], word_dtype) for c in range(buf.shape[1])]
+        x = chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=1)
+        return x.astype(compute_dtype)
 
     m_ref[...] = jnp.full(m_ref.shape, _MASK, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -155,8 +164,8 @@ def _kernel(
 
         for c in tile_copies(j, slot):
             c.wait()
-        k = k_buf[slot].astype(compute_dtype)  # [BK, D]
-        v = v_buf[slot].astype(compute_dtype)
+        k = load(k_buf, slot)  # [BK, D]
+        v = load(v_buf, slot)
         v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_size), 0)
         v = jnp.where((v_pos >= key_lo) & (v_pos < key_hi), v, jnp.zeros_like(v))
 
@@ -190,10 +199,10 @@ def _kernel(
 
 def attend_tiles(
     logit_scale,  # [1] float32, sm_scale * k_scale (applied in f32 after the dot)
-    meta,  # [NT, 8] int32, see the column names above
+    meta,  # [NT, META_COLS] int32, tiles.META_COLUMNS (tiles.tile_meta)
     tables,  # [S, Bp] int32, Bp a multiple of pages_per_tile
-    q_tiles,  # [NT, Hkv, M, D] compute dtype, M from tile_rows
-    kv_cache,  # [N, 2, Hkv, bs, D] cache dtype
+    q_tiles,  # [NT, Hkv, M, D] compute dtype, M from tiles.mosaic_tile_rows
+    kv_cache,  # [N, 2, Hkv, bs, D] cache dtype, or WordPages
     *,
     group: int,
     pages_per_tile: int,
@@ -208,6 +217,13 @@ def attend_tiles(
     block_size = kv_cache.shape[3]
     check_shapes(head_size=head_size, block_size=block_size)
     block_k = pages_per_tile * block_size
+    word_dtype = None
+    buf_shape = (2, block_k, head_size)
+    if isinstance(kv_cache, WordPages):
+        word_dtype = kv_cache.dtype
+        pack = 4 // word_dtype.itemsize
+        buf_shape = (2, head_size // LANES, block_k // pack, LANES)
+        kv_cache = kv_cache.words
     kernel = functools.partial(
         _kernel,
         width=width,
@@ -217,6 +233,7 @@ def attend_tiles(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         compute_dtype=compute_dtype,
+        word_dtype=word_dtype,
     )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,  # meta, tables
@@ -228,8 +245,8 @@ def attend_tiles(
         ],
         out_specs=pl.BlockSpec((None, None, rows, head_size), lambda i, h, *_: (i, h, 0, 0)),
         scratch_shapes=[
-            pltpu.VMEM((2, block_k, head_size), kv_cache.dtype),
-            pltpu.VMEM((2, block_k, head_size), kv_cache.dtype),
+            pltpu.VMEM(buf_shape, kv_cache.dtype),
+            pltpu.VMEM(buf_shape, kv_cache.dtype),
             pltpu.SemaphoreType.DMA((2,)),
             pltpu.VMEM((rows, 1), jnp.float32),
             pltpu.VMEM((rows, 1), jnp.float32),
@@ -242,5 +259,48 @@ def attend_tiles(
         out_shape=jax.ShapeDtypeStruct((nt, num_kv_heads, rows, head_size), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret_params(interpret),
-        name=f"ragged_paged_attention_mosaic_m{rows}_bk{block_k}",
+        name=f"ragged_paged_attention_mosaic{'_words' if word_dtype else ''}_m{rows}_bk{block_k}",
     )(meta.reshape(-1), tables.reshape(-1), logit_scale, q_tiles, kv_cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class WordPages:
+    """A word-layout cache (``layout.kv_cache_word_view``) handed through the lowering-neutral
+    glue of ``pallas_attention`` as if it were the typed cache it stands for: ``shape`` and
+    ``dtype`` are the typed ``[N, 2, Hkv, bs, D]`` view's, ``words`` the uint32 array."""
+
+    words: jax.Array  # [N, 2, Hkv, D / 128, bs / pack, 128] uint32
+    dtype: jnp.dtype  # the cache dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        n, two, hkv, chunks, rows, lanes = self.words.shape
+        return (n, two, hkv, rows * (4 // self.dtype.itemsize), chunks * lanes)
+
+
+def kernel_memory_estimate(
+    *,
+    rows: int,
+    block_k: int,
+    head_size: int,
+    q_dtype,
+    cache_dtype,
+    num_tiles: int,
+    table_entries: int,
+) -> tuple[int, int]:
+    """``(VMEM, SMEM)`` bytes one attention kernel of these sizes needs, counted the way
+    tpu-inference sizes its kernels: the double-buffered q and output blocks, the K and V
+    double buffers, m / l (a lane-padded [M, 128] f32 each) and the f32 accumulator in VMEM;
+    the scalar-prefetched tile metadata and block tables plus the scale in SMEM. Mosaic's own
+    VMEM figure (``jaxkv.tpu_aot.mosaic_kernels``) is the one to trust; this says what the
+    sizes are made of and scales them to shapes not compiled."""
+    q_item, kv_item = jnp.dtype(q_dtype).itemsize, jnp.dtype(cache_dtype).itemsize
+    vmem = (
+        2 * rows * head_size * q_item  # q block, double-buffered
+        + 2 * rows * head_size * 4  # output block
+        + 2 * 2 * block_k * head_size * kv_item  # K and V, two slots each
+        + 2 * rows * LANES * 4  # m, l
+        + rows * head_size * 4
+    )  # acc
+    smem = 4 * (num_tiles * META_COLS + table_entries + 1)
+    return vmem, smem

@@ -1,6 +1,7 @@
 """``backend="pallas"``: tiles the ragged batch (``tiles.py``) and runs the GPU or TPU kernel.
 
-Lowering-neutral glue: builds per-tile metadata, packs query rows into [NT, Hkv, M, D] tiles,
+Lowering-neutral glue: takes the tile sizes from ``tiles.choose_tiles``, builds the per-tile
+metadata (``tiles.tile_meta``), packs query rows into [NT, Hkv, M, D] tiles,
 combines KV splits and scatters rows back. The kernels live in ``triton_backend.py`` (GPU,
 ``lowering="triton"``) and ``mosaic_backend.py`` (TPU, ``lowering="mosaic"``); ``lowering=None``
 picks by ``jax.default_backend()`` (Mosaic on TPU, else Triton).
@@ -17,33 +18,11 @@ import jax.numpy as jnp
 
 from jaxkv.pallas_kernels import mosaic_backend, triton_backend
 from jaxkv.pallas_kernels import tiles as tiles_lib
+from jaxkv.pallas_kernels.layout import check_word_layout, resolve_kv_dtype
 from jaxkv.pallas_kernels.layout import compute_dtype as compute_dtype_for
 from jaxkv.pallas_kernels.metadata import NULL_BLOCK_ID
-from jaxkv.pallas_kernels.validation import resolve_lowering
-
-#: Query rows (tile_q x G) a prefill tile aims for, and keys per KV tile.
-TARGET_ROWS = 64
-KV_TILE_TOKENS = 64
-#: Programs wanted to fill a GPU (H100/H200: 132 SMs, ~2 programs each).
-TARGET_PROGRAMS = 264
-MAX_KV_SPLITS = 16
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _pow2_at_most(n: int) -> int:
-    return 1 << max(0, n.bit_length() - 1)
-
-
-def _tile_meta(t: tiles_lib.Tiles, *, block_k: int, sliding_window) -> jax.Array:
-    """[NT, 8] int32 metadata (column order in triton_backend)."""
-    key_lo, key_hi = tiles_lib.key_range(t, sliding_window=sliding_window)
-    t0 = key_lo // block_k
-    t1 = jnp.where(t.num_q > 0, (key_hi + block_k - 1) // block_k, t0)
-    cols = [t.seq, t.pos0, t.num_q, key_lo, key_hi, t0, t1, jnp.zeros_like(t0)]
-    return jnp.stack([c.astype(jnp.int32) for c in cols], axis=1)
+from jaxkv.pallas_kernels.tiles import TARGET_ROWS
+from jaxkv.pallas_kernels.validation import resolve_lowering, validate_attention_args
 
 
 def _pack_q(q, t: tiles_lib.Tiles, num_kv_heads: int, rows: int):
@@ -100,36 +79,33 @@ def paged_attention_pallas(
     lowering: "triton" | "mosaic" | None (by platform). kv_splits: KV splits of decode tiles
     (None = pick from the program count; 1 in interpret mode; Triton only). kv_tile_tokens: keys
     per inner-loop step (None: 64 Triton, 128 Mosaic). target_rows: query rows per prefill tile.
+    The tile sizes are ``tiles.choose_tiles``'.
     """
     num_tokens, num_q_heads, head_size = q.shape
     _, _, num_kv_heads, block_size, _ = kv_cache.shape
     num_seq_rows, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
     mosaic = resolve_lowering(lowering, interpret) == "mosaic"
-    if kv_tile_tokens is None:
-        kv_tile_tokens = mosaic_backend.KV_TILE_TOKENS if mosaic else KV_TILE_TOKENS
     if mosaic:
         mosaic_backend.check_shapes(head_size=head_size, block_size=block_size)
-        if kv_splits not in (None, 1):
-            raise ValueError(
-                f"kv_splits is a Triton (GPU) option; lowering='mosaic' runs "
-                f"unsplit, got kv_splits={kv_splits}"
-            )
-        kv_splits = 1
-    for name, n in (
-        ("head_size", head_size),
-        ("block_size", block_size),
-        ("kv_tile_tokens", kv_tile_tokens),
-    ):
-        if not mosaic and n & (n - 1):
-            raise ValueError(
-                f"backend='pallas' needs a power-of-two {name} (Triton tiles), got {n}"
-            )
-    if kv_splits is not None and (kv_splits < 1 or kv_splits & (kv_splits - 1)):
-        raise ValueError(f"kv_splits must be a power of two >= 1, got {kv_splits}")
-    max_q = num_tokens if max_q_len is None else min(max_q_len, num_tokens)
-
     compute_dtype = compute_dtype_for(q.dtype, kv_cache.dtype)
+    cfg = tiles_lib.choose_tiles(
+        "mosaic" if mosaic else "triton",
+        num_tokens=num_tokens,
+        num_seq_rows=num_seq_rows,
+        max_blocks=max_blocks,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        max_q_len=max_q_len,
+        compute_dtype=compute_dtype,
+        interpret=interpret,
+        kv_splits=kv_splits,
+        kv_tile_tokens=kv_tile_tokens,
+        target_rows=target_rows,
+    )
+
     scale = jnp.asarray(sm_scale, jnp.float32)
     if k_scale is not None:
         scale = scale * jnp.asarray(k_scale, jnp.float32)
@@ -139,71 +115,118 @@ def paged_attention_pallas(
     query_start_loc = query_start_loc.astype(jnp.int32)
     num_seqs = jnp.minimum(jnp.asarray(num_seqs, jnp.int32), num_seq_rows)
 
-    pages_per_tile = max(1, kv_tile_tokens // block_size, 16 // block_size)
-    block_k = pages_per_tile * block_size
-    width = -(-max_blocks // pages_per_tile) * pages_per_tile
     tables = jnp.pad(
         block_tables.astype(jnp.int32),
-        ((0, 0), (0, width - max_blocks)),
+        ((0, 0), (0, cfg.table_width - max_blocks)),
         constant_values=NULL_BLOCK_ID,
     )
     kw = dict(
         group=group,
-        pages_per_tile=pages_per_tile,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         compute_dtype=compute_dtype,
         interpret=interpret,
     )
 
-    def run(t, n_rows, splits):
-        """Output [NT, Hkv, M, D] float32 of tiles t with n_rows (token, head) rows each."""
-        meta = _tile_meta(t, block_k=block_k, sliding_window=sliding_window)
+    def run(t: tiles_lib.Tiles, launch: tiles_lib.LaunchTiles):
+        """Output [NT, Hkv, M, D] float32 of tiles t, sized by ``launch``."""
+        meta = tiles_lib.tile_meta(t, block_k=cfg.block_k, sliding_window=sliding_window)
+        q_tiles = _pack_q(qs, t, num_kv_heads, launch.rows)
         if mosaic:
             return mosaic_backend.attend_tiles(
-                scale,
-                meta,
-                tables,
-                _pack_q(qs, t, num_kv_heads, mosaic_backend.tile_rows(n_rows, compute_dtype)),
-                kv_cache,
-                **kw,
+                scale, meta, tables, q_tiles, kv_cache, pages_per_tile=launch.pages_per_tile, **kw
             )
         return _combine_splits(
             *triton_backend.attend_tiles(
                 scale,
                 meta,
                 tables,
-                _pack_q(qs, t, num_kv_heads, _pow2_at_least(max(16, n_rows))),
+                q_tiles,
                 kv_cache,
-                num_splits=splits,
+                pages_per_tile=launch.pages_per_tile,
+                num_splits=launch.kv_splits,
+                num_warps=launch.num_warps,
                 **kw,
             )
         )
 
     out = jnp.zeros((num_tokens, num_q_heads, head_size), jnp.float32)
     dec = tiles_lib.decode_tiles(seq_lens, query_start_loc, num_seqs)
-    if kv_splits is None:
-        programs = num_seq_rows * num_kv_heads
-        kv_splits = (
-            1
-            if interpret
-            else min(MAX_KV_SPLITS, _pow2_at_most(max(1, TARGET_PROGRAMS // programs)))
-        )
-    o = run(dec, group, kv_splits)
+    o = run(dec, cfg.decode)
     out = tiles_lib.scatter_rows(out, _unpack_out(o, dec, num_q_heads), dec)
 
-    if max_q > 1 and num_tokens > 1:
-        # A tile's f32 accumulator is rows x head_size: past head_size 128 the rows shrink so
-        # it stays in registers (compiled for an H200 with D = 256, 64 rows spilled 376 bytes
-        # at 255 registers and took 160 KiB of shared memory; 32 rows do not spill).
-        rows = max(16, target_rows * 128 // max(head_size, 128))
-        tile_q = min(_pow2_at_most(max(1, rows // group)), _pow2_at_least(max_q - 1))
-        bound = tiles_lib.max_prefill_tiles(num_tokens, num_seq_rows, tile_q, max_q)
+    if cfg.prefill is not None:
         pre = tiles_lib.prefill_tiles(
-            seq_lens, query_start_loc, num_seqs, tile_q=tile_q, num_tiles=bound
+            seq_lens,
+            query_start_loc,
+            num_seqs,
+            tile_q=cfg.prefill.tile_q,
+            num_tiles=cfg.prefill.num_tiles,
         )
-        o = run(pre, tile_q * group, 1)
+        o = run(pre, cfg.prefill)
         out = tiles_lib.scatter_rows(out, _unpack_out(o, pre, num_q_heads), pre)
     if v_scale is not None:
         out = out * jnp.asarray(v_scale, jnp.float32)
     return out.astype(q.dtype)
+
+
+def paged_attention_words(
+    q: jax.Array,  # [T, Hq, D]
+    words: jax.Array,  # [N, 2, Hkv, D / 128, bs / pack, 128] uint32
+    seq_lens: jax.Array,  # [S] int32
+    query_start_loc: jax.Array,  # [S + 1] int32
+    block_tables: jax.Array,  # [S, B] int32
+    num_seqs: jax.Array,  # [] int32
+    *,
+    dtype,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale=None,
+    v_scale=None,
+    max_q_len: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``paged_attention(backend="pallas", lowering="mosaic")`` over the TPU word layout of a
+    cache of ``dtype`` (``layout.kv_cache_word_view``): the kernel DMAs whole word tiles and
+    unpacks them in VMEM, so nothing the size of the cache is converted or copied. Same
+    semantics and arguments as ``paged_attention``; returns [T, Hq, D] q.dtype."""
+    dt = resolve_kv_dtype(dtype)
+    if words.dtype != jnp.uint32 or words.ndim != 6 or words.shape[-1] != mosaic_backend.LANES:
+        raise ValueError(
+            f"words must be the uint32 word view [N, 2, Hkv, D / 128, bs / pack, 128], "
+            f"got {words.dtype}{list(words.shape)}"
+        )
+    pages = mosaic_backend.WordPages(words, dt)
+    check_word_layout(block_size=pages.shape[3], head_size=pages.shape[4], dtype=dt)
+    validate_attention_args(
+        q,
+        jax.ShapeDtypeStruct(pages.shape, dt),
+        seq_lens,
+        query_start_loc,
+        block_tables,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        max_q_len=max_q_len,
+        interpret=interpret,
+    )
+    return paged_attention_pallas(
+        q,
+        pages,
+        seq_lens,
+        query_start_loc,
+        block_tables,
+        num_seqs,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        k_scale=k_scale,
+        v_scale=v_scale,
+        max_q_len=max_q_len or None,
+        interpret=interpret,
+        lowering="mosaic",
+    )

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.pallas_kernels.kv_write import quantize_to_cache
-from jaxkv.pallas_kernels.layout import kv_cache_shape, resolve_kv_dtype
+from jaxkv.pallas_kernels.layout import kv_cache_shape, quantize_to_cache, resolve_kv_dtype
 
 
 def abstract_gpu(device_kind: str = "NVIDIA H200"):

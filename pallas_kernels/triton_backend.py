@@ -1,5 +1,8 @@
 """Paged-attention kernel for GPU through Pallas' Triton lowering (everything Triton-specific).
 
+Tile sizes (rows, pages per KV tile, splits, warps) come from ``tiles.choose_tiles`` and the
+per-tile metadata columns from ``tiles.META_COLUMNS``.
+
 One program per (query tile, KV head, KV split). A query tile is ``M`` rows = ``tile_q`` query
 tokens x ``G`` query heads of one KV head (row r = token r // G, head r % G), padded to a power
 of two >= 16 so the dots are legal Triton tiles. The program loops (``fori_loop`` with bounds
@@ -27,16 +30,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxkv.pallas_kernels.metadata import NULL_BLOCK_ID
+from jaxkv.pallas_kernels.tiles import (
+    KV_HI,
+    KV_LO,
+    KV_T0,
+    KV_T1,
+    NUM_Q,
+    POS0,
+    SEQ,
+    triton_num_warps,
+)
 
-#: Columns of the per-tile metadata array (int32 [NT, META_COLS]).
-SEQ, POS0, NUM_Q, KV_LO, KV_HI, KV_T0, KV_T1, _PAD = range(8)
-META_COLS = 8
 _MASK = -1e30  # finite "minus infinity": keeps exp(m_prev - m_new) well defined
 
 
 def _kernel(
     scale_ref,  # [1] float32 sm_scale * k_scale (whole array)
-    meta_ref,  # [NT, 8] int32 (whole array; scalar loads)
+    meta_ref,  # [NT, META_COLS] int32 (whole array; scalar loads), tiles.META_COLUMNS
     tables_ref,  # [S, Bp] int32 (whole array), Bp a multiple of pages_per_tile
     q_ref,  # [M, D] this tile's rows for this KV head (unscaled)
     kv_ref,  # [N, 2, Hkv, bs, D] cache dtype (whole array)
@@ -116,7 +126,7 @@ def _kernel(
 
 def attend_tiles(
     logit_scale,  # [1] float32, sm_scale * k_scale (scaled in f32, after the dot)
-    meta,  # [NT, 8] int32, see the column names above
+    meta,  # [NT, META_COLS] int32, tiles.META_COLUMNS (tiles.tile_meta)
     tables,  # [S, Bp] int32, Bp a multiple of pages_per_tile
     q_tiles,  # [NT, Hkv, M, D] compute dtype, M a power of two >= 16
     kv_cache,  # [N, 2, Hkv, bs, D] cache dtype
@@ -133,12 +143,11 @@ def attend_tiles(
 ):
     """Runs the kernel; returns (o [P, NT, Hkv, M, D] f32, m [P, NT, Hkv, M], l [P, NT, Hkv, M]).
 
-    ``num_warps`` None: 4, or 8 for tiles of M x D >= 64 x 128 (their f32 accumulator, scores
-    and q tile need more than 255 registers a thread at 4 warps: ptxas spilled 12 bytes for
-    M 64, D 128, 64 keys on jax 0.11.2, sm_90a)."""
+    ``num_warps`` None: ``tiles.triton_num_warps`` of the tile (``tiles.choose_tiles`` passes
+    the same number)."""
     nt, num_kv_heads, rows, head_size = q_tiles.shape
     if num_warps is None:
-        num_warps = 8 if rows * head_size >= 64 * 128 else 4
+        num_warps = triton_num_warps(rows, head_size)
     block_size = kv_cache.shape[3]
     kernel = functools.partial(
         _kernel,

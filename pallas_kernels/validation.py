@@ -20,6 +20,22 @@ def _is_int(x) -> bool:
 LOWERINGS = {"triton": "gpu", "mosaic": "tpu"}
 
 
+def check_write_inputs(k, v, slot_mapping, interpret) -> tuple[int, int, int]:
+    """A KV write's arguments (``k``, ``v``: [T, Hkv, D]; ``slot_mapping``: int [T]);
+    returns ``(T, Hkv, D)``."""
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret must be a bool, got {interpret!r}")
+    if k.ndim != 3 or k.shape != v.shape:
+        raise ValueError(f"k and v must both be [T, Hkv, D], got {k.shape} and {v.shape}")
+    num_tokens, num_kv_heads, head_size = k.shape
+    if slot_mapping.shape != (num_tokens,) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise ValueError(
+            f"slot_mapping must be int [T={num_tokens}], got {slot_mapping.shape} "
+            f"{slot_mapping.dtype}"
+        )
+    return num_tokens, num_kv_heads, head_size
+
+
 def check_scales(dtype, k_scale, v_scale) -> None:
     """Scales are only meaningful for fp8 caches; anything else is an error, not a silent no-op."""
     if not is_fp8(dtype) and (k_scale is not None or v_scale is not None):

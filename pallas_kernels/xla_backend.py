@@ -5,11 +5,12 @@ XLA:CPU does well (numbers: 2 cores, f32, Hkv 2, G 4, D 64, measured with jax.pr
 
 * Decode tiles (every sequence's last row, M = G query rows per KV head): each row's keys are
   cut into work items of ~ITEM_KEYS keys, run W at a time (~CHUNK_BYTES of pages per
-  ``fori_loop`` iteration) in chunk-major order (every row's first item, then every row's
-  second, ...; finished rows drop out), their softmax partials merged into the rows by
-  scatter-max / scatter-add. No row waits in lockstep for the longest one, a single long row
-  fills whole iterations, and rows sharing prefix pages read them in the same iteration. This
-  replaced lockstep rows plus split-K for few rows (``benchmarks/attention_ab.py``, 8 layers,
+  ``fori_loop`` iteration; sizes from ``tiles.choose_tiles`` / ``tiles.decode_items``) in
+  chunk-major order (every row's first item, then every row's second, ...; finished rows drop
+  out), their softmax partials merged into the rows by scatter-max / scatter-add. No row waits
+  in lockstep for the longest one, a single long row fills whole iterations, and rows sharing
+  prefix pages read them in the same iteration. This replaced lockstep rows plus split-K for
+  few rows (``benchmarks/attention_ab.py``, 8 layers,
   in one process): 256 rows of U[16, 1024) keys 1.55x faster, 8 rows U[16, 512) 1.70x,
   16 x 4k 1.04x, 64 rows U[64, 320) and 1 x 16k the same, 16 rows on one shared 8k prefix
   0.92x (row-major items instead were 0.77x there: no page reuse across rows).
@@ -17,10 +18,10 @@ XLA:CPU does well (numbers: 2 cores, f32, Hkv 2, G 4, D 64, measured with jax.pr
   XLA's loop fusions still fused the gathers into the reductions; on jax 0.10 they are YNNPACK
   reductions over gathered pages at ~10-20 GFLOP/s, which is one reason for the "cpu"
   backend's C++ kernel, ``cpu_backend.py``).
-* Prefill tiles (up to ``MAX_TILE_Q`` rows of one sequence, M = G * tile_q) run ONE AFTER
-  ANOTHER, each over its own keys in chunks (``prefill_keys_for``): the trip count of a tile is its
-  own block count (the causal triangle, chunk-granular) and its [Hkv, G, Qt, L] logits stay in
-  cache. Big tiles make big dots: [1024 x 64] x [64 x 256] batched dots ran at ~180 GFLOP/s vs
+* Prefill tiles (up to ``tiles.MAX_TILE_Q`` rows of one sequence, M = G * tile_q) run ONE
+  AFTER ANOTHER, each over its own keys in chunks (``tiles.prefill_keys_for``): the trip count
+  of a tile is its own block count (the causal triangle, chunk-granular) and its [Hkv, G, Qt, L]
+  logits stay in cache. Big tiles make big dots: [1024 x 64] x [64 x 256] batched dots ran at ~180 GFLOP/s vs
   ~85 for 64-row tiles.
 
 Two rules that decide the speed on XLA:CPU:
@@ -48,31 +49,6 @@ from jax import lax
 from jaxkv.pallas_kernels import tiles as tiles_lib
 from jaxkv.pallas_kernels.layout import bytes_to_typed, compute_dtype
 from jaxkv.pallas_kernels.metadata import NULL_BLOCK_ID
-
-#: Rows per prefill tile (upper bound; smaller when max_q_len is small).
-MAX_TILE_Q = 256
-#: Logits per KV head and inner iteration of a prefill tile (tile_q x keys), and the key range.
-PREFILL_LOGITS = 8192
-PREFILL_KEYS = (128, 512)
-#: Bytes of K/V one decode iteration gathers over all tiles. Fewer, bigger iterations amortise
-#: the loop's per-iteration cost (dominant for few long sequences); smaller chunks stay in cache
-#: (better for many sequences). Measured on 2 CPU cores (f32, Hkv 2, D 64, decode), 4 MiB vs
-#: 1 MiB per iteration: 1.26x faster at 1 row x 16k keys, 1.37x at 16 x 4k, 1.24x at 64 x 300;
-#: 8 MiB was no better.
-CHUNK_BYTES = 4 << 20
-#: Keys of one decode work item (whole blocks).
-ITEM_KEYS = 64
-
-
-def prefill_keys_for(tile_q: int) -> int:
-    """Keys per inner iteration of a prefill tile: PREFILL_LOGITS / tile_q within PREFILL_KEYS.
-
-    Measured (2 cores, f32, Hkv 2, G 4; one call): 256-row tiles over 128 keys vs 256 keys:
-    13 fresh prompts U[32, 256] 11.8 vs 14.4 ms (less of the causal triangle's far side),
-    2 x 512 rows at 4k context 61.8 vs 59.6; 32-row tiles want 256 keys (15.2 vs 20.4 ms).
-    """
-    lo, hi = PREFILL_KEYS
-    return max(lo, min(hi, PREFILL_LOGITS // tile_q))
 
 
 def _page_rows(
@@ -154,32 +130,12 @@ def _softmax_step(carry, logits, ok, pv_of, *, logit_scale, soft_cap):
     return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv_of(p)
 
 
-def decode_items(
-    num_kv_heads: int,
-    head_size: int,
-    itemsize: int,
-    block_size: int,
-    *,
-    bound_blocks: int,
-    num_rows: int,
-) -> tuple[int, int]:
-    """(blocks per decode work item C, items per iteration W): an item covers ~ITEM_KEYS keys
-    (whole blocks, at most the rows' block bound); W items gather ~CHUNK_BYTES.
-
-    W is at most half the items the rows can have in all, so the loop keeps >= 2 static
-    iterations: with one, XLA inlines the body and materialises the converted pages outside
-    any reduction (8 rows of 16..512 keys: 4.6 vs 2.9 ms for 8 layers).
-    """
-    c = max(1, min(ITEM_KEYS // block_size, bound_blocks))
-    per_item = c * block_size * 2 * num_kv_heads * head_size * itemsize
-    return c, max(1, min(CHUNK_BYTES // per_item, num_rows * -(-bound_blocks // c) // 2))
-
-
 def _decode_attention(
     q,
     kv_rows,
     block_tables,
     t: tiles_lib.Tiles,
+    launch: tiles_lib.LaunchTiles,
     *,
     block_size,
     num_kv_heads,
@@ -201,7 +157,6 @@ def _decode_attention(
     group = num_q_heads // num_kv_heads
     nt = t.num_tiles
     max_blocks = block_tables.shape[1]
-    cache_dtype = kv_rows.dtype if kv_dtype is None else kv_dtype
     qg = _q_tile(q, t.row0[:, None], num_kv_heads=num_kv_heads, cdt=jnp.float32)
     qg = qg.reshape(nt, num_kv_heads, group, head_size)  # [S, Hkv, G, D]
 
@@ -210,14 +165,7 @@ def _decode_attention(
     )
     key_lo, key_hi = tiles_lib.key_range(t, sliding_window=sliding_window)
     key_hi = jnp.minimum(key_hi, end * block_size)  # [S] exclusive
-    c, w = decode_items(
-        num_kv_heads,
-        head_size,
-        jnp.dtype(cache_dtype).itemsize,
-        block_size,
-        bound_blocks=bound,
-        num_rows=nt,
-    )
+    c, w = launch.pages_per_tile, launch.items_per_step  # tiles.decode_items
     n_items = (end - first + c - 1) // c  # [S] (0: empty tile)
     levels = -(-bound // c)  # static items per row
     # Items in chunk-major order: every row's item 0, then every row's item 1, ... (rows with
@@ -251,8 +199,8 @@ def _decode_attention(
         kp = kp0[j][:, None] + iota[None, :]  # [W, L] contiguous
         ok = (kp < hi[j][:, None]) & (kp >= lo[j][:, None])
         # K and V are gathered separately and reduced with multiply + sum (no dots): with
-        # XLA's loop fusions each gather fused into its reduction (1.15-1.3x vs dots, session
-        # 2); jax 0.10's YNNPACK reductions take the gathered pages as a separate fusion.
+        # XLA's loop fusions each gather fused into its reduction (1.15-1.3x faster than dots
+        # on CPU); jax 0.10's YNNPACK reductions take the gathered pages as a separate fusion.
         k = _gather_kv(kv_rows, rows_all[j, 0], kv_dtype, block_size).astype(jnp.float32)
         v = _gather_kv(kv_rows, rows_all[j, 1], kv_dtype, block_size).astype(jnp.float32)
         rj = row[j]
@@ -295,6 +243,7 @@ def _prefill_attention(
     kv_rows,
     block_tables,
     t: tiles_lib.Tiles,
+    launch: tiles_lib.LaunchTiles,
     *,
     block_size,
     num_kv_heads,
@@ -313,7 +262,7 @@ def _prefill_attention(
     first, end, bound = tiles_lib.kv_block_range(
         t, block_size=block_size, max_blocks=max_blocks, sliding_window=sliding_window
     )
-    chunk = max(1, min(bound, prefill_keys_for(qt) // block_size))
+    chunk = launch.pages_per_tile  # tiles.prefill_keys_for(qt) keys, within the bound
     lk = chunk * block_size
     qoff = jnp.arange(qt, dtype=jnp.int32)
     iota = jnp.arange(lk, dtype=jnp.int32)
@@ -392,8 +341,20 @@ def paged_attention_xla(
     """
     num_tokens, num_q_heads, head_size = q.shape
     num_blocks, _, num_kv_heads, block_size, row_width = kv_cache.shape
-    num_seq_rows = seq_lens.shape[0]
-    max_q = num_tokens if max_q_len is None else min(max_q_len, num_tokens)
+    num_seq_rows, max_blocks = block_tables.shape
+    cfg = tiles_lib.choose_tiles(
+        "xla",
+        num_tokens=num_tokens,
+        num_seq_rows=num_seq_rows,
+        max_blocks=max_blocks,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        max_q_len=max_q_len,
+        sliding_window=sliding_window,
+        cache_dtype=kv_cache.dtype if kv_dtype is None else kv_dtype,
+    )
     scale = jnp.asarray(sm_scale, jnp.float32)
     if k_scale is not None:
         scale = scale * jnp.asarray(k_scale, jnp.float32)
@@ -412,16 +373,15 @@ def paged_attention_xla(
         soft_cap=soft_cap,
     )
 
-    tile_q = tiles_lib.prefill_tile_q(max_q, MAX_TILE_Q)
-    bound = tiles_lib.max_prefill_tiles(num_tokens, num_seq_rows, tile_q, max_q)
-    out = jnp.zeros((num_tokens + (tile_q if bound else 0), num_q_heads, head_size), jnp.float32)
-    if bound > 0:
+    pre = cfg.prefill
+    out = jnp.zeros((num_tokens + (pre.tile_q if pre else 0), num_q_heads, head_size), jnp.float32)
+    if pre is not None:
         t = tiles_lib.prefill_tiles(
-            seq_lens, query_start_loc, num_seqs, tile_q=tile_q, num_tiles=bound
+            seq_lens, query_start_loc, num_seqs, tile_q=pre.tile_q, num_tiles=pre.num_tiles
         )
-        out = _prefill_attention(out, q, kv_rows, block_tables, t, **common)
+        out = _prefill_attention(out, q, kv_rows, block_tables, t, pre, **common)
     dec = tiles_lib.decode_tiles(seq_lens, query_start_loc, num_seqs)
-    res = _decode_attention(q, kv_rows, block_tables, dec, **common)  # [S, Hkv, G, D]
+    res = _decode_attention(q, kv_rows, block_tables, dec, cfg.decode, **common)  # [S, Hkv, G, D]
     out = tiles_lib.scatter_rows(out, res.reshape(num_seq_rows, 1, num_q_heads, head_size), dec)
     out = out[:num_tokens]
     if v_scale is not None:

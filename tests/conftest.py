@@ -8,10 +8,10 @@ from jaxkv.gpu_aot import prepare_environment
 if not os.path.exists("/dev/nvidiactl"):  # no NVIDIA GPU: let the CUDA plugin register
     prepare_environment()  # for deviceless compiles (tests/gpu_aot)
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
-from jaxkv import compile_cache  # noqa: E402
+from jaxkv import compile_cache
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -221,18 +221,37 @@ def test_plan_smollm2_from_the_built_in_config_without_download(capsys, monkeypa
         raise AssertionError("jaxkv plan downloaded the wheel")
 
     monkeypatch.setenv("JAXKV_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(smollm2, "_download_wheel", no_download)
+    monkeypatch.setattr(smollm2, "download_wheels", no_download)
     code, out, err = run(["plan", "--model", "smollm2-135m-instruct"], capsys)
     assert (code, err) == (0, "")
-    assert out.startswith("KV-cache plan for smollm2-135m-instruct\n  budget 256.00 MiB")
+    assert out.startswith("KV-cache plan for smollm2-135m-instruct\n  budget 512.00 MiB")
     assert "3 kv heads x 64, float32, page 24576 B" in out and "tensors (30," in out
-    assert "num_blocks 364 (block 0 is the null block)" in out
+    assert "num_blocks 728 (block 0 is the null block)" in out
+
+
+def test_plan_gemma3_shows_its_groups_and_what_the_windows_save(capsys, monkeypatch, tmp_path):
+    import jaxkv.models.checkpoint.gemma3_270m as gemma3
+
+    monkeypatch.setenv("JAXKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(
+        gemma3,
+        "gemma3_gguf_path",
+        lambda **k: (_ for _ in ()).throw(AssertionError("read the GGUF")),
+    )
+    code, out, err = run(["plan", "--model", "gemma3-270m", "--max-model-len", "4096"], capsys)
+    assert (code, err) == (0, "")
+    assert out.count("sliding window 512") == 5 and out.count("full attention, block_size") == 1
+    assert "layers 5, 11, 17" in out and "tensors (3," in out
+    assert "max concurrency at 4096 tokens/request: 5.15x" in out
+    assert (
+        "every layer on full attention instead: 3.55x (the sliding windows hold 1.45x the requests)"
+        in out
+    )
 
 
 def test_plan_smollm2_config_matches_its_gguf():
     """The built-in SmolLM2 config is what the GGUF's metadata gives (when the file is cached)."""
     from jaxkv.models.checkpoint.smollm2 import GGUF_FILE_NAME, cache_dir
-
     from jaxkv.plan import SMOLLM2_HF_CONFIG, _gguf_hf_config, plan_model_config
 
     path = cache_dir() / GGUF_FILE_NAME
@@ -255,7 +274,7 @@ def test_plan_of_an_hf_directory_and_unknown_names(capsys, tmp_path):
         2,
         (
             "jaxkv plan: error: 'nope' is not a built-in model (tiny-llama, tiny-hybrid, "
-            "smollm2-135m-instruct) nor an existing HF checkpoint directory or .gguf file"
+            "smollm2-135m-instruct, gemma3-270m) nor an existing HF checkpoint directory or .gguf file"
         ),
     )
     code, _, err = run(
@@ -276,8 +295,8 @@ def test_plan_budget_error_names_the_flags(capsys):
     code, out, err = run(["plan", "--model", "tiny-llama", "--kv-cache-memory", "1MiB"], capsys)
     assert (code, out) == (2, "")
     assert error_line(err, "plan") == (
-        "jaxkv plan: error: To serve one request of --max-model-len=4096 the KV cache needs 33554432 "
-        "bytes (32.00 MiB), but only 1048576 bytes (1.00 MiB) are available. The largest "
+        "jaxkv plan: error: To serve one request of --max-model-len=2048 the KV cache needs 16777216 "
+        "bytes (16.00 MiB), but only 1048576 bytes (1.00 MiB) are available. The largest "
         "--max-model-len that fits is 128: lower --max-model-len or give the KV cache more memory "
         "(--kv-cache-memory)."
     )
@@ -397,7 +416,6 @@ def test_every_flag_has_one_line_help_with_its_default():
 
 def test_flag_choices_match_the_library():
     from jaxkv.models.config import CACHE_DTYPES, DTYPES
-
     from jaxkv.worker.backends import BACKENDS
 
     assert cli.MODEL_DTYPES == DTYPES
@@ -573,10 +591,10 @@ def test_multi_node_flags_reach_the_llm(capsys, monkeypatch, flags, backend, per
 
 def test_headless_node_runs_its_workers_only(capsys, monkeypatch, no_load):
     """--headless runs run_headless with the node's flags, loads no model, generates nothing."""
-    from jaxkv.executor import multiproc
+    from jaxkv.executor import headless
 
     seen = {}
-    monkeypatch.setattr(multiproc, "run_headless", lambda **kw: seen.update(kw) or 0)
+    monkeypatch.setattr(headless, "run_headless", lambda **kw: seen.update(kw) or 0)
     code, out, err = run(["generate", "--headless", "--node-rank", "1"] + NODES, capsys)
     assert (code, out) == (0, "")
     assert seen == dict(
@@ -628,12 +646,12 @@ def test_headless_node_runs_its_workers_only(capsys, monkeypatch, no_load):
 def test_bad_multi_node_flags_are_one_line_naming_the_flag(
     capsys, monkeypatch, no_load, flags, message
 ):
-    from jaxkv.executor import multiproc
+    from jaxkv.executor import headless
 
     def refuse(**kwargs):
         raise AssertionError(f"workers started: {kwargs}")
 
-    monkeypatch.setattr(multiproc, "run_headless", refuse)
+    monkeypatch.setattr(headless, "run_headless", refuse)
     code, out, err = run(TINY + flags, capsys)
     assert (code, out) == (2, "")
     line = error_line(err)

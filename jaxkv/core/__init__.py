@@ -38,12 +38,12 @@ from jaxkv.core.request_queue import FCFSRequestQueue, PriorityRequestQueue, Sch
 from jaxkv.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxkv.core.scheduler import Scheduler
 from jaxkv.core.scheduler_config import SchedulerConfig
-from jaxkv.core.stop_check import check_stop
 from jaxkv.core.single_type_kv_cache_manager import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
+from jaxkv.core.stop_check import check_stop
 
 __all__ = [
     "AllBlocksCleared",

@@ -26,9 +26,9 @@ import hashlib
 import os
 import pickle
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
-BlockHash = Union[bytes, int]
+BlockHash = bytes | int
 #: ``(block_hash, kv_cache_group_id)``: the key in the prefix-cache map.
 BlockHashWithGroupId = tuple[BlockHash, int]
 

@@ -9,10 +9,12 @@ Invariants:
   * the free queue is a well-formed list of exactly the non-null blocks with ref count 0,
     and ``num_free_blocks`` is its length;
   * every block's ref count equals the number of its holders over all groups' managers;
-  * only running requests hold blocks;
+  * only running requests hold blocks, and, with a KV connector, requests waiting for an
+    asynchronous load and finished ones whose blocks are kept until sent;
   * every prefix-cache entry points to a block that carries that hash;
   * every live request is in exactly one of ``running`` / ``waiting``, with a matching
-    status, and nothing else is in those queues.
+    status, and nothing else is in those queues; finished requests kept for a send are in
+    neither.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ def scheduler_problems(scheduler) -> list[str]:
     if both:
         problems.append(f"requests both running and waiting: {sorted(both)}")
     queued = set(running_ids) | set(waiting_ids)
-    if queued != set(scheduler.requests):
+    sending = set(getattr(scheduler, "_sending", ()))
+    if queued | sending != set(scheduler.requests) or queued & sending:
         problems.append(
             f"live requests in no queue: {sorted(set(scheduler.requests) - queued)}; "
             f"queued requests not live: {sorted(queued - set(scheduler.requests))}"
@@ -99,10 +102,17 @@ def scheduler_problems(scheduler) -> list[str]:
     for r in scheduler.running:
         if r.status != RequestStatus.RUNNING:
             problems.append(f"running request {r.request_id!r} has status {r.status.name}")
+    loading = set(getattr(scheduler, "_remote_loads", ()))
     for r in scheduler.waiting:
-        if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and not (
+            r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and r.request_id in loading
+        ):
             problems.append(f"waiting request {r.request_id!r} has status {r.status.name}")
-    stray = holding - set(running_ids)
+    for req_id in sending:
+        request = scheduler.requests.get(req_id)
+        if request is None or not request.is_finished():
+            problems.append(f"request {req_id!r} kept for a send is not finished")
+    stray = holding - set(running_ids) - loading - sending
     if stray:
         problems.append(f"requests that are not running hold blocks: {sorted(stray)}")
     return problems

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxkv.kv_cache.specs import KVCacheConfig, SlidingWindowSpec
-
 from jaxkv.core.block import KVCacheBlock
 from jaxkv.core.block_hash import BlockHash
 from jaxkv.core.block_pool import BlockPool, EvictionPolicy
@@ -21,6 +19,7 @@ from jaxkv.core.single_type_kv_cache_manager import (
     SlidingWindowManager,
     manager_for_spec,
 )
+from jaxkv.kv_cache.specs import KVCacheConfig, SlidingWindowSpec
 
 
 class KVCacheCoordinator:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxkv.kv_cache.specs import KVCacheConfig, SlidingWindowSpec, cdiv
-
 from jaxkv.core.block import KVCacheBlock
 from jaxkv.core.block_pool import EvictionPolicy
 from jaxkv.core.kv_cache_coordinator import get_kv_cache_coordinator
 from jaxkv.core.kv_events import KVCacheEvent
 from jaxkv.core.metrics import PrefixCacheStats
 from jaxkv.core.request import Request
+from jaxkv.kv_cache.specs import KVCacheConfig, SlidingWindowSpec, cdiv
 
 
 @dataclasses.dataclass
@@ -24,7 +23,7 @@ class KVCacheBlocks:
 
     blocks: tuple[Sequence[KVCacheBlock], ...]
 
-    def __add__(self, other: "KVCacheBlocks") -> "KVCacheBlocks":
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks)))
 
     def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
@@ -39,7 +38,7 @@ class KVCacheBlocks:
             raise ValueError(f"get_unhashed_block_ids needs one group, got {len(self.blocks)}")
         return [b.block_id for b in self.blocks[0] if b.block_hash is None]
 
-    def new_empty(self) -> "KVCacheBlocks":
+    def new_empty(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([] for _ in self.blocks))
 
 

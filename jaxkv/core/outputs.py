@@ -32,6 +32,19 @@ class KVConnectorOutput:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
 
 
+def merge_connector_stats(per_rank: list[dict]) -> dict:
+    """Every worker rank's connector counters as one: numbers summed over ranks (bytes and
+    counts moved by the whole instance; seconds are rank-seconds), the ranks' own dicts under
+    ``"per_rank"``, in rank order."""
+    merged: dict = {}
+    for stats in per_rank:
+        for key, value in stats.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                merged[key] = merged.get(key, 0) + value
+    merged["per_rank"] = [dict(s) for s in per_rank]
+    return merged
+
+
 @dataclasses.dataclass
 class ModelRunnerOutput:
     """One step's results from the worker.
@@ -67,15 +80,16 @@ class ModelRunnerOutput:
     num_compiles: int = 0
 
     @classmethod
-    def from_sampled(cls, sampled: dict[str, list[int]]) -> "ModelRunnerOutput":
+    def from_sampled(cls, sampled: dict[str, list[int]]) -> ModelRunnerOutput:
         """Convenience builder from ``req_id -> sampled tokens`` (tests, simple engines)."""
         req_ids = list(sampled)
         return cls(req_ids, {r: i for i, r in enumerate(req_ids)}, [sampled[r] for r in req_ids])
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class EngineCoreOutput:
-    """Per-request result of ``Scheduler.update_from_output`` (and of aborts).
+    """Per-request result of ``Scheduler.update_from_output`` (and of aborts); built by
+    keyword only.
 
     Attributes:
         request_id: The request.

@@ -9,8 +9,10 @@ again:
 
 1. every request of a step that was scheduled and not updated (``update_from_output``
    never ran for it), every request named by the caller, and, when ``schedule`` itself
-   raised, every request that holds blocks or sits in no queue, is finished as aborted and
-   its blocks are freed;
+   raised, every request that holds blocks or sits in no queue (but finished requests whose
+   blocks a KV connector keeps for a send), is finished as aborted and its blocks are
+   freed; the KV connector hears of each (``request_finished``) so it drops what it kept
+   for it, and whatever it answers the blocks are freed (their KV may be unwritten);
 2. every block that those schedules put into the prefix cache is evicted from it (its KV
    may never have been written: it must never be served as a hit);
 3. ``consistency.scheduler_problems`` is checked; if anything is still broken (an
@@ -24,6 +26,7 @@ preemption) and the prefix cache is emptied.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from jaxkv.core.consistency import scheduler_problems
@@ -31,6 +34,7 @@ from jaxkv.core.request import RequestStatus
 from jaxkv.core.request_queue import create_request_queue
 
 _ABORTED = RequestStatus.FINISHED_ABORTED
+logger = logging.getLogger(__name__)
 
 
 def affected_request_ids(scheduler, extra: Iterable[str] = ()) -> set[str]:
@@ -39,6 +43,7 @@ def affected_request_ids(scheduler, extra: Iterable[str] = ()) -> set[str]:
     for so, _ in scheduler._uncommitted:
         ids.update(r for r in so.num_scheduled_tokens if r in scheduler.requests)
     queued = {r.request_id for r in scheduler.running} | {r.request_id for r in scheduler.waiting}
+    queued |= scheduler._sending.keys()  # finished, kept for a send: in no queue by design
     ids.update(r for r in scheduler.requests if r not in queued)  # lost between two queues
     if scheduler._scheduling:  # schedule() raised part-way: anything it touched
         ids.update(r.request_id for r in scheduler.running)
@@ -82,8 +87,25 @@ def remove_requests(scheduler, ids: set[str]) -> None:
         request = scheduler.requests.pop(req_id)
         request.status = _ABORTED
         scheduler.finished_req_ids.add(req_id)
+        _tell_connector(scheduler, request)
         scheduler.kv_cache_manager.free(request)
         scheduler.forget_kv_transfers(req_id)
+
+
+def _tell_connector(scheduler, request) -> None:
+    """``request_finished`` for a request recovery aborts, unless the connector heard of it
+    when it finished (it is kept for a send); its answer is ignored (the blocks are freed)
+    and its failure logged: recovery must finish."""
+    if scheduler.connector is None or request.request_id in scheduler._sending:
+        return
+    try:
+        scheduler.connector.request_finished(
+            request, scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        )
+    except Exception:
+        logger.exception(
+            "KV connector request_finished failed for aborted request %r", request.request_id
+        )
 
 
 def reset_scheduler(scheduler) -> None:
@@ -91,6 +113,7 @@ def reset_scheduler(scheduler) -> None:
     for req_id, request in scheduler.requests.items():
         request.status = _ABORTED
         scheduler.finished_req_ids.add(req_id)
+        _tell_connector(scheduler, request)
     scheduler.requests = {}
     scheduler.running = []
     scheduler.waiting = create_request_queue(scheduler.policy)

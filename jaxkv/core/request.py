@@ -6,10 +6,9 @@ import enum
 import time
 from collections.abc import Callable, Sequence
 
+from jaxkv.core.block_hash import BlockHash
 from jaxkv.pooling_params import PoolingParams
 from jaxkv.sampling_params import SamplingParams
-
-from jaxkv.core.block_hash import BlockHash
 
 
 class RequestStatus(enum.IntEnum):
@@ -27,11 +26,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_IGNORED = enum.auto()
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def get_finished_reason(status: "RequestStatus") -> str | None:
+    def get_finished_reason(status: RequestStatus) -> str | None:
         """``"stop"``, ``"length"``, ``"abort"`` or None (not finished)."""
         return _FINISHED_REASONS.get(status)
 
@@ -80,7 +79,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        block_hasher: Callable[["Request"], list[BlockHash]] | None = None,
+        block_hasher: Callable[[Request], list[BlockHash]] | None = None,
         pooling_params: PoolingParams | None = None,
     ):
         if not isinstance(request_id, str):
@@ -123,7 +122,7 @@ class Request:
             self.attach_block_hasher(block_hasher)
 
     # ---- hashing -------------------------------------------------------------------
-    def attach_block_hasher(self, block_hasher: Callable[["Request"], list[BlockHash]]) -> None:
+    def attach_block_hasher(self, block_hasher: Callable[[Request], list[BlockHash]]) -> None:
         """Sets the hasher (once) and hashes every full block present now."""
         if self._block_hasher is not None:
             raise ValueError(f"request {self.request_id!r} already has a block hasher")

@@ -68,7 +68,7 @@ class CachedRequestData:
         return len(self.req_ids)
 
     @classmethod
-    def make_empty(cls) -> "CachedRequestData":
+    def make_empty(cls) -> CachedRequestData:
         return cls([], [], [], [], [])
 
 
@@ -108,7 +108,7 @@ class SchedulerOutput:
     kv_connector_metadata: object = None
 
     @classmethod
-    def make_empty(cls) -> "SchedulerOutput":
+    def make_empty(cls) -> SchedulerOutput:
         return cls([], CachedRequestData.make_empty(), {}, 0, {}, [], set(), set(), [])
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from jaxkv.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
-
 from jaxkv.core.block import KVCacheBlock
 from jaxkv.core.block_hash import BlockHash
 from jaxkv.core.block_pool import BlockPool
+from jaxkv.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
 
 
 class SingleTypeKVCacheManager:

@@ -27,7 +27,8 @@ from collections.abc import AsyncGenerator
 
 from jaxkv.core import RequestStatus
 from jaxkv.core.errors import EngineStepError, culprit_of
-from jaxkv.engine.core_client import CoreOutputs, EngineCoreClient, EngineDeadError, wait_for_exit
+from jaxkv.engine.codec import CoreOutputs
+from jaxkv.engine.core_client import EngineCoreClient, EngineDeadError, wait_for_exit
 from jaxkv.engine.output_processor import OutputProcessor
 from jaxkv.input_processor import InputProcessor
 from jaxkv.outputs import PoolingRequestOutput, RequestOutput
@@ -262,7 +263,7 @@ class AsyncLLM:
         except EngineDeadError as exc:
             self._fail_all(exc)
             raise
-        except Exception as exc:  # noqa: BLE001 - a bug here must not leave consumers hanging
+        except Exception as exc:
             self._fail_all(
                 self.engine_core.mark_dead(f"the output reader failed: {type(exc).__name__}: {exc}")
             )
@@ -338,6 +339,19 @@ class AsyncLLM:
         self._timing.clear()
 
     # ---- shutdown -------------------------------------------------------------------------------
+
+    def fail_all_requests(self, exc: BaseException) -> None:
+        """Ends every open request with ``exc`` (its consumer raises it) and aborts them in the
+        core: a server stopping ends its streams with an error rather than cutting them."""
+        core_ids = [
+            cid for rid in list(self._queues) for cid in self.output_processor.abort_requests([rid])
+        ]
+        for rid in list(self._queues):
+            self._queues.pop(rid).put_nowait(exc)
+        self._timing.clear()
+        if core_ids and self.engine_core.dead is None:
+            with contextlib.suppress(Exception):
+                self.engine_core.abort_requests(core_ids)
 
     def shutdown(self) -> None:
         """Stops the reader and the core process (idempotent)."""

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from jaxkv.core import EngineCoreOutput, Request, RequestStatus, Scheduler
+from jaxkv.core.async_scheduler import AsyncScheduler
 from jaxkv.core.recovery import abort_failed_steps, drop_all_kv, remove_requests, reset_scheduler
 from jaxkv.core.sched_output import SchedulerOutput
 from jaxkv.kv_cache import KVCacheConfig, get_kv_cache_configs
@@ -41,7 +42,10 @@ class EngineCore:
         try:
             self.kv_cache_configs = self._initialize_kv_caches()
             self.kv_cache_config: KVCacheConfig = self.kv_cache_configs[0]
-            self.scheduler = Scheduler(
+            scheduler_class = (
+                AsyncScheduler if config.scheduler_config.async_scheduling else Scheduler
+            )
+            self.scheduler = scheduler_class(
                 self.kv_cache_config,
                 config.scheduler_config,
                 kv_connector=self._make_kv_connector(),
@@ -60,7 +64,7 @@ class EngineCore:
         kt = getattr(self.config, "kv_transfer_config", None)
         if kt is None:
             return None
-        from jaxkv.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole  # noqa: PLC0415
+        from jaxkv.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
 
         connector = KVConnectorFactory.create_connector(
             kt,

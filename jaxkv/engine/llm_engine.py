@@ -22,6 +22,7 @@ from jaxkv.core import EngineCoreOutput, RequestStatus
 from jaxkv.core.errors import EngineStepError, caused_by_interrupt, culprit_of
 from jaxkv.engine.core import EngineCore
 from jaxkv.engine.output_processor import OutputProcessor
+from jaxkv.engine.stats import EngineStats, SpecDecodeStats
 from jaxkv.engine_config import EngineConfig, resolve_engine_config
 from jaxkv.executor import Executor
 from jaxkv.input_processor import InputProcessor
@@ -62,7 +63,7 @@ class LLMEngine:
         self._last_stats = None
 
     @classmethod
-    def from_config(cls, model: str = "tiny-llama", **kwargs) -> "LLMEngine":
+    def from_config(cls, model: str = "tiny-llama", **kwargs) -> LLMEngine:
         loaded, model_config, tokenizer, config = resolve_engine_config(model, **kwargs)
         return cls(loaded, model_config, tokenizer, config, verbose=kwargs.get("verbose", False))
 
@@ -117,7 +118,9 @@ class LLMEngine:
         req = self.input_processor.process(
             request_id, prompt, params, priority=priority, cache_salt=cache_salt
         )
-        self.engine_core.add_requests(req.core_requests)  # all or none
+        # The front end learns of the request first: an interrupt that lands between the two
+        # leaves a request abort_request finds (aborting ids the core never got is a no-op);
+        # the other order could leave core requests no front-end id names.
         self.output_processor.add_request(
             request_id,
             req.prompt,
@@ -126,6 +129,11 @@ class LLMEngine:
             [r.request_id for r in req.core_requests],
             pooling=req.pooling_params,
         )
+        try:
+            self.engine_core.add_requests(req.core_requests)  # all or none
+        except BaseException:  # the core queued none, or (interrupted on the way out) all
+            self.abort_request(request_id)
+            raise
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Aborts requests. Ids that are not running (finished already, or never added) are
@@ -265,11 +273,20 @@ class LLMEngine:
 
     # ---- stats --------------------------------------------------------------------------------
 
-    def get_stats(self) -> dict:
+    def get_stats(self) -> EngineStats:
+        """The engine's counters now (``EngineStats``)."""
         st = self._last_stats or self.engine_core.make_stats()
         runner = self.engine_core.model_executor.get_runner_stats()
         op = self.output_processor
-        stats = dict(
+        spec_decode = None
+        if self.config.speculative_config is not None:  # vLLM's spec-decode counters
+            drafts, accepted = runner["num_draft_tokens"], runner["num_accepted_tokens"]
+            spec_decode = SpecDecodeStats(
+                num_draft_tokens=drafts,
+                num_accepted_tokens=accepted,
+                acceptance_rate=accepted / drafts if drafts else 0.0,
+            )
+        return EngineStats(
             kv_cache_usage=st.kv_cache_usage,
             num_running_reqs=st.num_running_reqs,
             num_waiting_reqs=st.num_waiting_reqs,
@@ -287,15 +304,8 @@ class LLMEngine:
             output_tokens_per_s=(op.num_generated_tokens / self.step_seconds)
             if self.step_seconds
             else 0.0,
+            spec_decode=spec_decode,
         )
-        if self.config.speculative_config is not None:  # vLLM's spec-decode counters
-            drafts, accepted = runner["num_draft_tokens"], runner["num_accepted_tokens"]
-            stats.update(
-                spec_num_draft_tokens=drafts,
-                spec_num_accepted_tokens=accepted,
-                spec_acceptance_rate=accepted / drafts if drafts else 0.0,
-            )
-        return stats
 
     def next_request_id(self) -> str:
         return str(next(self._counter))

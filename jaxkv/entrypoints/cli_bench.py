@@ -17,6 +17,8 @@ import os
 import pathlib
 import sys
 
+from jaxkv.entrypoints.cli_common import error
+
 
 def benchmarks_dir() -> pathlib.Path:
     env = os.environ.get("JAXKV_BENCHMARKS_DIR")
@@ -44,8 +46,6 @@ def cmd_bench(args) -> int:
     try:
         module = load_benchmark(name)
     except FileNotFoundError as e:
-        from jaxkv.entrypoints.cli import error
-
         return error("bench", e)
     try:
         module.main(argv)

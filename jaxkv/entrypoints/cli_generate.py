@@ -12,6 +12,16 @@ import sys
 import time
 from pathlib import Path
 
+from jaxkv.entrypoints.cli_common import (
+    Parser,
+    error,
+    host_devices,
+    name_flags,
+    parse_token_ids,
+    positive_int,
+)
+from jaxkv.entrypoints.engine_args import NODE_FLAGS, SHARED_FLAGS, EngineArgs
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -46,10 +56,6 @@ _SAMPLING_ONLY = {"n": 1, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "stop": None}
 
 
 def add_parser(sub) -> None:
-    from jaxkv.engine_config import EXECUTOR_BACKEND_NAMES
-    from jaxkv.entrypoints.engine_args import add_engine_args
-    from jaxkv.entrypoints.cli import MODEL_DTYPES, parse_token_ids, positive_int
-
     p = sub.add_parser(
         "generate",
         help="generate completions (default: SmolLM2-135M-Instruct on the CPU)",
@@ -64,12 +70,6 @@ def add_parser(sub) -> None:
         metavar="NAME|PATH",
         help="smollm2-135m-instruct | tiny-llama | tiny-hybrid | HF directory | .gguf file "
         f"(default: {DEFAULT_MODEL}, downloaded once)",
-    )
-    g.add_argument(
-        "--dtype",
-        choices=MODEL_DTYPES,
-        default="float32",
-        help="model weights dtype (default: float32)",
     )
     g.add_argument(
         "--no-chat",
@@ -98,7 +98,15 @@ def add_parser(sub) -> None:
         help='one prompt per line ("-": stdin); token ids per line for a model without a '
         "tokenizer (default: none)",
     )
-    g = p.add_argument_group("sampling")
+    add_sampling_args(p.add_argument_group("sampling"))
+    g = p.add_argument_group("engine")
+    EngineArgs.add_cli_args(g, SHARED_FLAGS, defaults={"warmup": "off"})
+    EngineArgs.add_cli_args(p.add_argument_group("processes and nodes (vLLM's)"), NODE_FLAGS)
+    p.set_defaults(func=cmd_generate)
+
+
+def add_sampling_args(g) -> None:
+    """vLLM's sampling flags (``SamplingParams``), and ``--beam-width``."""
     g.add_argument(
         "--max-tokens",
         type=int,
@@ -114,7 +122,7 @@ def add_parser(sub) -> None:
         type=float,
         default=0.0,
         metavar="T",
-        help="softmax temperature, 0 is greedy (default: 0.0)",
+        help="softmax temperature, 0 is greedy; above 0 samples with --seed (default: 0.0)",
     )
     g.add_argument(
         "--top-p",
@@ -144,79 +152,20 @@ def add_parser(sub) -> None:
         help="stop string, repeatable; needs a tokenizer (default: none)",
     )
     g.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="engine seed, and the sampling seed when --temperature > 0 (default: 0)",
-    )
-    g.add_argument(
         "--beam-width",
         type=positive_int,
         default=None,
         metavar="N",
         help="beam search with N beams (vLLM's LLM.beam_search) instead of sampling (default: off)",
     )
-    g = p.add_argument_group("engine")
-    add_engine_args(g, warmup="off")
-    g.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=positive_int,
-        default=1,
-        metavar="N",
-        help="split the model over N devices; on CPU, N host devices set up here (default: 1)",
-    )
-    g = p.add_argument_group("processes and nodes (vLLM's)")
-    g.add_argument(
-        "--distributed-executor-backend",
-        choices=EXECUTOR_BACKEND_NAMES,
-        default=None,
-        help="uni: the worker in this process; mp: one worker process per device group, "
-        "over --nnodes hosts (default: mp with --nnodes > 1 or --headless, else uni)",
-    )
-    g.add_argument(
-        "--nnodes",
-        type=positive_int,
-        default=1,
-        metavar="N",
-        help="hosts the mp workers are spread over, -tp / N workers each (default: 1)",
-    )
-    g.add_argument(
-        "--node-rank",
-        type=int,
-        default=0,
-        metavar="R",
-        help="this host's rank: 0 runs the engine, others run --headless (default: 0)",
-    )
-    g.add_argument(
-        "--master-addr",
-        default="127.0.0.1",
-        metavar="HOST",
-        help="node 0's address, which every node can reach (default: 127.0.0.1)",
-    )
-    g.add_argument(
-        "--master-port",
-        type=int,
-        default=0,
-        metavar="PORT",
-        help="jax.distributed coordinator port on node 0, the next port is the control "
-        "socket; needed with --nnodes > 1 (default: 0, two free ports)",
-    )
-    g.add_argument(
-        "--devices-per-worker",
-        type=positive_int,
-        default=1,
-        metavar="N",
-        help="devices of each mp worker process (CPU host devices, or GPUs), so -tp / N "
-        "processes (default: 1)",
-    )
-    g.add_argument(
-        "--headless",
-        action="store_true",
-        help="only start this node's workers and wait for node 0's engine; generates "
-        "nothing (default: off)",
-    )
-    p.set_defaults(func=cmd_generate)
+
+
+def flag_names() -> dict[str, str]:
+    """The library's parameter names -> this command's flags (for ``name_flags``): the
+    engine's and the sampling flags'."""
+    sampling = Parser(add_help=False)
+    add_sampling_args(sampling)
+    return EngineArgs.flag_names() | {a.dest: a.option_strings[0] for a in sampling._actions}
 
 
 def sampling_params(args):
@@ -274,8 +223,6 @@ def resolve_prompts(args, file_lines: list[str] | None, has_tokenizer: bool) -> 
     """The prompts in order: --prompt texts and --prompt-token-ids lists as given, then the
     file's lines (token ids without a tokenizer). Empty when none was given. ValueError: text
     prompts or --stop for a model without a tokenizer, or a file line that is not token ids."""
-    from jaxkv.entrypoints.cli import parse_token_ids
-
     prompts = list(args.prompts or [])
     if not has_tokenizer:
         if any(isinstance(p, str) for p in prompts):
@@ -312,50 +259,25 @@ def known_tokenizer(model: str) -> bool | None:
     return None
 
 
-def executor_backend(args) -> str:
-    """``--distributed-executor-backend``, defaulting to mp where the flags need processes."""
-    given = getattr(args, "distributed_executor_backend", None)
-    if given is not None:
-        return given
-    return "mp" if getattr(args, "nnodes", 1) > 1 or getattr(args, "headless", False) else "uni"
-
-
-def check_executor_flags(args) -> None:
-    """The executor and multi-node flags, before anything loads (ValueError / TypeError)."""
-    from jaxkv.engine_config import check_executor_args
-
-    check_executor_args(
-        executor_backend(args),
-        args.model,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        headless=args.headless,
-        tensor_parallel_size=args.tensor_parallel_size,
-        devices_per_worker=args.devices_per_worker,
-        engine=not args.headless,
-    )
-
-
-def _headless(args) -> int:
+def _headless(engine_args: EngineArgs) -> int:
     """A ``--headless`` node: starts its workers (``run_headless``) and waits until node 0's
     engine shuts them down; loads no model and generates nothing."""
-    from jaxkv.executor.multiproc import run_headless
+    from jaxkv.executor import headless
 
+    ea = engine_args
     print(
-        f"jaxkv generate --headless: node {args.node_rank} of {args.nnodes}, waiting for node 0's "
-        f"engine at {args.master_addr}:{args.master_port}",
+        f"jaxkv generate --headless: node {ea.node_rank} of {ea.nnodes}, waiting for node 0's "
+        f"engine at {ea.master_addr}:{ea.master_port}",
         file=sys.stderr,
         flush=True,
     )
-    return run_headless(
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        tensor_parallel_size=args.tensor_parallel_size,
-        devices_per_worker=args.devices_per_worker,
+    return headless.run_headless(
+        nnodes=ea.nnodes,
+        node_rank=ea.node_rank,
+        master_addr=ea.master_addr,
+        master_port=ea.master_port,
+        tensor_parallel_size=ea.tensor_parallel_size,
+        devices_per_worker=ea.devices_per_worker,
     )
 
 
@@ -368,7 +290,7 @@ def _default_kv_budget(args) -> None:
         return
     from jaxkv.engine_config import DEFAULT_CPU_KV_CACHE_BYTES
 
-    if executor_backend(args) == "mp":
+    if EngineArgs.from_cli_args(args).distributed_executor_backend == "mp":
         from jaxkv.executor.multiproc import default_platform
 
         stats = None if default_platform() == "cpu" else True
@@ -389,67 +311,39 @@ def _default_kv_budget(args) -> None:
 
 
 def cmd_generate(args) -> int:
-    from jaxkv.entrypoints.cli import error, name_flags
-    from jaxkv.entrypoints.engine_args import engine_kwargs
-
+    flags = flag_names()
     try:  # every check that needs no model, before it loads
         params = sampling_params(args)
-        if (
-            args.max_num_batched_tokens is not None
-            and args.max_num_batched_tokens < args.max_num_seqs
-        ):
-            raise ValueError(
-                f"max_num_batched_tokens={args.max_num_batched_tokens} must be >= "
-                f"max_num_seqs={args.max_num_seqs} (every running request needs a token "
-                f"a step)"
-            )
-        if args.speculative_ngram is not None and args.async_scheduling:
-            raise ValueError(
-                "speculative_config does not work with async_scheduling (turn one off)"
-            )
-        if not 0.0 < args.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
-            )
-        check_executor_flags(args)
-        if args.headless:  # no model, no prompts here: node 0 has them
-            return _headless(args)
+        engine_args = EngineArgs.from_cli_args(args)
+        engine_args.check(engine=not engine_args.headless)
+        if engine_args.headless:  # no model, no prompts here: node 0 has them
+            return _headless(engine_args)
         file_lines = read_prompts_file(args.prompts_file) if args.prompts_file else None
         has_tok = known_tokenizer(args.model)
         if has_tok is not None:
             resolve_prompts(args, file_lines, has_tok)
     except (ValueError, TypeError) as e:
-        return error("generate", name_flags(e))
+        return error("generate", name_flags(e, flags))
 
-    if args.tensor_parallel_size > 1 and executor_backend(args) == "uni":  # mp: the workers' own
-        _host_devices(args.tensor_parallel_size)
+    mp = engine_args.distributed_executor_backend == "mp"
+    if engine_args.tensor_parallel_size > 1 and not mp:  # mp: the workers set up their own
+        host_devices(engine_args.tensor_parallel_size)
     from jaxkv.entrypoints.llm import LLM
 
     _default_kv_budget(args)
+    engine_args.kv_cache_memory_bytes = args.kv_cache_memory
+    engine_args.verbose = True
     t0 = time.perf_counter()
     try:
-        llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            seed=args.seed,
-            verbose=True,
-            **engine_kwargs(args),
-            tensor_parallel_size=args.tensor_parallel_size,
-            distributed_executor_backend=executor_backend(args),
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            master_addr=args.master_addr,
-            master_port=args.master_port,
-            devices_per_worker=args.devices_per_worker,
-        )
+        llm = LLM(**engine_args.to_kwargs())
     except (ValueError, TypeError, RuntimeError, OSError) as e:
-        return error("generate", name_flags(e))
+        return error("generate", name_flags(e, flags))
     from jaxkv.executor.multiproc import WorkerDiedError, WorkerTimeoutError
 
     try:
         return _run(llm, args, params, file_lines, time.perf_counter() - t0)
     except (ValueError, TypeError) as e:  # a prompt the engine refuses (length, vocabulary)
-        return error("generate", name_flags(e))
+        return error("generate", name_flags(e, flags))
     except (WorkerDiedError, WorkerTimeoutError) as e:  # mp: a worker process died or hung
         error("generate", e)
         return 1
@@ -458,14 +352,12 @@ def cmd_generate(args) -> int:
 
 
 def _run(llm, args, params, file_lines, load_s: float) -> int:
-    from jaxkv.entrypoints.cli import error, name_flags
-
     engine = llm.llm_engine
     tok = engine.tokenizer
     try:
         prompts = resolve_prompts(args, file_lines, tok is not None)
     except ValueError as e:  # a model whose lack of a tokenizer showed only once loaded
-        return error("generate", name_flags(e))
+        return error("generate", name_flags(e, flag_names()))
     if prompts:
         shown = [p if isinstance(p, str) else f"{len(p)} token ids" for p in prompts]
     elif tok is not None:
@@ -491,7 +383,7 @@ def _generate(llm, args, params, prompts, shown, load_s: float) -> int:
     engine = llm.llm_engine
     tok = engine.tokenizer
     before = engine.get_stats()  # warm-up's compiles are in load
-    c0, cs0 = before["num_compiles"], before["compile_seconds"]
+    c0, cs0 = before.num_compiles, before.compile_seconds
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     gen_s = time.perf_counter() - t1
@@ -509,18 +401,18 @@ def _generate(llm, args, params, prompts, shown, load_s: float) -> int:
     print(f"\nmodel {args.model} on {_where(engine, args)}, load {load_s:.1f} s")
     print(
         f"{n_out} tokens in {gen_s:.2f} s = {n_out / gen_s:.1f} tok/s "
-        f"(includes {stats['num_compiles'] - c0} compiles, {stats['compile_seconds'] - cs0:.1f} s; "
+        f"(includes {stats.num_compiles - c0} compiles, {stats.compile_seconds - cs0:.1f} s; "
         f"load includes {c0} warm-up compiles)"
     )
     print(
         f"KV cache: {num_blocks} blocks of {engine.config.block_size} tokens, peak use "
-        f"{stats['peak_kv_cache_usage'] * 100:.1f}% ({round(stats['peak_kv_cache_usage'] * (num_blocks - 1))} blocks); "
-        f"prefix-cache hits {stats['prefix_hit_tokens']} tokens; preemptions {stats['num_preemptions']}"
+        f"{stats.peak_kv_cache_usage * 100:.1f}% ({round(stats.peak_kv_cache_usage * (num_blocks - 1))} blocks); "
+        f"prefix-cache hits {stats.prefix_hit_tokens} tokens; preemptions {stats.num_preemptions}"
     )
-    if "spec_num_draft_tokens" in stats:
+    if stats.spec_decode is not None:
         print(
-            f"speculative: {stats['spec_num_accepted_tokens']} of {stats['spec_num_draft_tokens']} "
-            f"drafts accepted ({stats['spec_acceptance_rate'] * 100:.0f}%)"
+            f"speculative: {stats.spec_decode.num_accepted_tokens} of {stats.spec_decode.num_draft_tokens} "
+            f"drafts accepted ({stats.spec_decode.acceptance_rate * 100:.0f}%)"
         )
     return 0
 
@@ -528,7 +420,7 @@ def _generate(llm, args, params, prompts, shown, load_s: float) -> int:
 def _beam_search(llm, args, params, prompts, shown, load_s: float) -> int:
     engine = llm.llm_engine
     tok = engine.tokenizer
-    c0 = engine.get_stats()["num_compiles"]
+    c0 = engine.get_stats().num_compiles
     t1 = time.perf_counter()
     results = llm.beam_search(prompts, params)
     gen_s = time.perf_counter() - t1
@@ -545,20 +437,9 @@ def _beam_search(llm, args, params, prompts, shown, load_s: float) -> int:
     print(
         f"\nmodel {args.model} on {_where(engine, args)}, load {load_s:.1f} s; "
         f"beam search width {args.beam_width}, {args.max_tokens} rounds in {gen_s:.2f} s "
-        f"(includes {stats['num_compiles'] - c0} compiles); prefix-cache hits {stats['prefix_hit_tokens']} tokens"
+        f"(includes {stats.num_compiles - c0} compiles); prefix-cache hits {stats.prefix_hit_tokens} tokens"
     )
     return 0
-
-
-def _host_devices(n: int) -> None:
-    """Asks for ``n`` CPU host devices. XLA reads XLA_FLAGS when jax's backends start (the
-    first device query, after this; importing jax does not start them). The flag only
-    concerns the host platform, so on GPU / TPU nothing changes."""
-    import os
-
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def worker_description(worker) -> tuple[str, str]:
@@ -577,7 +458,7 @@ def _where(engine, args) -> str:
         f" x {args.tensor_parallel_size} (tensor parallel)" if args.tensor_parallel_size > 1 else ""
     )
     procs = ""
-    if executor_backend(args) == "mp":
+    if engine.config.distributed_executor_backend == "mp":
         n = len(engine.engine_core.model_executor.worker_pids)
         procs = f", {n} worker process{'es' if n > 1 else ''} on {args.nnodes} node{'s' if args.nnodes > 1 else ''}"
     return f"{backend} ({device}{tp}{procs})"

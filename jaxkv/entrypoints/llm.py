@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from jaxkv.engine import LLMEngine
+from jaxkv.entrypoints.engine_args import EngineArgs
 from jaxkv.interrupts import DeferredInterrupt
 from jaxkv.outputs import (
     EmbeddingRequestOutput,
@@ -35,11 +36,13 @@ class LLM:
     Args:
       model: "tiny-llama" | "tiny-hybrid" | "smollm2-135m-instruct" | a local HF checkpoint
         directory (config.json + *.safetensors) | a .gguf file.
-      Others: see :func:`jaxkv.engine_config.resolve_engine_config`.
+      kwargs: the other ``EngineArgs`` fields (what each does:
+        :func:`jaxkv.engine_config.resolve_engine_config`); an unknown one is a TypeError.
     """
 
     def __init__(self, model: str = "tiny-llama", **kwargs):
-        self.llm_engine = LLMEngine.from_config(model, **kwargs)
+        engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_config(**engine_args.to_kwargs())
 
     def shutdown(self) -> None:
         """Stops the engine's workers (a multi-process executor's processes; nothing to stop

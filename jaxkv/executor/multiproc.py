@@ -10,8 +10,9 @@ Layout::
 
 ``tensor_parallel_size`` workers in all (one CPU host device or one GPU each), split evenly
 over ``nnodes`` nodes: node ``k`` starts ranks ``k * local .. (k + 1) * local - 1``. Node 0 runs
-the engine core and this executor; every other node runs ``python -m jaxkv.executor.multiproc
---headless ...`` (``run_headless``), which starts only its workers and waits. Every worker
+the engine core and this executor; every other node runs ``jaxkv generate --headless ...`` or
+``python -m jaxkv.executor.headless --headless ...`` (``jaxkv.executor.headless``), which
+starts only its workers and waits. Every worker
 joins the same ``jax.distributed`` job (coordinator in rank 0's process at
 ``master_addr:master_port``) and builds the same global ``"tp"`` mesh; the executor's control
 socket is ``master_addr:master_port + 1``. With one node and ``master_port=0`` both ports are
@@ -27,9 +28,14 @@ Failures: every wait has a deadline (``startup_timeout_s``, ``execute_timeout_s`
 worker's heartbeat (``heartbeat_timeout_s``), so a dead worker is a ``WorkerDiedError`` naming
 its rank and pid within about a second, and a silent one (remote, or a local one that is
 stopped or holds the GIL: its heartbeat thread stops with it) within the heartbeat timeout; a
-worker that waits with the GIL released (in a collective) is caught by the call's deadline. A
-dead or hung worker leaves the job unusable (the others may wait in a collective forever): the
-executor then stops every process and refuses further calls. A worker's exception comes back
+worker that waits with the GIL released (in a collective) is caught by the step's skew
+deadline: ranks run the same SPMD step, so once one rank has answered a step (or raised in
+it), the others must answer within ``collective_timeout_s`` (30 s: far above the skew of a
+busy machine, far below ``execute_timeout_s``) or they are stuck in the step's collectives:
+a ``WorkerTimeoutError`` naming them (and the rank that raised, if one did). A dead or hung
+worker leaves the job unusable (the others may wait in a collective forever): the executor
+then stops every process and refuses further calls. An exception every rank of a step
+raises, or one raised by a rank whose peers finished, leaves the job usable. A worker's exception comes back
 as the same exception type (when it pickles) with the worker's formatted traceback as a note.
 ``shutdown()``, and garbage collection of the executor (``weakref.finalize``), stop every
 worker; a worker also ends itself when its parent or the executor's socket goes away.
@@ -42,7 +48,6 @@ values and functions); ``benchmarks/executor_hop.py`` measures both on a batch-6
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import pickle
@@ -57,6 +62,7 @@ from typing import Any
 
 import zmq
 
+from jaxkv.core.outputs import merge_connector_stats
 from jaxkv.executor.abstract import Executor
 from jaxkv.executor.worker_proc import SpawnArgs
 
@@ -176,6 +182,7 @@ class MultiprocExecutor(Executor):
     execute_timeout_s: float = 300.0  # one step (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
     rpc_timeout_s: float = 900.0  # collective_rpc without its own timeout (warm-up compiles)
     heartbeat_timeout_s: float = 5.0  # a worker silent this long is dead
+    collective_timeout_s: float = 30.0  # a step's ranks answer within this of each other
     poll_ms: int = 50  # liveness is checked at least this often while waiting
 
     def _init_executor(self, model) -> None:
@@ -190,7 +197,7 @@ class MultiprocExecutor(Executor):
         if c.headless or c.node_rank != 0:
             raise ValueError(
                 f"the executor runs on node 0; node_rank={c.node_rank} "
-                f"(headless={c.headless}) runs run_headless() / --headless instead"
+                f"(headless={c.headless}) runs jaxkv.executor.headless.run_headless() / --headless instead"
             )
         per_worker = int(getattr(c, "devices_per_worker", 1) or 1)
         tp = c.tensor_parallel_size
@@ -360,24 +367,32 @@ class MultiprocExecutor(Executor):
             return exc
         return RuntimeError(f"{where} raised {name}: {text}\n{tb}")
 
-    def _wait(self, call_id: int, timeout: float | None, what: str) -> list:
-        """Every rank's answer to ``call_id``, by rank; the first error raises."""
+    def _wait(self, call_id: int, timeout: float | None, what: str, spmd: bool = False) -> list:
+        """Every rank's answer to ``call_id``, by rank; the first error raises. ``spmd`` (a
+        step): the ranks are coupled by collectives, so an error waits for the other ranks'
+        answers, and every rank must answer within ``collective_timeout_s`` of the first."""
         start = time.monotonic()
         deadline = start + timeout
+        first_answer = None
         while True:
             if self._deferred_error is not None:
                 err, self._deferred_error = self._deferred_error, None
                 raise err
             got = self._replies.get(call_id, {})
-            for rank, (ok, value) in got.items():
-                if not ok:
-                    self._dropped.add(call_id)
-                    self._replies.pop(call_id, None)
-                    raise self._remote_error(rank, value)
+            failed = [r for r, (ok, _) in got.items() if not ok]
+            if failed and (not spmd or len(got) == self.world_size):
+                self._dropped.add(call_id)
+                self._replies.pop(call_id, None)
+                raise self._remote_error(failed[0], got[failed[0]][1])
             if len(got) == self.world_size:
                 self._replies.pop(call_id)
                 return [got[r][1] for r in range(self.world_size)]
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if spmd and got:
+                first_answer = first_answer or now
+                if now - first_answer > self.collective_timeout_s:
+                    self._collective_stuck(call_id, got, what)
+            if now > deadline:
                 missing = [self._describe(r) for r in range(self.world_size) if r not in got]
                 self._fail(
                     f"{what} got no answer within {timeout:.1f} s from {', '.join(missing)}",
@@ -385,6 +400,24 @@ class MultiprocExecutor(Executor):
                 )
             self._check_alive(start)
             self._drain(self.poll_ms)
+
+    def _collective_stuck(self, call_id: int, got: dict, what: str) -> None:
+        """Some ranks answered a step, the others have not within ``collective_timeout_s``."""
+        missing = [self._describe(r) for r in range(self.world_size) if r not in got]
+        failed = [r for r, (ok, _) in got.items() if not ok]
+        if failed:
+            err = self._remote_error(failed[0], got[failed[0]][1])
+            cause = f"{self._describe(failed[0])} raised {type(err).__name__}: {err}"
+        else:
+            cause = f"{', '.join(self._describe(r) for r in sorted(got))} finished it"
+        self._dropped.add(call_id)
+        self._replies.pop(call_id, None)
+        self._fail(
+            f"{what}: {cause}; {', '.join(missing)} did not finish it within "
+            f"collective_timeout_s={self.collective_timeout_s:.0f} s after: stuck in the "
+            f"step's collectives (a failure on one rank, or a lost peer)",
+            WorkerTimeoutError,
+        )
 
     def _call_all(self, msg: tuple, timeout: float | None = None, what: str = "") -> int:
         """Sends ``(kind, call id, *msg[1:])`` to every rank; returns the call id."""
@@ -427,12 +460,9 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output, non_block: bool = False):
         if not non_block:
             self.last_send_time = time.perf_counter()
+            call_id = self._call_all(("execute_model", scheduler_output, True))
             return self._kv_aggregate(
-                self._call_all(
-                    ("execute_model", scheduler_output, True),
-                    self.execute_timeout_s,
-                    what="execute_model",
-                )
+                self._wait(call_id, self.execute_timeout_s, "execute_model", spmd=True)
             )
         call_id = self._call_all(("execute_model", scheduler_output, False))
         self._unflushed = call_id
@@ -447,12 +477,15 @@ class MultiprocExecutor(Executor):
     def _step_result(self, call_id: int):
         if self._unflushed == call_id:  # nothing sent since: ask for the step in flight
             self._call_all(("collect",))
-        return self._kv_aggregate(self._wait(call_id, self.execute_timeout_s, "execute_model"))
+        return self._kv_aggregate(
+            self._wait(call_id, self.execute_timeout_s, "execute_model", spmd=True)
+        )
 
     def _kv_aggregate(self, results: list):
         """The driver's output; with a KV connector, its report merged with every rank's
         (vLLM's KVOutputAggregator): a request's send or load has ended once every rank
-        reported it; failed blocks are the union."""
+        reported it; failed blocks are the union; counters are summed (``per_rank`` keeps
+        each rank's)."""
         out = results[0]
         if out is None or out.kv_connector_output is None or self.world_size == 1:
             return out
@@ -470,6 +503,8 @@ class MultiprocExecutor(Executor):
             setattr(merged, kind, done)
         for report in reports[1:]:
             merged.invalid_block_ids |= report.invalid_block_ids
+        if any(report.stats for report in reports):
+            merged.stats = merge_connector_stats([report.stats for report in reports])
         return out
 
     def check_health(self) -> None:
@@ -486,96 +521,3 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
-
-
-# ---- other nodes: the headless launcher ---------------------------------------------------------
-
-
-def run_headless(
-    *,
-    nnodes: int,
-    node_rank: int,
-    master_addr: str,
-    master_port: int,
-    tensor_parallel_size: int,
-    devices_per_worker: int = 1,
-    platform: str | None = None,
-    init_timeout_s: int = 180,
-) -> int:
-    """Starts node ``node_rank``'s workers of a job whose engine core runs on node 0, and waits
-    for them; returns their exit status (0 when the executor shut them down). A failed worker
-    stops the node's others. SIGTERM / SIGINT stop them too."""
-    if not 0 < node_rank < nnodes:
-        raise ValueError(
-            f"a headless node has 0 < node_rank < nnodes, got node_rank={node_rank}, nnodes={nnodes}"
-        )
-    if not master_port:
-        raise ValueError("a headless node needs --master-port (node 0's)")
-    world = tensor_parallel_size // devices_per_worker
-    if tensor_parallel_size % (devices_per_worker * nnodes):
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} must split evenly over "
-            f"nnodes={nnodes} with {devices_per_worker} device(s) per worker"
-        )
-    local = world // nnodes
-    procs = []
-    for local_rank in range(local):
-        procs.append(
-            start_worker(
-                SpawnArgs(
-                    rank=node_rank * local + local_rank,
-                    local_rank=local_rank,
-                    world_size=world,
-                    coordinator_address=f"{master_addr}:{master_port}",
-                    control_address=f"tcp://{master_addr}:{master_port + 1}",
-                    platform=platform or default_platform(),
-                    devices_per_worker=devices_per_worker,
-                    init_timeout_s=init_timeout_s,
-                )
-            )
-        )
-
-    def stop(signum, frame):
-        stop_processes(procs, grace_s=0.5)
-        sys.exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                return max(abs(c) for c in codes)
-            if any(c not in (None, 0) for c in codes):
-                stop_processes(procs, grace_s=0.5)
-                return max(abs(p.returncode) for p in procs)
-            time.sleep(0.2)
-    finally:
-        stop_processes(procs, grace_s=0.5)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m jaxkv.executor.multiproc",
-        description="Run this node's jaxkv worker processes (vLLM's --headless).",
-    )
-    p.add_argument("--headless", action="store_true", required=True)
-    p.add_argument("--nnodes", type=int, required=True)
-    p.add_argument("--node-rank", type=int, required=True)
-    p.add_argument("--master-addr", default="127.0.0.1")
-    p.add_argument("--master-port", type=int, required=True)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, required=True)
-    p.add_argument("--devices-per-worker", type=int, default=1)
-    a = p.parse_args(argv)
-    return run_headless(
-        nnodes=a.nnodes,
-        node_rank=a.node_rank,
-        master_addr=a.master_addr,
-        master_port=a.master_port,
-        tensor_parallel_size=a.tensor_parallel_size,
-        devices_per_worker=a.devices_per_worker,
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

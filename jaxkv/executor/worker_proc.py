@@ -6,7 +6,8 @@ Started as ``python -m jaxkv.executor.worker_proc`` with its ``SpawnArgs`` pickl
 1. sets up JAX before the first backend call (what a multi-process CPU job needs on jax
    0.10.2): ``JAX_PLATFORMS`` (cpu here, so the CUDA plugin stays out), ``jax_num_cpu_devices``
    host devices (the spawner's ``--xla_force_host_platform_device_count`` is dropped from
-   ``XLA_FLAGS``), gloo CPU collectives (``jax_cpu_collectives_implementation="gloo"``: without
+   ``XLA_FLAGS``), gloo CPU collectives (``jax_cpu_collectives_implementation="gloo"``, bound to
+   the address that reaches the coordinator, not the hostname's; without
    it a computation over a mesh that spans processes fails on CPU), then
    ``jax.distributed.initialize(coordinator_address, num_processes, process_id,
    initialization_timeout)`` (GPU: ``local_device_ids``, the ``devices_per_worker`` GPUs of
@@ -64,7 +65,7 @@ class SpawnArgs:
 def _set_parent_death_signal() -> None:
     """Linux: SIGKILL this process when the thread that started it dies."""
     try:
-        import ctypes  # noqa: PLC0415
+        import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -74,7 +75,7 @@ def _set_parent_death_signal() -> None:
 def _init_jax(args: SpawnArgs):
     """Platform, devices and collectives, then the distributed job. Returns the jax module."""
     os.environ["JAX_PLATFORMS"] = args.platform
-    import jax  # noqa: PLC0415 - after the environment is set
+    import jax  # lazy: after the environment is set
 
     if args.platform == "cpu":
         jax.config.update("jax_num_cpu_devices", args.devices_per_worker)
@@ -93,11 +94,44 @@ def _init_jax(args: SpawnArgs):
             local_device_ids=local_ids,
             initialization_timeout=args.init_timeout_s,
         )
+        if args.platform == "cpu":
+            _bind_gloo(args.coordinator_address)
     return jax
 
 
+def _address_towards(address: str) -> str:
+    """This host's address on the route to ``host:port`` (no packet is sent)."""
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, int(port)))
+        return s.getsockname()[0]
+
+
+def _bind_gloo(coordinator_address: str) -> None:
+    """Gloo's TCP transport on the address that reaches the coordinator. Left alone, gloo
+    listens on (and tells its peers) what this machine's hostname resolves to, often
+    127.0.0.1 or 127.0.1.1 (/etc/hosts): peers on other hosts then cannot connect."""
+    from jax._src import distributed, xla_bridge  # lazy: no public knob for this
+    from jax._src.lib import _jax
+
+    hostname = _address_towards(coordinator_address)
+
+    def make_cpu_client():
+        return xla_bridge.make_cpu_client(
+            _jax.make_gloo_tcp_collectives(
+                distributed_client=distributed.global_state.client, hostname=hostname
+            )
+        )
+
+    xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0)
+
+
 def _import(path: str):
-    import importlib  # noqa: PLC0415
+    import importlib
 
     module, name = path.split(":")
     return getattr(importlib.import_module(module), name)
@@ -113,7 +147,7 @@ class _Heartbeat(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        import zmq  # noqa: PLC0415
+        import zmq
 
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"hb-{self.rank}".encode())
@@ -239,7 +273,7 @@ def main() -> None:
     # Ctrl-C in a terminal reaches the whole process group: the engine core handles it (and
     # stops the workers); a worker interrupted on its own would only break the SPMD job.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import zmq  # noqa: PLC0415
+    import zmq
 
     ctx = zmq.Context()
     beat = _Heartbeat(ctx, args.control_address, args.rank)
@@ -263,7 +297,7 @@ def main() -> None:
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
     connected = False
-    from zmq.utils.monitor import recv_monitor_message  # noqa: PLC0415
+    from zmq.utils.monitor import recv_monitor_message
 
     try:
         while True:

@@ -7,7 +7,6 @@ storage; layers with equal specs can share one block table (a KV-cache group).
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
 
 #: KV-cache dtype names -> bytes per element. "fp8" is float8_e4m3fn (one byte).
 KV_DTYPE_BYTES: dict[str, int] = {
@@ -121,7 +120,7 @@ class SlidingWindowSpec(FullAttentionSpec):
         return (cdiv(num_tokens, self.block_size) + 1) * self.page_size_bytes
 
 
-KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec]
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
 
 
 @dataclasses.dataclass(frozen=True)

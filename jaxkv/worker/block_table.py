@@ -46,8 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.worker.buckets import pow2_at_least
 from jaxkv.pallas_kernels.metadata import NULL_BLOCK_ID
+from jaxkv.worker.buckets import pow2_at_least
 
 #: Row index of a padding entry in an encoded diff (moves, clears, writes). It writes nothing.
 PAD_ROW = -1
@@ -104,7 +104,9 @@ def apply_block_table_ops(
     for g, table in enumerate(tables):
         num_rows = table.shape[0]
 
-        def to_index(rows):  # PAD_ROW (negative) -> out of range, dropped by the scatters
+        def to_index(
+            rows, num_rows=num_rows
+        ):  # PAD_ROW (negative) -> out of range, dropped by the scatters
             return jnp.where(rows < 0, num_rows, rows)
 
         if layout.num_moves:

@@ -163,3 +163,14 @@ def collect_rows(
         pooler_output=pooled,
     )
     return got
+
+
+def append_tokens(batch, got: Collected) -> None:
+    """Appends a collected step's new tokens to the rows of ``batch`` (the persistent
+    ``InputBatch``) still holding their request: each row's r-th new token in round r."""
+    for r in range(max(map(len, got.row_tokens), default=0)):
+        sel = [j for j, t in enumerate(got.row_tokens) if len(t) > r]
+        batch.append_one_token_per_row(
+            np.asarray([got.rows[j] for j in sel]),
+            np.asarray([got.row_tokens[j][r] for j in sel], np.int32),
+        )

@@ -4,7 +4,8 @@ Each is compiled once per size it is keyed by and reads the forward's outputs on
 (no host round trip):
 
 * ``greedy[S]``: the argmax of the raw logits of the first S sampled positions (vocab-major LM
-  head, the faster orientation on XLA:CPU), for steps where no sampling row needs more;
+  head, the faster orientation on XLA:CPU), for steps where no sampling row needs more (a
+  forward of T <= S tokens runs the same function itself: ``jaxkv.worker.forward``);
 * ``sample[S]``: the general sampler (``jaxkv.worker.sampler``) over the rows' slots of the
   device ``SamplingState``; it appends each sampled token to its slot's history;
 * ``verify[P]``: the same over P scored positions against n-gram drafts (speculative decoding);

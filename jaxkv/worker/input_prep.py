@@ -46,6 +46,11 @@ class StepPlan:
     drafts: list[list[int]]  # per row, the drafts scored
     spec_start: np.ndarray | None  # [n] int32 each row's first scored position
 
+    @property
+    def greedy_in_forward(self) -> bool:
+        """The forward program itself takes the greedy tokens (no ``greedy[S]`` after it)."""
+        return bool(self.forward.greedy[0])
+
 
 def plan_step(
     batch,
@@ -150,6 +155,9 @@ def plan_step(
                 getattr(head_inputs, name)[:n] = values
         else:
             head = GREEDY
+            # T sampled positions at most: the forward's own greedy head does no more rows
+            # than greedy[S] would
+            x.greedy[0] = int(0 < dims.greedy_rows and T <= size)
     prompt_rows = [i for i, st in enumerate(states) if prompt_logprobs.wants(st)]
     targets = prompt_logprobs.targets(states, qsl, q_lens, T) if prompt_rows else None
     return StepPlan(

@@ -1,8 +1,9 @@
 """The KV cache as a KV connector sees it, and the runner's connector hooks.
 
-``PagedKVCaches`` wraps the runner's flat uint8 buffers (one per ``KVCacheTensor``; block ``b``
-is bytes ``[b * page_bytes, (b + 1) * page_bytes)`` of each). A transfer unit is a list of
-block ids; its pages are gathered into one ``[K, page_bytes]`` uint8 array per KV tensor (K
+``PagedKVCaches`` wraps the runner's flat buffers (one per ``KVCacheTensor``; block ``b``
+is bytes ``[b * page_bytes, (b + 1) * page_bytes)`` of each; uint8, or uint32 words in the TPU
+word layout, whose pages move as uint8 rows all the same: ``kv_memory``). A transfer unit is a
+list of block ids; its pages are gathered into one ``[K, page_bytes]`` uint8 array per KV tensor (K
 padded to a power of two so few shapes compile; padding ids are -1 and read zeros / write
 nothing). With a tensor-parallel mesh each device holds its own KV heads' pages, so the
 gathered array is ``[tp * K, page_bytes]`` split over ``"tp"``: device i's rows are its pages.
@@ -245,7 +246,8 @@ class PagedKVCaches:
             "tp": self.tp,
             "block_size": self.block_size,
             "num_groups": len(c.kv_cache_groups),
-        }
+            "kv_layout": self._runner.kv_layout,
+        }  # a page's byte order: kv_memory
 
 
 class ConnectorHooks:

@@ -1,10 +1,22 @@
-"""Physical KV memory: one flat uint8 buffer per ``KVCacheTensor``.
+"""Physical KV memory: one flat buffer per ``KVCacheTensor``.
 
 Block ``b`` of a buffer is the contiguous byte range ``[b * page_bytes, (b + 1) * page_bytes)``
 (``pallas_kernels`` lays every page out inside that range), so zeroing, reading or moving a
-block is one contiguous slice whatever the attention layout. Typed per-layer views come from
-``jaxkv.pallas_kernels.kv_cache_view`` (a bitcast, never a copy). All ops here are functional and
+block is one contiguous slice whatever the attention layout. All ops here are functional and
 meant to run under ``jax.jit`` with the buffer donated, so XLA updates it in place.
+
+Two layouts (``KV_LAYOUTS``), told apart by the buffer's element type:
+
+* ``"bytes"`` (CPU, GPU, and TPU shapes the word layout refuses): flat ``uint8``; per-layer
+  views are ``jaxkv.pallas_kernels.kv_cache_byte_view`` (a reshape) and the backends bitcast
+  what they read.
+* ``"words"`` (TPU with the Mosaic kernels, ``backends.resolve_kv_layout``): flat ``uint32``,
+  each page stored as the TPU's packed (8, 128) word tiles (``layout.kv_cache_word_view``), so
+  the per-layer view is free under TPU tiling (a uint8 buffer viewed as bf16 is a relayout
+  there). Page ops here reshape a buffer to ``[N, page_words / 1024, 8, 128]``: whole tiles,
+  the same order as the flat words, so no relayout either. Connectors still see pages as
+  ``page_bytes`` uint8 rows (:func:`read_blocks` / :func:`write_blocks` bitcast the pages they
+  move, never the cache); their byte order is the word layout's, not the byte layout's.
 """
 
 from __future__ import annotations
@@ -15,6 +27,26 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.kv_cache import PAGE_ALIGN_BYTES, KVCacheConfig
 from jaxkv.models.sharding import TP_AXIS
+
+#: KV buffer layouts -> the buffer's element type (module docstring).
+KV_LAYOUTS = {"bytes": jnp.dtype(jnp.uint8), "words": jnp.dtype(jnp.uint32)}
+#: Words of one TPU (8, 128) 32-bit tile: the unit a word-layout page is reshaped into.
+_TILE_WORDS = 8 * 128
+
+
+def buffer_dtype(layout: str) -> jnp.dtype:
+    """The element type of a ``layout`` ("bytes" | "words") buffer; ValueError otherwise."""
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"kv layout must be one of {tuple(KV_LAYOUTS)}, got {layout!r}")
+    return KV_LAYOUTS[layout]
+
+
+def layout_of(buffer) -> str:
+    """ "bytes" | "words": the layout a KV buffer (array or ShapeDtypeStruct) is in."""
+    for name, dt in KV_LAYOUTS.items():
+        if buffer.dtype == dt:
+            return name
+    raise ValueError(f"a KV buffer must be uint8 (bytes) or uint32 (words), got {buffer.dtype}")
 
 
 def page_size_bytes(config: KVCacheConfig) -> int:
@@ -36,8 +68,11 @@ def check_page_alignment(config: KVCacheConfig) -> None:
             )
 
 
-def allocate_kv_buffers(config: KVCacheConfig, *, mesh=None) -> tuple[jax.Array, ...]:
-    """Zero-filled flat uint8 buffers, one per tensor: ``[num_blocks * page_bytes]`` each.
+def allocate_kv_buffers(
+    config: KVCacheConfig, *, mesh=None, layout: str = "bytes"
+) -> tuple[jax.Array, ...]:
+    """Zero-filled flat buffers, one per tensor: ``[num_blocks * page_bytes]`` uint8 each, or
+    with ``layout="words"`` ``[num_blocks * page_bytes / 4]`` uint32 (the same bytes).
 
     With a tensor-parallel ``mesh`` (``"tp"`` axis of size n) ``config`` is one device's plan
     (its own KV heads' pages) and each buffer is ``[n * num_blocks * page_bytes]`` split over
@@ -46,6 +81,7 @@ def allocate_kv_buffers(config: KVCacheConfig, *, mesh=None) -> tuple[jax.Array,
     Zeros, not ``jnp.empty``: from jax 0.11 ``empty`` may return uninitialised memory, and a
     fresh block must never expose NaN bit patterns to a kernel that masks by multiplication.
     """
+    dtype = buffer_dtype(layout)
     check_page_alignment(config)
     page = page_size_bytes(config) if config.kv_cache_groups else 0
     buffers = []
@@ -55,27 +91,52 @@ def allocate_kv_buffers(config: KVCacheConfig, *, mesh=None) -> tuple[jax.Array,
                 f"tensor shared by {t.shared_by} has {t.size} bytes, expected "
                 f"num_blocks * page = {config.num_blocks} * {page}"
             )
+        size = t.size // dtype.itemsize
         if mesh is None:
-            buffers.append(jnp.zeros((t.size,), jnp.uint8))
+            buffers.append(jnp.zeros((size,), dtype))
         else:
             shards = mesh.shape[TP_AXIS]
             buffers.append(
                 jnp.zeros(
-                    (shards * t.size,),
-                    jnp.uint8,
-                    device=NamedSharding(mesh, PartitionSpec(TP_AXIS)),
+                    (shards * size,), dtype, device=NamedSharding(mesh, PartitionSpec(TP_AXIS))
                 )
             )
     return tuple(buffers)
 
 
 def _paged(buffer: jax.Array, page_bytes: int) -> jax.Array:
-    if buffer.ndim != 1 or buffer.dtype != jnp.uint8 or buffer.shape[0] % page_bytes:
+    """``[N, page_bytes]`` of a uint8 buffer; ``[N, page_words / 1024, 8, 128]`` of a uint32
+    one (whole TPU tiles in the flat order: free under TPU tiling; ``[N, page_words]`` when a
+    page is not whole tiles, which the word layout never makes)."""
+    ok = buffer.ndim == 1 and buffer.dtype in KV_LAYOUTS.values()
+    item = buffer.dtype.itemsize if ok else 1
+    if not ok or page_bytes % item or buffer.shape[0] % (page_bytes // item):
         raise ValueError(
-            f"expected a flat uint8 buffer of whole {page_bytes}-byte pages, got "
+            f"expected a flat uint8 or uint32 buffer of whole {page_bytes}-byte pages, got "
             f"{buffer.dtype}{list(buffer.shape)}"
         )
-    return buffer.reshape(buffer.shape[0] // page_bytes, page_bytes)
+    per_page = page_bytes // item
+    n = buffer.shape[0] // per_page
+    if item == 4 and per_page % _TILE_WORDS == 0:
+        return buffer.reshape(n, per_page // _TILE_WORDS, 8, 128)
+    return buffer.reshape(n, per_page)
+
+
+def _pages_as_bytes(pages: jax.Array, page_bytes: int) -> jax.Array:
+    """Gathered pages ``[K, ...]`` of either layout as ``[K, page_bytes]`` uint8."""
+    if pages.dtype != jnp.uint8:
+        pages = jax.lax.bitcast_convert_type(pages, jnp.uint8)  # [K, ..., 4], little-endian
+    return pages.reshape(pages.shape[0], page_bytes)
+
+
+def _bytes_as_pages(data: jax.Array, like: jax.Array) -> jax.Array:
+    """``_pages_as_bytes``' inverse: ``[K, page_bytes]`` uint8 -> pages shaped as ``like``'s."""
+    if like.dtype == jnp.uint8:
+        return data.reshape(data.shape[0], *like.shape[1:])
+    item = like.dtype.itemsize
+    return jax.lax.bitcast_convert_type(
+        data.reshape(data.shape[0], *like.shape[1:], item), like.dtype
+    )
 
 
 def _safe_ids(block_ids: jax.Array, num_blocks: int) -> jax.Array:
@@ -89,26 +150,26 @@ def zero_blocks(
     """Zeroes whole pages in place.
 
     Args:
-      buffer: [N * page_bytes] uint8.
+      buffer: [N * page_bytes] uint8, or [N * page_bytes / 4] uint32 (the word layout).
       block_ids: [K] int32; ids < 0 or >= N are padding and touch nothing.
       cpu_kernel: use the C++ FFI call (``cpu_backend.zero_pages``) where the C++ kernels run:
         the engine does with the "cpu" attention backend, whose KV write is a C++ call too (an
         XLA scatter next to it made XLA copy the whole buffer).
     Returns:
-      The updated buffer, [N * page_bytes] uint8.
+      The updated buffer, the same shape and dtype.
     """
     pages = _paged(buffer, page_bytes)
-    if cpu_kernel:
-        from jaxkv.pallas_kernels import cpu_backend  # noqa: PLC0415
+    if cpu_kernel and buffer.dtype == jnp.uint8:
+        from jaxkv.pallas_kernels import cpu_backend
 
         if cpu_backend.use_cpu_kernels():
             return cpu_backend.zero_pages(buffer, block_ids, page_bytes=page_bytes)
     ids = _safe_ids(block_ids, pages.shape[0])
-    return pages.at[ids].set(jnp.uint8(0), mode="drop").reshape(-1)
+    return pages.at[ids].set(jnp.zeros((), buffer.dtype), mode="drop").reshape(-1)
 
 
 def zero_blocks_all(
-    buffers: tuple[jax.Array, ...],  # per KV tensor: [N * page_bytes] uint8
+    buffers: tuple[jax.Array, ...],  # per KV tensor: flat uint8 / uint32
     block_ids: jax.Array,  # [K] int32, as in zero_blocks
     *,
     page_bytes: int,
@@ -139,20 +200,22 @@ def zero_blocks_all(
 
 
 def read_blocks(buffer: jax.Array, block_ids: jax.Array, *, page_bytes: int) -> jax.Array:
-    """Copies pages out: [K, page_bytes] uint8 (out-of-range ids read zeros)."""
+    """Copies pages out: [K, page_bytes] uint8 (out-of-range ids read zeros). A word-layout
+    buffer's pages come out as their bytes (only the K pages are bitcast)."""
     pages = _paged(buffer, page_bytes)
     ids = _safe_ids(block_ids, pages.shape[0])
-    return pages.at[ids].get(mode="fill", fill_value=0)
+    return _pages_as_bytes(pages.at[ids].get(mode="fill", fill_value=0), page_bytes)
 
 
 def write_blocks(
     buffer: jax.Array, block_ids: jax.Array, data: jax.Array, *, page_bytes: int
 ) -> jax.Array:
-    """Writes whole pages in place: ``data`` [K, page_bytes] uint8 into ``block_ids`` [K]."""
+    """Writes whole pages in place: ``data`` [K, page_bytes] uint8 (``read_blocks``' rows)
+    into ``block_ids`` [K]; the buffer keeps its shape and dtype."""
     pages = _paged(buffer, page_bytes)
     if data.shape != (block_ids.shape[0], page_bytes) or data.dtype != jnp.uint8:
         raise ValueError(
             f"data must be uint8[{block_ids.shape[0]}, {page_bytes}], got {data.dtype}{list(data.shape)}"
         )
     ids = _safe_ids(block_ids, pages.shape[0])
-    return pages.at[ids].set(data, mode="drop").reshape(-1)
+    return pages.at[ids].set(_bytes_as_pages(data, pages), mode="drop").reshape(-1)

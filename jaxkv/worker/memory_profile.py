@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from jaxkv.engine_config import DEFAULT_CPU_KV_CACHE_BYTES  # noqa: F401 - the CPU budget, re-exported
+from jaxkv.engine_config import DEFAULT_CPU_KV_CACHE_BYTES
 from jaxkv.kv_cache import KVCacheSpec, get_kv_cache_config
 from jaxkv.models.sharding import TP_AXIS
 from jaxkv.worker.model_runner import ModelRunner
@@ -146,9 +146,11 @@ def compile_program(
         raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {blocks}")
     shards = 1 if runner.mesh is None else runner.mesh.shape[TP_AXIS]
     buffers = tuple(
-        jax.ShapeDtypeStruct((shards * blocks * runner.page_bytes,), np.uint8, sharding=b.sharding)
+        jax.ShapeDtypeStruct(
+            (shards * blocks * runner.page_bytes // b.dtype.itemsize,), b.dtype, sharding=b.sharding
+        )
         for b in runner.buffers
-    )
+    )  # uint8 | uint32
     program = build_program(runner, key, binding=binding, buffers=buffers)
     return (
         jax.jit(program.fn, donate_argnums=program.donate_argnums)

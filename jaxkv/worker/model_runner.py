@@ -2,7 +2,8 @@
 
 Per step the runner, one module per phase:
   1. updates its persistent batch (request id <-> row and sampling slot,
-     ``jaxkv.worker.persistent_batch``) and the device sampling state of requests that enter it;
+     ``jaxkv.worker.persistent_batch``) and its device side: the sampling state of requests
+     that enter it, block-table ops and pages to zero (``jaxkv.worker.batch_sync``);
   2. prepares the programs' inputs in row order (``jaxkv.worker.input_prep``: one typed record
      per program, packed into one int32 array);
   3. runs the forward (KV buffers and block tables donated) and, chained on the device, the
@@ -10,9 +11,12 @@ Per step the runner, one module per phase:
   4. fetches the sampled tokens (and logprobs, prompt logprobs or hidden states only when a
      row asked for them) and builds the output (``jaxkv.worker.collect``).
 
-The programs are a small set fixed by the configuration (``jaxkv.worker.step_programs``,
-``jaxkv.worker.program_set``), compiled by ``warmup`` at start-up; a program compiled later
-is counted and logged (``ProgramSet.late_compiles``).
+The attention backend, the layers' KV binding and the buffer layout are resolved once
+(``jaxkv.worker.backends``). The programs are a small set fixed by the configuration
+(``jaxkv.worker.step_programs``, ``jaxkv.worker.program_set``), compiled by ``warmup`` at
+start-up; a program compiled later is counted and logged (``ProgramSet.late_compiles``). After
+a failed step, device state a failed call took with it is re-created
+(``jaxkv.worker.recovery``).
 
 ``execute_model`` does all four; with async scheduling the engine calls ``dispatch`` (1-3)
 for step N+1 before ``collect`` (4) of step N, so the host prepares a step while the device
@@ -31,48 +35,42 @@ from flax import nnx
 
 from jaxkv.core import ModelRunnerOutput, SchedulerOutput
 from jaxkv.kv_cache import KVCacheConfig, cdiv
-from jaxkv.worker import kv_memory
-from jaxkv.worker.backends import resolve_backend
+from jaxkv.models.sharding import shard_state
+from jaxkv.worker import batch_sync, kv_memory
+from jaxkv.worker.backends import bind_attention, check_kv_layout
 from jaxkv.worker.block_table import BlockTableOpsLayout
-from jaxkv.worker.collect import CachedRequestState, StepHandle, collect_rows, fetch_results
+from jaxkv.worker.collect import (
+    CachedRequestState,
+    StepHandle,
+    append_tokens,
+    collect_rows,
+    fetch_results,
+)
 from jaxkv.worker.heads import LogitsHead
 from jaxkv.worker.input_batch import InputBatch
-from jaxkv.worker.input_prep import StepPlan, plan_step
+from jaxkv.worker.input_prep import plan_step
 from jaxkv.worker.packing import pack_record
+from jaxkv.worker.persistent_batch import PersistentBatch
 from jaxkv.worker.placement import HostPlacement
 from jaxkv.worker.program_set import (
     FORWARD,
-    PROMPT_LOGPROBS,
-    SAMPLE,
-    SAMPLING_UPDATE,
-    TABLE_OPS,
-    VERIFY,
-    ZERO_PAGES,
     ProgramKey,
     ProgramSet,
     program_keys,
 )
-from jaxkv.worker.sampling_state import SamplingStateUpdate, allocate_state
-from jaxkv.worker.persistent_batch import PersistentBatch
-from jaxkv.worker.sampling_updates import build_updates
+from jaxkv.worker.recovery import replace_lost
+from jaxkv.worker.sampling_state import allocate_state
 from jaxkv.worker.spec_decode import SpeculativeConfig, batch_may_speculate, propose_drafts
-from jaxkv.worker.step_programs import build_program, buckets_for, forward_dims
-from jaxkv.models.config import KVCacheBinding
-from jaxkv.models.sharding import shard_state
+from jaxkv.worker.step_programs import (
+    buckets_for,
+    build_program,
+    dispatch_heads,
+    forward_dims,
+    forward_program,
+)
 
 #: Entries (a long prompt's history, an allow-list, ...) one sampling-state update carries.
 UPDATE_ENTRIES = 2048
-
-
-def _lost(x: jax.Array) -> bool:
-    """True when ``x`` was donated to a call that failed, or holds that call's error."""
-    try:
-        if x.is_deleted():
-            return True
-        x.block_until_ready()
-    except Exception:  # noqa: BLE001 - any error reading it back means it is unusable
-        return True
-    return False
 
 
 class ModelRunner:
@@ -118,20 +116,17 @@ class ModelRunner:
         self.block_size = kv_cache_config.block_size
         self.num_groups = len(kv_cache_config.kv_cache_groups)
         self.vocab_size = model.config.vocab_size
-        backend, interpret = resolve_backend(
-            attention_backend, head_size=model.config.head_dim, block_size=self.block_size
-        )
-        self.backend = backend
-        self.binding = KVCacheBinding(
-            layers=tuple((name, g, t) for name, (g, t) in kv_cache_config.layer_binding().items()),
-            block_size=self.block_size,
+        #: kv_layout: "bytes" (flat uint8) | "words" (flat uint32, TPU word tiles): ``kv_memory``.
+        self.binding, self.kv_layout = bind_attention(
+            attention_backend,
+            kv_cache_config,
+            head_size=model.config.head_dim,
             cache_dtype=cache_dtype,
-            backend=backend,
-            interpret=interpret,
             k_scale=k_scale,
             v_scale=v_scale,
             mesh=mesh,
         )
+        self.backend = self.binding.backend
         self.page_bytes = kv_memory.page_size_bytes(kv_cache_config)
 
         self.graphdef, self.state = nnx.split(model)
@@ -139,7 +134,7 @@ class ModelRunner:
             self.state = shard_state(self.state, mesh, getattr(model, "tp_partition_rules", None))
         self.mesh = mesh
         self.placement = HostPlacement(mesh)  # host inputs / results, one process or SPMD
-        self.buffers = kv_memory.allocate_kv_buffers(kv_cache_config, mesh=mesh)
+        self.buffers = self._new_buffers()
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.persistent = PersistentBatch(
             InputBatch(
@@ -158,9 +153,7 @@ class ModelRunner:
             max_num_seqs, jnp.int32
         )  # [R] the last step's tokens by row
         # Sampling options by slot (max_num_seqs slots + the neutral one), written at entry.
-        self.sampling_state = allocate_state(
-            max_num_seqs + 1, self.vocab_size, max_model_len, put=self.placement.to_device
-        )
+        self.sampling_state = self._new_sampling_state()
         self.neutral_slot = max_num_seqs
         self._in_flight: StepHandle | None = None  # dispatched, not yet collected
         self.eos_token_id = eos_token_id
@@ -195,12 +188,40 @@ class ModelRunner:
         self.update_slots, self.update_entries = max_num_seqs, UPDATE_ENTRIES
         #: ``jaxkv.worker.kv_connector.ConnectorHooks`` when a KV connector is set (Worker).
         self.kv_connector_hooks = None
-        forward = build_program(self, ProgramKey(FORWARD, self.buckets.tokens[0]))
+        forward = forward_program(self, self.buckets.tokens[0], greedy=False)  # no head yet
         hidden = jax.eval_shape(forward.fn, *forward.abstract_args())[2]  # [T, hidden]
         self.hidden_size, self.hidden_dtype = hidden.shape[1], hidden.dtype
         self.head = LogitsHead(self.graphdef, self.state, self.hidden_size, mesh=mesh)
         self.head_params = self.head.params(self.state)  # the weights never change: picked once
         self.programs = ProgramSet(lambda key: build_program(self, key))
+
+    def use_kv_layout(self, layout: str) -> None:
+        """Re-creates the (empty) KV buffers in ``layout`` ("bytes" | "words") before the first
+        step, and forgets compiled programs. The platform picks the layout
+        (``backends.resolve_kv_layout``); this is for the TPU word layout off a TPU: the Pallas
+        backend's interpret mode on CPU, and the deviceless TPU tier (``jaxkv.tpu_aot``)."""
+        if self.input_batch.num_reqs or self._in_flight is not None:
+            raise RuntimeError("the KV layout can change only before the first step")
+        check_kv_layout(
+            layout,
+            self.backend,
+            head_size=self.model_config.head_dim,
+            block_size=self.block_size,
+            cache_dtype=self.binding.cache_dtype,
+        )
+        self.kv_layout = layout
+        self.buffers = self._new_buffers()
+        self.programs = ProgramSet(lambda key: build_program(self, key))
+
+    def _new_buffers(self) -> list[jax.Array]:
+        """Fresh (zeroed) KV buffers in the runner's layout."""
+        return kv_memory.allocate_kv_buffers(self.config, mesh=self.mesh, layout=self.kv_layout)
+
+    def _new_sampling_state(self):
+        """A fresh device sampling state: ``max_num_seqs`` slots and the neutral one."""
+        return allocate_state(
+            self.max_num_seqs + 1, self.vocab_size, self.max_model_len, put=self.placement.to_device
+        )
 
     # ---- programs -----------------------------------------------------------------------------
 
@@ -225,12 +246,6 @@ class ModelRunner:
     def compile_seconds(self) -> float:
         return self.programs.compile_seconds
 
-    # ---- persistent batch ---------------------------------------------------------------------
-
-    def _update_states(self, so: SchedulerOutput) -> list[int]:
-        """Applies the scheduler's decisions to the persistent batch; returns block ids to zero."""
-        return self.persistent.update(so)
-
     # ---- one step -----------------------------------------------------------------------------
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -243,44 +258,21 @@ class ModelRunner:
     def _to_device(self, record) -> jax.Array:
         return self.placement.to_device(pack_record(record)[0])
 
-    def _write_slots(self) -> None:
-        """Writes the sampling slots of the requests that entered the batch this step."""
-        inits = self.persistent.take_slot_inits()
-        for update in build_updates(
-            inits,
-            num_updates=self.update_slots,
-            num_entries=self.update_entries,
-            eos_token_id=self.eos_token_id,
-        ):
-            packed = self._to_device(SamplingStateUpdate(**update))
-            self.sampling_state = self._run(SAMPLING_UPDATE, 0, self.sampling_state, packed)
-
-    def _apply_table_ops(self, chunks: Sequence[np.ndarray]) -> None:
-        for ops in chunks:
-            self.tables = self._run(TABLE_OPS, 0, self.tables, self.placement.to_device(ops))
-
     def _zero_now(self, zero_ids: Sequence[int]) -> None:
         """Zeroes pages outside a step, ``zero_chunk`` at a time."""
-        for i in range(0, len(zero_ids), self.zero_chunk):
-            ids = np.full(self.zero_chunk, -1, np.int32)
-            part = zero_ids[i : i + self.zero_chunk]
-            ids[: len(part)] = part
-            self.buffers = self._run(ZERO_PAGES, 0, self.buffers, self.placement.to_device(ids))
+        batch_sync.zero_pages(self, zero_ids)
 
     def dispatch(self, so: SchedulerOutput) -> StepHandle | None:
         """Updates the batch, builds the inputs and starts the step's programs on the device;
         None when nothing is scheduled."""
-        zero_ids = self._update_states(so)
+        zero_ids = self.persistent.update(so)  # block ids to zero
         hooks = self.kv_connector_hooks
         if hooks is not None:  # loads land before the step (their pages are not in zero_ids)
             hooks.before_step(so)
         batch = self.input_batch
-        self._write_slots()
+        batch_sync.write_slots(self)
         if batch.num_reqs == 0 or so.total_num_scheduled_tokens == 0:
-            if self.stager.has_pending_ops():
-                self._apply_table_ops(self.stager.encode_chunks(self.ops_layout))
-            if zero_ids:  # a step with nothing scheduled still hands out blocks (remote loads)
-                self._zero_now(zero_ids)
+            batch_sync.sync_without_step(self, zero_ids)
             return None
         prev = self._in_flight
         states = [self.requests[r] for r in batch.req_ids]
@@ -299,21 +291,14 @@ class ModelRunner:
             token_buckets=self.buckets.tokens,
         )
         x = plan.forward
-        chunks = self.stager.encode_chunks(self.ops_layout)
-        self._apply_table_ops(chunks[:-1])  # what does not fit the step goes first
-        x.block_ops[:] = chunks[-1]
-        room = x.zero_blocks.shape[0]
-        if len(zero_ids) > room:
-            self._zero_now(zero_ids[room:])
-            zero_ids = zero_ids[:room]
-        x.zero_blocks[: len(zero_ids)] = zero_ids
+        batch_sync.stage_block_changes(self, x, zero_ids)  # what does not fit goes first
         T = plan.num_tokens
-        self.buffers, self.tables, hidden, selected = self._run(
+        self.buffers, self.tables, hidden, selected, self.last_sampled, tokens = self._run(
             FORWARD, T, self.state, self.buffers, self.tables, self.last_sampled, self._to_device(x)
         )
         if hooks is not None:  # saves read the buffers the step returned
             hooks.after_dispatch()
-        results = self._dispatch_heads(plan, hidden, selected)
+        results = dispatch_heads(self, plan, hidden, selected, tokens)
         n = len(states)
         ends = plan.computed + plan.q_lens
         batch.num_computed_tokens_cpu[:n] = ends  # progress advances at dispatch, as in the core
@@ -327,36 +312,6 @@ class ModelRunner:
         )
         self._in_flight = handle
         return handle
-
-    def _dispatch_heads(self, plan: StepPlan, hidden: jax.Array, selected: jax.Array) -> dict:
-        """Starts the sampling and prompt-logprob programs; returns the device arrays to fetch."""
-        results: dict = {}
-        head = self.head_params
-        if plan.head in (SAMPLE, VERIFY):
-            self.sampling_state, self.last_sampled, *out = self._run(
-                plan.head,
-                plan.head_size,
-                head,
-                selected,
-                self.sampling_state,
-                self.last_sampled,
-                self._to_device(plan.head_inputs),
-            )
-            results["tokens"] = out[0].sampled_token_ids
-            if plan.want_logprobs:
-                results["logprobs"] = out[0]
-            if plan.head == VERIFY:
-                results["accepted"] = out[1]
-        elif plan.head:
-            self.last_sampled, results["tokens"] = self._run(
-                plan.head, plan.head_size, head, selected, self.last_sampled
-            )
-        if plan.prompt_targets is not None:
-            targets = self.placement.to_device(plan.prompt_targets)
-            results["prompt"] = self._run(PROMPT_LOGPROBS, plan.num_tokens, head, hidden, targets)
-        if plan.pool_rows:
-            results["hidden"] = hidden
-        return results
 
     def _fetch(self, results: dict) -> dict:
         """The step's results on the host (waits for the device)."""
@@ -380,12 +335,7 @@ class ModelRunner:
             )
             self.num_draft_tokens += got.num_drafts
             self.num_accepted_tokens += got.num_accepted
-            for r in range(max(map(len, got.row_tokens), default=0)):  # each row's r-th new token
-                sel = [j for j, t in enumerate(got.row_tokens) if len(t) > r]
-                batch.append_one_token_per_row(
-                    np.asarray([got.rows[j] for j in sel]),
-                    np.asarray([got.row_tokens[j][r] for j in sel], np.int32),
-                )
+            append_tokens(batch, got)
             out = got.output
         out.num_compiles = self.programs.num_compiles
         if self.kv_connector_hooks is not None:
@@ -417,19 +367,12 @@ class ModelRunner:
         self._in_flight = None
         self.persistent.clear(forget=req_ids)
         self.tables = self.stager.device_tables(self.placement.to_device)
-        if _lost(self.last_sampled):
-            self.last_sampled = self.placement.zeros(self.max_num_seqs, jnp.int32)
-        if any(_lost(x) for x in jax.tree_util.tree_leaves(self.sampling_state)):
-            self.sampling_state = allocate_state(
-                self.max_num_seqs + 1,
-                self.vocab_size,
-                self.max_model_len,
-                put=self.placement.to_device,
-            )
-        if any(_lost(b) for b in self.buffers):
-            self.buffers = kv_memory.allocate_kv_buffers(self.config, mesh=self.mesh)
-            return True
-        return False
+        self.last_sampled, _ = replace_lost(
+            self.last_sampled, lambda: self.placement.zeros(self.max_num_seqs, jnp.int32)
+        )
+        self.sampling_state, _ = replace_lost(self.sampling_state, self._new_sampling_state)
+        self.buffers, kv_lost = replace_lost(self.buffers, self._new_buffers)
+        return kv_lost
 
     # ---- introspection ------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ is a sum, not a product (:func:`program_keys`):
 program                one per                    what it does
 =====================  =========================  ============================================
 ``forward[T]``         token bucket T             diff, zeroing, embed, layers, KV, attention
-``greedy[S]``          request bucket S           LM head + argmax of S rows
+                                                  (T <= max_num_seqs: + the greedy head, on a flag)
+``greedy[S]``          request bucket S           LM head + argmax of S rows (S < T)
 ``sample[S]``          request bucket S           LM head + the general sampler of S rows
 ``verify[P]``          scored-position bucket P   LM head + draft verification (speculative only)
 ``prompt_logprobs[T]`` token bucket T             LM head + logprobs of every token's target

@@ -75,7 +75,7 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_max", hi)
 
     @classmethod
-    def from_value(cls, value) -> "SpeculativeConfig | None":
+    def from_value(cls, value) -> SpeculativeConfig | None:
         """None, a SpeculativeConfig, or a dict of its fields (vLLM's ``speculative_config``)."""
         if value is None or isinstance(value, cls):
             return value

@@ -105,7 +105,7 @@ def _packed(record) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((spec_of(record).size,), np.int32)
 
 
-def forward_dims(runner, num_tokens: int) -> ForwardDims:
+def forward_dims(runner, num_tokens: int, *, greedy: bool = True) -> ForwardDims:
     return ForwardDims.for_tokens(
         num_tokens,
         max_num_seqs=runner.max_num_seqs,
@@ -113,27 +113,42 @@ def forward_dims(runner, num_tokens: int) -> ForwardDims:
         num_groups=runner.num_groups,
         num_sampled=runner.buckets.num_sampled,
         ops=runner.ops_layout,
+        greedy=greedy,
     )
+
+
+def forward_program(
+    runner, num_tokens: int, *, binding=None, buffers=None, greedy: bool = True
+) -> Program:
+    """``forward[T]`` of ``runner`` (``greedy=False``: without the greedy head, which needs
+    ``runner.head``)."""
+    binding = binding or runner.binding
+    buffers = abstract(runner.buffers if buffers is None else buffers)
+    dims = forward_dims(runner, num_tokens, greedy=greedy)
+    fn = build_forward_fn(
+        runner.graphdef,
+        binding=binding,
+        page_bytes=runner.page_bytes,
+        dims=dims,
+        head=runner.head if dims.greedy_rows else None,
+    )
+    state, tables, last = (
+        abstract(runner.state),
+        abstract(runner.tables),
+        abstract(runner.last_sampled),
+    )
+    return Program(fn, (1, 2, 3), lambda: (state, buffers, tables, last, _packed(dims.empty())))
 
 
 def build_program(runner, key: ProgramKey, *, binding=None, buffers=None) -> Program:
     """The program ``key`` of ``runner`` (a ``ModelRunner``). ``binding`` / ``buffers``
     (abstract) replace the runner's own: the deviceless GPU tier compiles the Pallas
     kernels' variant for KV buffers of a real GPU's size."""
-    binding = binding or runner.binding
-    buffers = abstract(runner.buffers if buffers is None else buffers)
     kind, size = key.kind, key.size
     if kind == FORWARD:
-        dims = forward_dims(runner, size)
-        fn = build_forward_fn(
-            runner.graphdef, binding=binding, page_bytes=runner.page_bytes, dims=dims
-        )
-        state, tables, last = (
-            abstract(runner.state),
-            abstract(runner.tables),
-            abstract(runner.last_sampled),
-        )
-        return Program(fn, (1, 2), lambda: (state, buffers, tables, last, _packed(dims.empty())))
+        return forward_program(runner, size, binding=binding, buffers=buffers)
+    binding = binding or runner.binding
+    buffers = abstract(runner.buffers if buffers is None else buffers)
     if kind == TABLE_OPS:
         fn = functools.partial(apply_block_table_ops, layout=runner.ops_layout)
         ops = jax.ShapeDtypeStruct((runner.ops_layout.size,), np.int32)
@@ -205,3 +220,40 @@ def update_spec(runner):
     return pack_record(
         SamplingStateUpdate(**empty_update(runner.update_slots, runner.update_entries))
     )[1]
+
+
+def dispatch_heads(runner, plan, hidden, selected, forward_tokens) -> dict:
+    """Starts the head programs a step's ``plan`` needs after its forward (sampling or
+    verification, prompt logprobs) on ``hidden`` [T, hidden] and ``selected`` (the rows the
+    head reads); returns the device arrays to fetch (``forward_tokens``: the forward's own
+    greedy tokens, used when it took them). The runner's sampling state and last sampled
+    tokens are replaced as each program returns them."""
+    results: dict = {}
+    head = runner.head_params
+    if plan.head in (SAMPLE, VERIFY):
+        runner.sampling_state, runner.last_sampled, *out = runner._run(
+            plan.head,
+            plan.head_size,
+            head,
+            selected,
+            runner.sampling_state,
+            runner.last_sampled,
+            runner._to_device(plan.head_inputs),
+        )
+        results["tokens"] = out[0].sampled_token_ids
+        if plan.want_logprobs:
+            results["logprobs"] = out[0]
+        if plan.head == VERIFY:
+            results["accepted"] = out[1]
+    elif plan.greedy_in_forward:
+        results["tokens"] = forward_tokens
+    elif plan.head:
+        runner.last_sampled, results["tokens"] = runner._run(
+            plan.head, plan.head_size, head, selected, runner.last_sampled
+        )
+    if plan.prompt_targets is not None:
+        targets = runner.placement.to_device(plan.prompt_targets)
+        results["prompt"] = runner._run(PROMPT_LOGPROBS, plan.num_tokens, head, hidden, targets)
+    if plan.pool_rows:
+        results["hidden"] = hidden
+    return results

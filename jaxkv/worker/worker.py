@@ -57,7 +57,7 @@ class Worker:
         this process's devices of it (``devices``: whose memory the worker measures)."""
         cache = getattr(self.config, "compile_cache_dir", None)
         if cache:  # before the first compile of this process (the weights' init)
-            from jaxkv.compile_cache import enable  # noqa: PLC0415
+            from jaxkv.compile_cache import enable
 
             enable(cache)
         tp = self.config.tensor_parallel_size
@@ -72,10 +72,14 @@ class Worker:
         random init jitted onto its shardings). A model given to the constructor is kept
         (the runner places it on the mesh)."""
         if self.model is None:
-            from jaxkv.models.registry import load_model  # noqa: PLC0415 - the engine depends on models
+            from jaxkv.models.registry import load_model  # lazy: the engine depends on models
 
             self.model, self.model_config, _ = load_model(
-                self.config.model, dtype=self.config.dtype, seed=self.config.seed, mesh=self.mesh
+                self.config.model,
+                dtype=self.config.dtype,
+                seed=self.config.seed,
+                mesh=self.mesh,
+                quantization=getattr(self.config, "quantization", None),
             )
 
     def get_kv_cache_spec(self) -> dict:
@@ -137,10 +141,15 @@ class Worker:
             step_temp_bytes=temp,
             cpu_kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
         )
+        if stats is not None:  # a prefill instance's offered copies live beside the cache
+            from jaxkv.distributed.kv_transfer.transfer_connector import kv_bytes_beside_offers
+
+            available = kv_bytes_beside_offers(available, getattr(c, "kv_transfer_config", None))
         if stats is not None and c.verbose:
             print(
                 f"jaxkv: rank {self.rank}: {stats['bytes_limit'] / 2**30:.2f} GiB x "
-                f"{c.gpu_memory_utilization} - weights and sampling state {weights / 2**30:.2f} GiB - largest step's temp "
+                f"{c.gpu_memory_utilization} - weights and sampling state {weights / 2**30:.2f} GiB"
+                " - largest step's temp "
                 f"{temp / 2**30:.2f} GiB = {available / 2**30:.2f} GiB for the KV cache",
                 file=sys.stderr,
             )
@@ -178,8 +187,8 @@ class Worker:
 
     def _init_kv_connector(self) -> None:
         """The worker-side connector, registered with the runner's paged buffers."""
-        from jaxkv.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole  # noqa: PLC0415
-        from jaxkv.worker.kv_connector import ConnectorHooks, PagedKVCaches  # noqa: PLC0415
+        from jaxkv.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
+        from jaxkv.worker.kv_connector import ConnectorHooks, PagedKVCaches
 
         connector = KVConnectorFactory.create_connector(
             self.config.kv_transfer_config,

@@ -1,7 +1,7 @@
 """GGUF metadata -> an HF ``config.json``-style dict.
 
 llama.cpp keys are ``{arch}.{key}`` (``llama.block_count``, ``llama.attention.head_count``, ...).
-The resulting dict uses transformers' names so ``ModelConfig.from_hf_config`` reads it like a
+The resulting dict uses transformers' names so ``config_from_hf`` reads it like a
 real config.json.
 """
 
@@ -14,7 +14,17 @@ _ARCHS = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+# End-of-generation tokens a model's chat format ends a turn with, by text (llama.cpp's
+# vocabulary loader treats them as end of generation the same way).
+_EOG_TEXTS = ("<end_of_turn>",)
+# Gemma 3 facts llama.cpp hard-codes rather than stores (llama-model.cpp, LLM_ARCH_GEMMA3):
+# five local layers to one global, the local layers' RoPE base 10^4, and the attention scale
+# 1 / sqrt(head_dim) (the 27B's 1 / sqrt(hidden / heads) aside: pass that checkpoint's
+# query_pre_attn_scalar through its HF config instead).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_ROPE_LOCAL_BASE_FREQ = 10000.0
 
 
 def _required(meta: dict[str, Any], key: str) -> Any:
@@ -32,7 +42,8 @@ def gguf_config(meta: dict[str, Any], *, vocab_size: int, tied_embeddings: bool)
       tied_embeddings: True when the file has no separate ``output.weight``.
 
     Raises:
-      ValueError: an architecture other than llama / qwen2 / qwen3, or a missing required key.
+      ValueError: an architecture other than llama / qwen2 / qwen3 / gemma3, or a missing
+        required key.
     """
     arch = _required(meta, "general.architecture")
     if arch not in _ARCHS:
@@ -64,6 +75,15 @@ def gguf_config(meta: dict[str, Any], *, vocab_size: int, tied_embeddings: bool)
     }
     if model_type == "qwen2":
         config["attention_bias"] = True
+    if model_type == "gemma3_text":
+        config.update(
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=config["head_dim"],
+            sliding_window_pattern=GEMMA3_SLIDING_WINDOW_PATTERN,
+            rope_local_base_freq=GEMMA3_ROPE_LOCAL_BASE_FREQ,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        )
+        del config["hidden_act"]
     if key("attention.sliding_window") is not None:
         config["sliding_window"] = int(key("attention.sliding_window"))
     scaling = key("rope.scaling.type")
@@ -76,4 +96,14 @@ def gguf_config(meta: dict[str, Any], *, vocab_size: int, tied_embeddings: bool)
     ):
         if tok_key in meta:
             config[hf_key] = int(meta[tok_key])
+    eog = [
+        int(meta[k])
+        for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if k in meta
+    ]
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    eog += [i for i, t in enumerate(tokens) if t in _EOG_TEXTS]
+    if eog:  # every end-of-generation id stops generation, the EOS first
+        first = [config["eos_token_id"]] if "eos_token_id" in config else []
+        config["eos_token_id"] = list(dict.fromkeys(first + eog))
     return config

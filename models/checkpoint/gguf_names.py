@@ -29,6 +29,16 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 2 / 3's sandwich norms: llama.cpp's ffn_norm is the norm before the feed-forward.
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Architectures whose converter stores every RMSNorm weight as 1 + w (Gemma's norms scale by
+# 1 + w; llama.cpp's by w): their norm weights are read back as w.
+NORM_SHIFTED_ARCHS = frozenset({"gemma3"})
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -44,16 +54,18 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """Maps a GGUF tensor name to its HF name, e.g. ``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``.
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
+    """Maps a GGUF tensor name of architecture ``arch`` to its HF name, e.g.
+    ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; ``blk.3.ffn_norm``
+    is ``post_attention_layernorm`` in Llama and ``pre_feedforward_layernorm`` in Gemma 3.
 
     Raises:
       ValueError: a name this reader does not know.
     """
+    block_names = _GEMMA_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
     m = _BLOCK_RE.match(name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in block_names:
+        return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
     m = _GLOBAL_RE.match(name)
     if m and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"

@@ -3,6 +3,8 @@
 gguf-py's `GGUFReader` memory-maps the file; tensors are dequantized with
 `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants, ... whatever the
 installed gguf supports). F32 and F16 keep their dtype; everything else becomes float32.
+``GGUFTensors.read_q8_0`` reads a Q8_0 tensor as its blocks instead (int8 values and one
+scale per 32 inputs), what ``load_model(..., quantization="int8")`` keeps in device memory.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from gguf import GGMLQuantizationType, GGUFValueType
 
 from jaxkv.models.checkpoint.gguf_config import gguf_config
 from jaxkv.models.checkpoint.gguf_names import (
-    UNSUPPORTED_TENSORS,
+    NORM_SHIFTED_ARCHS,
     PERMUTED_ARCHS,
+    UNSUPPORTED_TENSORS,
     gguf_to_hf_name,
     unpermute_rotary_rows,
 )
@@ -102,8 +105,12 @@ class GGUFTensors(CheckpointTensors):
                 raise ValueError(
                     f"GGUF tensor {name!r} (rope frequency factors) is not supported yet"
                 )
-        self._tensors = {gguf_to_hf_name(name): t for name, t in by_name.items()}
         arch = self.metadata["general.architecture"]
+        self._tensors = {gguf_to_hf_name(name, arch): t for name, t in by_name.items()}
+        # Gemma: stored as 1 + w, read back as w
+        self._shifted = {
+            n for n in self._tensors if arch in NORM_SHIFTED_ARCHS and n.endswith("norm.weight")
+        }
         heads = {
             "attn_q": self.hf_config["num_attention_heads"],
             "attn_k": self.hf_config["num_key_value_heads"],
@@ -113,7 +120,7 @@ class GGUFTensors(CheckpointTensors):
             for name in by_name:
                 kind = name.split(".")[2] if name.startswith("blk.") else None
                 if kind in heads:
-                    self._permuted_heads[gguf_to_hf_name(name)] = heads[kind]
+                    self._permuted_heads[gguf_to_hf_name(name, arch)] = heads[kind]
         self._last: tuple[str, np.ndarray] | None = None
 
     def tokenizer(self) -> Tokenizer | None:
@@ -131,9 +138,34 @@ class GGUFTensors(CheckpointTensors):
             value = dequantize_tensor(self._tensors[name])
             if name in self._permuted_heads:
                 value = unpermute_rotary_rows(value, self._permuted_heads[name])
+            if name in self._shifted:
+                value = value - np.asarray(1.0, value.dtype)
             self._last = (name, value)
         value = self._last[1]
         return value if index is None else value[tuple(index)]
+
+    def read_q8_0(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """Tensor ``name`` as its Q8_0 blocks, not dequantized, or None when it is not Q8_0.
+
+        Returns ``(q [rows, cols] int8, scale [rows, cols / 32] float32)`` in HF layout
+        (llama q/k rows unpermuted like ``read``'s): ``q * scale`` repeated over each block of
+        32 columns equals ``read(name)`` bit for bit (gguf's dequantization is the same
+        float32 product of the int8 value and the float16 scale).
+        """
+        tensor = self._tensors[name]
+        if tensor.tensor_type != GGMLQuantizationType.Q8_0:
+            return None
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        block, type_size = gguf.GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]  # 32, 34 bytes
+        raw = np.asarray(tensor.data).view(np.uint8).reshape(-1, type_size)  # [blocks, 34]
+        scale = raw[:, :2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+        q = raw[:, 2:].view(np.int8)  # [blocks, 32]
+        q = q.reshape(shape)
+        scale = scale.reshape(*shape[:-1], shape[-1] // block)
+        if name in self._permuted_heads:  # rows are output channels: blocks move whole
+            q = unpermute_rotary_rows(q, self._permuted_heads[name])
+            scale = unpermute_rotary_rows(scale, self._permuted_heads[name])
+        return np.ascontiguousarray(q), np.ascontiguousarray(scale)
 
     def close(self) -> None:
         self._last = None

@@ -49,3 +49,39 @@ class InMemoryTensors(CheckpointTensors):
     def read(self, name: str, index: Index | None = None) -> np.ndarray:
         arr = np.asarray(self._tensors[name])
         return arr if index is None else arr[index]
+
+
+class LanguageModelTensors(CheckpointTensors):
+    """The language model of a multimodal checkpoint under the text model's HF names: Gemma 3's
+    ``language_model.model.X`` (transformers < 4.52) or ``model.language_model.X`` as
+    ``model.X``, its LM head as ``lm_head.weight``; the vision tower and projector are left out.
+
+    Example: ``model.language_model.layers.0.mlp.up_proj.weight`` ->
+    ``model.layers.0.mlp.up_proj.weight``; ``model.vision_tower.*`` is not listed.
+    """
+
+    _PREFIXES = (
+        ("language_model.model.", "model."),
+        ("model.language_model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("lm_head.", "lm_head."),
+    )
+
+    def __init__(self, source: CheckpointTensors):
+        self._source = source
+        self._names: dict[str, str] = {}  # text-model name -> stored name
+        for stored in source.shapes():
+            for prefix, replacement in self._PREFIXES:
+                if stored.startswith(prefix):
+                    self._names[replacement + stored[len(prefix) :]] = stored
+                    break
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        stored = self._source.shapes()
+        return {name: stored[s] for name, s in self._names.items()}
+
+    def read(self, name: str, index: Index | None = None) -> np.ndarray:
+        return self._source.read(self._names[name], index)
+
+    def close(self) -> None:
+        self._source.close()

@@ -125,7 +125,7 @@ def test_json_has_the_header_and_every_workload(result):
     assert [(r["context"], r["batch"]) for r in ld["rows"]] == [(48, 1), (48, 2)]
     assert all(r["jaxkv_step_ms"] and r["naive_step_ms"] for r in ld["rows"])
     assert ld["kv_size_compare"]["large_over_small"] > 0
-    assert {t["target"].split(":")[0] for t in result["targets"]} >= {
+    assert {f["figure"].split(":")[0] for f in result["headline"]} >= {
         "fixed",
         "mixed",
         "shared-prefix",
@@ -140,11 +140,11 @@ def test_naive_baseline_tokens_equal_jaxkv(result):
 
 def test_naive_baseline_greedy_matches_engine_on_short_prompts(throughput):
     """Direct check: same weights, left padding, row-chunked prefill, one batch and two."""
+    import engine_harness as eh
+    from _throughput_workloads import kv_pairs, load_model
     from naive_jax import NaiveJaxLlama
 
-    import engine_harness as eh
-
-    model, tok = throughput.load_model("tiny-llama", 0, overrides=throughput._kv_pairs(SMALL_MODEL))
+    model, tok = load_model("tiny-llama", 0, overrides=kv_pairs(SMALL_MODEL))
     prompts = [[5, 7, 9, 11, 13], [100, 3, 4], list(range(20, 45))]
     max_tokens = [6, 9, 4]
     naive = NaiveJaxLlama(model, batch_size=2, prefill_tokens=8)

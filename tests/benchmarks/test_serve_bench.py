@@ -87,3 +87,57 @@ def test_compiles_read_from_the_metrics_page(serve_bench):
     assert serve_bench.compiles_from_metrics(page) == 33
     with pytest.raises(ValueError, match="compiles_total"):
         serve_bench.compiles_from_metrics("jaxkv:num_requests_running 1.0\n")
+
+
+def test_cpu_of_a_process_tree(serve_bench):
+    """The server's CPU is its own and its live children's (the engine core): a child that
+    burns 0.3 s of CPU counts in its parent's tree."""
+    import os
+    import subprocess
+    import time
+
+    before = serve_bench.tree_cpu_s(os.getpid())
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.3: pass\ntime.sleep(30)",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while serve_bench.tree_cpu_s(child.pid) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert serve_bench.tree_cpu_s(child.pid) >= 0.3
+        assert serve_bench.tree_cpu_s(os.getpid()) - before >= 0.3
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_one_request_streamed_or_not(serve_bench, stream):
+    """Streamed: one chunk per token and the usage; not streamed: the one response is the chunk."""
+    import asyncio
+    import json
+
+    import httpx
+
+    def handler(request):
+        body = json.loads(request.content)
+        assert body["stream"] is stream and ("stream_options" in body) is stream
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+        if not stream:
+            return httpx.Response(200, json={"choices": [{"text": "abc"}], "usage": usage})
+        events = [{"choices": [{"text": c}]} for c in "abc"] + [{"choices": [], "usage": usage}]
+        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            return await serve_bench.one_request(http, "http://test", "m", [1, 2], 3, 0.0, stream)
+
+    r = asyncio.run(go())
+    assert r["error"] is None and r["output_tokens"] == 3 and r["prompt_tokens"] == 2
+    assert len(r["chunks"]) == (3 if stream else 1)

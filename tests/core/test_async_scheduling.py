@@ -8,6 +8,7 @@ scheduled (the rows that caught up), as a device would sample them.
 import pytest
 
 from jaxkv.core import ModelRunnerOutput, RequestStatus, Scheduler, SchedulerConfig
+from jaxkv.core.async_scheduler import AsyncScheduler
 from tests.core.conftest import full_spec, make_config
 from tests.core.test_scheduler import make_scheduler
 
@@ -135,7 +136,15 @@ def test_async_scheduling_config():
             async_scheduling=True,
             num_lookahead_tokens=2,
         )
-    assert Scheduler(
+    with pytest.raises(ValueError, match="AsyncScheduler"):
+        Scheduler(
+            make_config(3, full_spec()),
+            max_num_seqs=1,
+            max_num_batched_tokens=8,
+            max_model_len=8,
+            async_scheduling=True,
+        )
+    assert AsyncScheduler(
         make_config(3, full_spec()),
         max_num_seqs=1,
         max_num_batched_tokens=8,

@@ -1,7 +1,7 @@
 """Request bookkeeping and chained block hashes."""
 
-import pickle
 import hashlib
+import pickle
 
 import pytest
 

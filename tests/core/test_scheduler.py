@@ -9,13 +9,15 @@ from jaxkv.core import (
     Scheduler,
     SchedulerConfig,
 )
+from jaxkv.core.async_scheduler import AsyncScheduler
 from jaxkv.kv_cache import FullAttentionSpec
 
 
 def make_scheduler(cfg, specs, num_blocks=11, block_size=16, **kwargs):
     settings = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
     settings.update(kwargs)
-    return Scheduler(cfg(num_blocks, specs[0](block_size)), **settings)
+    cls = AsyncScheduler if settings.get("async_scheduling") else Scheduler
+    return cls(cfg(num_blocks, specs[0](block_size)), **settings)
 
 
 def free_ids(scheduler):

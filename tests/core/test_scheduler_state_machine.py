@@ -17,6 +17,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from jaxkv.core import ModelRunnerOutput, Request, Scheduler
+from jaxkv.core.async_scheduler import AsyncScheduler
 from jaxkv.core.consistency import scheduler_problems
 from jaxkv.core.recovery import abort_failed_steps
 from jaxkv.kv_cache import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
@@ -48,7 +49,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.scheduler = Scheduler(
+        cls = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler = cls(
             _config(self.hybrid, self.num_blocks),
             max_num_seqs=4,
             max_num_batched_tokens=12,

@@ -29,9 +29,11 @@ def prompts(n: int, *, block_size: int = 16, seed: int = 0, lengths=None) -> lis
     return [[int(t) for t in rng.integers(1, 500, size=m)] for m in lengths]
 
 
-def start_engine(tmp_path, name: str, spec: dict, devices: int = 1) -> tuple[subprocess.Popen, str]:
-    """Starts ``tests.distributed.kv_engine`` on ``spec`` (with ``devices`` CPU devices);
-    returns (process, result path)."""
+def start_engine(
+    tmp_path, name: str, spec: dict, devices: int = 1, host=None
+) -> tuple[subprocess.Popen, str]:
+    """Starts ``tests.distributed.kv_engine`` on ``spec`` (with ``devices`` CPU devices; in
+    ``host``, a ``tests.netns.Host``, when given); returns (process, result path)."""
     out = str(tmp_path / f"{name}.json")
     spec = dict(spec, out=out)
     path = tmp_path / f"{name}.spec.json"
@@ -45,7 +47,8 @@ def start_engine(tmp_path, name: str, spec: dict, devices: int = 1) -> tuple[sub
         env["XLA_FLAGS"] = (
             env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
         ).strip()
-    proc = subprocess.Popen(
+    popen = host.popen if host is not None else subprocess.Popen
+    proc = popen(
         [sys.executable, "-m", "tests.distributed.kv_engine", str(path)],
         cwd=ROOT,
         env=env,
@@ -57,7 +60,7 @@ def start_engine(tmp_path, name: str, spec: dict, devices: int = 1) -> tuple[sub
 
 def wait_for_file(path: str, proc: subprocess.Popen, log, timeout: float = 240) -> dict:
     """Waits for a JSON file an engine process writes (failing at once if it exits first)."""
-    import time  # noqa: PLC0415
+    import time
 
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
@@ -81,6 +84,7 @@ def start_producer(
     devices: int = 1,
     model: str = "tiny-llama",
     warm=None,
+    host=None,
 ):
     """A prefill instance in its own process: computes ``ps`` with ``max_tokens=1`` and
     ``do_remote_decode``, then keeps stepping until every send is reported (or ``drain_s``).
@@ -98,6 +102,7 @@ def start_producer(
             "warm": warm,
         },
         devices=devices,
+        host=host,
     )
     first = wait_for_file(out + ".partial", proc, tmp_path / f"{name}.log")
     return proc, first["kv_transfer_params"], out
@@ -114,8 +119,10 @@ def finish(proc: subprocess.Popen, out: str, log, timeout: float = 120) -> dict:
     return json.loads(open(out).read())
 
 
-def run_engine(tmp_path, name: str, spec: dict, timeout: float = 240, devices: int = 1) -> dict:
-    proc, out = start_engine(tmp_path, name, spec, devices=devices)
+def run_engine(
+    tmp_path, name: str, spec: dict, timeout: float = 240, devices: int = 1, host=None
+) -> dict:
+    proc, out = start_engine(tmp_path, name, spec, devices=devices, host=host)
     try:
         rc = proc.wait(timeout=timeout)
     finally:

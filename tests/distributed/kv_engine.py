@@ -2,7 +2,8 @@
 
 ``python -m tests.distributed.kv_engine SPEC.json`` reads ``{"engine": LLM kwargs, "prompts":
 [[ids]], "params": [kv_transfer_params or null] (optional), "max_tokens": n, "drain_s": s,
-"warm": [[ids]] (optional: generated first, without parameters), "out": path}``, generates greedily and writes to ``out``:
+"warm": [[ids]] (optional: generated first, without parameters), "out": path}``, generates greedily
+and writes to ``out``:
 per request its tokens, ``num_cached_tokens`` and ``kv_transfer_params``, then the
 scheduler's counters. A producer keeps stepping after its outputs until every send is
 reported (or ``drain_s`` passes), then writes its free-block count again.
@@ -17,7 +18,7 @@ import time
 
 
 def main(path: str) -> int:
-    from jaxkv import LLM, SamplingParams  # noqa: PLC0415
+    from jaxkv import LLM, SamplingParams
 
     spec = json.load(open(path))
     llm = LLM(spec.get("model", "tiny-llama"), **spec["engine"])
@@ -65,6 +66,8 @@ def main(path: str) -> int:
         pending_sends=core.has_pending_kv_transfers(),
         free=pool.get_num_free_blocks(),
         total=pool.num_gpu_blocks - 1,
+        kv_stats=sched.kv_connector_stats,
+        refused_offers=getattr(sched.connector, "num_refused_offers", 0),
     )
     json.dump(result, open(spec["out"] + ".tmp", "w"))
     os.replace(spec["out"] + ".tmp", spec["out"])

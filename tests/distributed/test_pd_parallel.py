@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 from jaxkv import LLM, SamplingParams
-
 from tests.distributed.helpers import ENGINE, finish, prompts, run_engine, start_producer
 from tests.engine.helpers import assert_no_block_leaks
 
@@ -18,10 +17,13 @@ PRODUCER = dict(ENGINE, kv_cache_memory_bytes=64 << 20)
 
 
 def transfer(role):
+    extra = {"load_timeout_s": 60.0}
+    if role == "kv_producer":  # an offline batch: every copy is offered before D pulls any
+        extra["max_offered_bytes"] = PRODUCER["kv_cache_memory_bytes"]
     return {
         "kv_connector": "JaxTransferConnector",
         "kv_role": role,
-        "kv_connector_extra_config": {"load_timeout_s": 60.0},
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -97,5 +99,10 @@ def test_tensor_parallel_both_sides(tmp_path, backend):
     assert d_res["tokens"] == want
     assert d_res["cached"] == [len(p) - 1 for p in ps] and d_res["failed_loads"] == 0
     assert d_res["free"] == d_res["total"]
+    if backend == "mp":  # each worker process pulled its own shard: the counters are summed
+        stats = d_res["kv_stats"]
+        assert [s["num_pulls"] for s in stats["per_rank"]] == [len(ps), len(ps)]
+        assert stats["num_pulls"] == 2 * len(ps)
+        assert stats["bytes_pulled"] == sum(s["bytes_pulled"] for s in stats["per_rank"]) > 0
     p_res = finish(p_proc, p_out, tmp_path / "p.log")
     assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]

@@ -15,10 +15,8 @@ import time
 import pytest
 
 from jaxkv import LLM, SamplingParams
-
 from tests.distributed.helpers import ENGINE, finish, prompts, start_producer
 from tests.engine.helpers import assert_no_block_leaks
-
 
 #: P keeps each finished request's blocks until D has pulled them, and D only starts once P's
 #: offline batch is done: P's pool must hold the whole batch.
@@ -26,6 +24,8 @@ PRODUCER = dict(ENGINE, kv_cache_memory_bytes=64 << 20)
 
 
 def transfer(role, **extra):
+    if role == "kv_producer":  # an offline batch: every copy is offered before D pulls any
+        extra.setdefault("max_offered_bytes", PRODUCER["kv_cache_memory_bytes"])
     return {
         "kv_connector": "JaxTransferConnector",
         "kv_role": role,
@@ -132,6 +132,54 @@ def test_pd_with_prefix_hits_on_both_sides(workload, decode, tmp_path):
     assert_no_block_leaks(decode)
     p_res = finish(p_proc, p_out, tmp_path / "p2.log")
     assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]
+
+
+def test_offered_copies_are_bounded(workload, decode, tmp_path):
+    """P's offered copies (device memory outside its KV budget) stay under max_offered_bytes:
+    past it a request is not offered and finishes without parameters, and D computes its
+    prompt (the same tokens); the rest are pulled as usual; nothing leaks."""
+    ps, want = workload[0][:12], workload[1][:12]
+    block_bytes = (
+        8 * 2 * 2 * 64 * 16 * 4
+    )  # tiny-llama: 8 layers x K,V x 2 KV heads x 64 x 16 tokens x f32
+    limit = 8 * block_bytes
+    p_proc, params, p_out = start_producer(
+        tmp_path,
+        "p",
+        ps,
+        dict(PRODUCER, kv_transfer_config=transfer("kv_producer", max_offered_bytes=limit)),
+    )
+    offered = [p is not None for p in params]
+    assert any(offered) and not all(offered)
+    ext0, failed0 = stats(decode)
+    got, cached = generate(decode, ps, params)
+    assert got == want
+    assert [c == len(p) - 1 for c, p in zip(cached, ps)] == offered  # pulled ones computed 1 token
+    assert stats(decode)[1] == failed0
+    assert_no_block_leaks(decode)
+    p_res = finish(p_proc, p_out, tmp_path / "p.log")
+    assert p_res["refused_offers"] == offered.count(False)
+    assert p_res["kv_stats"]["bytes_offered"] <= limit + max(len(p) for p in ps) // 16 * block_bytes
+    assert not p_res["pending_sends"] and p_res["free"] == p_res["total"]
+
+
+def test_kv_budget_leaves_room_for_offered_copies():
+    from jaxkv.distributed.kv_transfer import KVTransferConfig
+    from jaxkv.distributed.kv_transfer.transfer_connector import kv_bytes_beside_offers
+
+    def cfg(role, **extra):
+        return KVTransferConfig.from_any(transfer(role, **extra))
+
+    assert kv_bytes_beside_offers(1000, cfg("kv_producer", max_offered_bytes=300)) == 700
+    p = cfg("kv_producer")
+    del p.kv_connector_extra_config["max_offered_bytes"]
+    assert kv_bytes_beside_offers(1000, p) == 800  # the cache and a quarter of it
+    assert kv_bytes_beside_offers(1000, cfg("kv_consumer")) == 1000
+    assert kv_bytes_beside_offers(1000, None) == 1000
+    with pytest.raises(ValueError, match="max_offered_bytes"):
+        LLM(
+            "tiny-llama", kv_transfer_config=transfer("kv_producer", max_offered_bytes=-1), **ENGINE
+        )
 
 
 def test_malformed_params_compute_locally(workload, decode):

@@ -13,17 +13,29 @@ import pytest
 
 from jaxkv import LLM, SamplingParams
 from jaxkv.distributed.kv_transfer import KVTransferConfig
-
 from tests.distributed.helpers import ENGINE, prompts, run_engine
 from tests.engine.helpers import assert_no_block_leaks
 
 
-def storage(path, role="kv_both"):
+def storage(path, role="kv_both", **extra):
     return {
         "kv_connector": "SharedStorageConnector",
         "kv_role": role,
-        "kv_connector_extra_config": {"shared_storage_path": str(path)},
+        "kv_connector_extra_config": {"shared_storage_path": str(path), **extra},
     }
+
+
+def damaged_copy(store, dest):
+    """A copy of ``store`` with every page file truncated (a load of it fails)."""
+    os.makedirs(dest)
+    for folder in os.listdir(store):
+        os.makedirs(dest / folder)
+        for f in glob.glob(str(store / folder / "*")):
+            data = open(f, "rb").read()
+            open(dest / folder / os.path.basename(f), "wb").write(
+                data[: len(data) // 2] if f.endswith(".npz") else data
+            )
+    return dest
 
 
 def generate(llm, ps, max_tokens=8):
@@ -65,19 +77,42 @@ def test_other_process_loads_and_computes_only_last_token(saved, tmp_path):
 
 def test_damaged_files_recompute(saved, tmp_path):
     store, ps, want = saved
-    damaged = tmp_path / "damaged"
-    os.makedirs(damaged)
-    for folder in os.listdir(store):  # a copy with every page file truncated
-        os.makedirs(damaged / folder)
-        for f in glob.glob(str(store / folder / "*")):
-            data = open(f, "rb").read()
-            open(damaged / folder / os.path.basename(f), "wb").write(
-                data[: len(data) // 2] if f.endswith(".npz") else data
-            )
+    damaged = damaged_copy(store, tmp_path / "damaged")
     b = LLM("tiny-llama", kv_transfer_config=storage(damaged, "kv_consumer"), **ENGINE)
     assert generate(b, ps) == want
     s = b.llm_engine.engine_core.scheduler
     assert s.num_failed_kv_loads == len(ps) and s.num_external_computed_tokens == 0
+    assert_no_block_leaks(b)
+    b.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_synchronous_loads_and_their_failures(saved, tmp_path, async_scheduling):
+    """``load_async: false``: pages load inside the step that computes the last prompt token.
+    Loaded: the same tokens, only the last prompt token computed. Every load failing: no
+    token sampled over the unwritten pages is returned (the requests recompute from their
+    first bad block), the bad blocks are never a prefix hit for the same prompts again, no
+    leaks."""
+    store, ps, want = saved
+    engine = dict(ENGINE, async_scheduling=async_scheduling)
+    b = LLM(
+        "tiny-llama", kv_transfer_config=storage(store, "kv_consumer", load_async=False), **engine
+    )
+    assert generate(b, ps) == want
+    s = b.llm_engine.engine_core.scheduler
+    assert (
+        s.num_external_computed_tokens == sum(len(p) - 1 for p in ps) and s.num_failed_kv_loads == 0
+    )
+    b.shutdown()
+    damaged = damaged_copy(store, tmp_path / "damaged")
+    b = LLM(
+        "tiny-llama", kv_transfer_config=storage(damaged, "kv_consumer", load_async=False), **engine
+    )
+    assert generate(b, ps) == want
+    s = b.llm_engine.engine_core.scheduler
+    assert s.num_failed_kv_loads == len(ps)
+    assert generate(b, ps) == want  # prefix hits on what was recomputed
+    assert s.num_failed_kv_loads == len(ps)  # their full blocks are local hits now: no load
     assert_no_block_leaks(b)
     b.shutdown()
 
@@ -153,6 +188,12 @@ def test_config_errors():
         KVTransferConfig.from_any({"kv_connector": "SharedStorageConnector", "kv_rank": 0})
     with pytest.raises(ValueError, match="unknown kv_connector"):
         LLM("tiny-llama", kv_transfer_config={"kv_connector": "NixlConnector"}, **ENGINE)
+    with pytest.raises(TypeError, match="load_async"):
+        LLM(
+            "tiny-llama",
+            kv_transfer_config=storage("/tmp/x", "kv_consumer", load_async="no"),
+            **ENGINE,
+        )
 
 
 def test_cli_flag_errors(capsys):

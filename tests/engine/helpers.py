@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxkv.engine import LLMEngine
 from jaxkv.entrypoints.llm import LLM
-from jaxkv.models import build_model, dense_forward, get_config
+from jaxkv.models import ModelConfig, build_model, dense_forward, get_config
 
 SMALL = dict(
     num_hidden_layers=2,
@@ -30,6 +30,31 @@ def small_model(family: str = "tiny-llama", seed: int = 0, **overrides):
         kw.update(sliding_window=16, num_hidden_layers=4)
     kw.update(overrides)
     return build_model(get_config(family, **kw), seed=seed)
+
+
+def gemma3_model(*, num_kv_heads: int = 1, window: int = 16, seed: int = 0):
+    """A tiny random Gemma 3: 6 layers, 5 sliding-window layers of ``window`` then 1 global,
+    q/k norms, RoPE bases 10^4 (local) and 10^6 (global)."""
+    config = ModelConfig(
+        architecture="gemma3",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        head_dim=16,
+        sliding_window=window,
+        query_pre_attn_scalar=16.0,
+        qk_norm=True,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    )
+    assert config.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    return build_model(config, seed=seed)
 
 
 def make_llm(model, **kwargs) -> LLM:

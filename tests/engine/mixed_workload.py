@@ -118,7 +118,7 @@ def requests(seed: int = 0, waves: int = 5) -> list[Arrival]:
     rng = np.random.default_rng(seed)
     shared = rng.integers(1, 512, 40).tolist()
     out, step, i = [], 0, 0
-    for wave in range(waves):
+    for _wave in range(waves):
         for _ in range(int(rng.integers(4, 9))):
             kind = KINDS[i % len(KINDS)]
             n = int(rng.integers(3, 150))

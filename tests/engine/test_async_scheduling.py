@@ -40,7 +40,7 @@ def test_async_greedy_with_preemption_matches_dense(family):
         max_num_seqs=4,
         async_scheduling=True,
     )
-    assert llm.llm_engine.get_stats()["num_preemptions"] > 0
+    assert llm.llm_engine.get_stats().num_preemptions > 0
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == dense_greedy(model, p, 20)
 

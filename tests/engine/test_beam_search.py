@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from jaxkv import BeamSearchParams
 from jaxkv.beam_search import beam_search_score, run_beam_search
-from jaxkv.outputs import Logprob
 from jaxkv.models import dense_forward
+from jaxkv.outputs import Logprob
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
 EOS = 9
@@ -146,7 +146,7 @@ def test_engine_beam_search_matches_the_dense_forward(model):
             [s.cum_logprob for s in w.sequences], abs=1e-4
         )
         assert len(g.sequences) == 3
-    assert llm.llm_engine.get_stats()["prefix_hit_tokens"] > 0  # rounds reuse the beams' blocks
+    assert llm.llm_engine.get_stats().prefix_hit_tokens > 0  # rounds reuse the beams' blocks
 
     (one,) = llm.beam_search(
         prompts[0], BeamSearchParams(beam_width=1, max_tokens=4, ignore_eos=True)

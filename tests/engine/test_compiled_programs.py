@@ -97,8 +97,8 @@ def test_warmup_compiles_exactly_the_set(model, spec):
         num_token_buckets=len(b.tokens), num_seq_buckets=len(b.seqs), num_spec_buckets=len(b.spec)
     )
     stats = llm.llm_engine.get_stats()
-    assert runner.num_compiles == len(runner.programs.keys) == want == stats["num_programs"]
-    assert stats["num_compiles"] == want and stats["late_compiles"] == 0
+    assert runner.num_compiles == len(runner.programs.keys) == want == stats.num_programs
+    assert stats.num_compiles == want and stats.late_compiles == 0
 
 
 @pytest.mark.slow
@@ -126,7 +126,7 @@ def test_mixed_workload_compiles_nothing_after_warmup(model, engine_kwargs):
     finally:
         _EVENTS.active = False
     assert _EVENTS.count == 0 and engine.runner.programs.late_compiles == []
-    assert engine.get_stats()["num_preemptions"] > 0 and engine.get_stats()["prefix_hit_tokens"] > 0
+    assert engine.get_stats().num_preemptions > 0 and engine.get_stats().prefix_hit_tokens > 0
     assert_no_block_leaks(llm)
     compared = 0
     for req_id, want in GOLDEN.items():
@@ -172,7 +172,7 @@ llm = LLM("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64, max_model_len
           kv_cache_memory_bytes=4 << 20)
 out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
 print(json.dumps(dict(counts, tokens=out[0].outputs[0].token_ids,
-                      programs=llm.llm_engine.get_stats()["num_programs"])))
+                      programs=llm.llm_engine.get_stats().num_programs)))
 """
 
 

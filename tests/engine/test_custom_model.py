@@ -6,7 +6,7 @@ window on every other layer, a tied head, and its own config class. It implement
 engine needs (``config``, ``kv_layer_infos``, ``__call__`` over the paged buffers with
 ``jaxkv.models.attend_paged``, ``compute_logits``) and a dense forward of its own; the engine's
 greedy tokens must equal that dense forward's, with chunked prefill, prefix hits and
-preemption. README "Serving a model of your own" points here.
+preemption. docs/models.md, "A model of your own", points here.
 """
 
 from __future__ import annotations
@@ -165,6 +165,6 @@ def test_a_model_of_ones_own_matches_its_dense_forward():
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == _dense_greedy(model, fwd, p, 24)
     stats = llm.llm_engine.get_stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_hit_tokens"] > 0, stats
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0, stats
     pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxkv.engine import LLMEngine
-from jaxkv.sampling_params import SamplingParams
 from jaxkv.models import dense_forward
+from jaxkv.sampling_params import SamplingParams
 from tests.engine import mixed_workload
 from tests.engine.helpers import dense_greedy, make_llm, small_model
 
@@ -120,7 +120,7 @@ def test_device_block_tables_match_scheduler(model):
             assert all(not t[row].any() for t in tables)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.get_stats()["num_preemptions"] > 0
+    assert engine.get_stats().num_preemptions > 0
     pool = engine.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
@@ -302,7 +302,7 @@ def test_bad_words_match_dense_with_vllm_bans(model, async_scheduling):
         max_tokens=8,
         temperature=0,
         ignore_eos=True,
-        bad_words=["<%d><%d>" % tuple(two), f"<{one}>"],
+        bad_words=["<{}><{}>".format(*two), f"<{one}>"],
     )
     plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     out, other = llm.generate([p, p], [params, plain], use_tqdm=False)

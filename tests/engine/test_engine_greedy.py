@@ -33,7 +33,7 @@ def test_preemption_small_pool(family_model):
     outs = llm.generate(
         prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False
     )
-    assert llm.llm_engine.get_stats()["num_preemptions"] > 0
+    assert llm.llm_engine.get_stats().num_preemptions > 0
     _assert_matches_dense(model, prompts, outs, max_tokens=24)
     assert_no_block_leaks(llm)
 
@@ -94,3 +94,34 @@ def test_n_greater_than_one(family_model):
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(c.token_ids == ref for c in out.outputs)
     assert_no_block_leaks(llm)
+
+
+def test_greedy_decode_steps_are_one_program():
+    """A greedy step of T <= max_num_seqs tokens whose sampled rows' bucket S is >= T takes its
+    tokens in the forward itself (no ``greedy[S]`` after it); a step with fewer sampled rows
+    than its token bucket (a 40-token prompt: T = 48, S = 1) still runs ``greedy[S]``.
+    Tokens equal the dense forward's either way, with or without async scheduling."""
+    model = small_model("tiny-llama")
+    rng = np.random.default_rng(3)
+    for async_scheduling in (False, True):
+        llm = make_llm(
+            model, max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=async_scheduling
+        )
+        runner = llm.llm_engine.runner
+        calls, real_run = [], runner._run
+        runner._run = lambda kind, size, *a, calls=calls, run=real_run: (
+            calls.append((kind, size)),
+            run(kind, size, *a),
+        )[1]
+        prompts = _prompts(rng, [40])
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert ("greedy", 1) in calls, calls  # prefill: T = 48 > S = 1
+        assert calls.count(("forward", 1)) == GREEDY.max_tokens - 1, calls
+        calls.clear()
+        prompts2 = _prompts(rng, [3, 5, 7, 2, 4])
+        outs += llm.generate(prompts2, GREEDY, use_tqdm=False)
+        # the prefill (21 tokens: T = 24 > 8 rows) runs greedy[8]; every decode step (T = 8) is one program
+        assert calls.count(("forward", 8)) == GREEDY.max_tokens - 1, calls
+        assert [c for c in calls if c[0] == "greedy"] == [("greedy", 8)], calls
+        _assert_matches_dense(model, prompts + prompts2, outs)
+        assert_no_block_leaks(llm)

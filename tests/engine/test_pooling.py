@@ -20,8 +20,8 @@ from jaxkv import (
     PoolingRequestOutput,
     SamplingParams,
 )
-from jaxkv.worker.pooler import PoolAccumulator, finish
 from jaxkv.models.dense_reference import dense_hidden
+from jaxkv.worker.pooler import PoolAccumulator, finish
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
 
 ATOL = 2e-5
@@ -153,7 +153,7 @@ def test_mixed_with_generation_and_preemption(model):
     # 12 blocks of 16 tokens for 8 requests of up to 90 tokens: requests are preempted.
     small = make_llm(model, num_gpu_blocks_override=13, max_num_batched_tokens=48)
     engine = _mixed_batch(small, model, _prompts(5, [90, 33, 61, 17]))
-    assert engine.get_stats()["num_preemptions"] > 0
+    assert engine.get_stats().num_preemptions > 0
 
 
 def test_mixed_with_async_scheduling(model):
@@ -289,7 +289,7 @@ def test_mixed_with_speculative_decoding(model):
         },
     )
     engine = _mixed_batch(llm, model, [([7, 8, 9] * 20)[:n] for n in (40, 20, 55, 9)])
-    assert engine.get_stats()["spec_num_accepted_tokens"] > 0
+    assert engine.get_stats().spec_decode.num_accepted_tokens > 0
 
 
 def test_hybrid_model_sliding_windows_and_soft_caps():

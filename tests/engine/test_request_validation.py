@@ -20,10 +20,10 @@ from jaxkv import LLM, BeamSearchParams, SamplingParams
 from jaxkv.core import SchedulerConfig
 from jaxkv.core.stop_check import with_eos_stop_ids
 from jaxkv.engine_config import resolve_engine_config
-from jaxkv.sampling_params import resolve_logprobs
-from tests.worker.sampler_helpers import write_state
 from jaxkv.models import dense_forward
+from jaxkv.sampling_params import resolve_logprobs
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy, make_llm, small_model
+from tests.worker.sampler_helpers import write_state
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 OTHER = [7, 8, 9, 10]
@@ -83,7 +83,7 @@ def _assert_still_usable(llm, greedy):
         [OTHER], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False
     )
     assert out.outputs[0].token_ids == greedy["other"]
-    assert engine.get_stats()["kv_cache_usage"] == 0
+    assert engine.get_stats().kv_cache_usage == 0
     assert_no_block_leaks(llm)
 
 
@@ -374,7 +374,7 @@ def test_whole_vocabulary_logprobs(vocab_llm, greedy):
         ValueError, match=f"logprobs=513 is larger than the vocabulary size {VOCAB}"
     ):
         engine.add_request("big", PROMPT, SamplingParams(logprobs=VOCAB + 1))
-    assert not engine.has_unfinished_requests() and engine.get_stats()["kv_cache_usage"] == 0
+    assert not engine.has_unfinished_requests() and engine.get_stats().kv_cache_usage == 0
 
 
 def test_whole_vocabulary_prompt_logprobs(vocab_llm, model):
@@ -392,7 +392,7 @@ def test_whole_vocabulary_prompt_logprobs(vocab_llm, model):
         np.testing.assert_allclose(
             out.prompt_logprobs[pos][PROMPT[pos]].logprob, lsm[pos - 1, PROMPT[pos]], atol=1e-4
         )
-    assert vocab_llm.llm_engine.get_stats()["kv_cache_usage"] == 0
+    assert vocab_llm.llm_engine.get_stats().kv_cache_usage == 0
 
 
 def test_whole_vocabulary_logprobs_when_the_vocabulary_is_not_a_power_of_two():
@@ -408,7 +408,7 @@ def test_whole_vocabulary_logprobs_when_the_vocabulary_is_not_a_power_of_two():
     )
     assert [len(p) for p in out.prompt_logprobs[1:]] == [500] * (len(PROMPT) - 1)
     assert [len(lp) for lp in out.outputs[0].logprobs] == [500, 500]
-    assert llm.llm_engine.get_stats()["kv_cache_usage"] == 0
+    assert llm.llm_engine.get_stats().kv_cache_usage == 0
 
 
 # ---- engine configuration ----------------------------------------------------------------------

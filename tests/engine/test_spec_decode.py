@@ -73,9 +73,9 @@ def test_greedy_with_drafts_equals_dense(models, family, settings):
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == dense_greedy(model, p, 20)
     st = llm.llm_engine.get_stats()
-    assert 0 < st["spec_num_accepted_tokens"] < st["spec_num_draft_tokens"], st
+    assert 0 < st.spec_decode.num_accepted_tokens < st.spec_decode.num_draft_tokens, st
     if "num_gpu_blocks_override" in settings:
-        assert st["num_preemptions"] > 0
+        assert st.num_preemptions > 0
     assert_no_block_leaks(llm)
 
 
@@ -136,7 +136,7 @@ def test_rows_without_drafts_and_limits_match_the_engine_without_speculation(lla
         assert got[i].outputs[0].cumulative_logprob == pytest.approx(
             want[i].outputs[0].cumulative_logprob, abs=1e-4
         )
-    assert llm.llm_engine.get_stats()["spec_num_draft_tokens"] > 0  # the drafted path ran
+    assert llm.llm_engine.get_stats().spec_decode.num_draft_tokens > 0  # the drafted path ran
     assert_no_block_leaks(llm)
 
     # Seeded sampling with drafts gives the same tokens again (the second run also hits the

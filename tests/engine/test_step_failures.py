@@ -29,7 +29,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 MAX_TOKENS = 6
 
 
-class Injected(Exception):
+class InjectedError(Exception):
     """The exception the tests inject."""
 
 
@@ -78,7 +78,7 @@ def spec_llm(model):
 
 @contextlib.contextmanager
 def fail_once(obj, name: str, *, after: bool = False, on_call: int = 1):
-    """``obj.name`` raises ``Injected`` on its ``on_call``-th call (before doing anything, or
+    """``obj.name`` raises ``InjectedError`` on its ``on_call``-th call (before doing anything, or
     ``after`` the real call did its work); restored on exit."""
     real = getattr(obj, name)
     calls = [0]
@@ -89,7 +89,7 @@ def fail_once(obj, name: str, *, after: bool = False, on_call: int = 1):
             return real(*args, **kwargs)
         if after:
             real(*args, **kwargs)
-        raise Injected(f"injected into {name}")
+        raise InjectedError(f"injected into {name}")
 
     setattr(obj, name, wrapper)
     try:
@@ -110,7 +110,7 @@ def fail_in_jitted_step(runner):
     def check(x):
         if armed[0]:
             armed[0] = False
-            raise Injected("injected inside the jitted step")
+            raise InjectedError("injected inside the jitted step")
         return x
 
     def build(key):
@@ -119,11 +119,11 @@ def fail_in_jitted_step(runner):
             return program
 
         def forward(*args):
-            buffers, tables, hidden, selected = program.fn(*args)
+            buffers, tables, hidden, selected, *rest = program.fn(*args)
             selected = jax.pure_callback(
                 check, jax.ShapeDtypeStruct(selected.shape, selected.dtype), selected
             )
-            return buffers, tables, hidden, selected
+            return buffers, tables, hidden, selected, *rest
 
         return dataclasses.replace(program, fn=forward)
 
@@ -188,7 +188,7 @@ def run_and_fail(llm, stage: str, kind: str) -> EngineStepError | BaseException:
         engine.step()
     else:
         raise AssertionError(f"no {kind} step came")
-    with pytest.raises(BaseException) as info:  # noqa: PT011 - each stage raises its own way
+    with pytest.raises(BaseException) as info:
         with injection(llm, stage):
             for _ in range(50):
                 engine.step()
@@ -219,7 +219,7 @@ def check_recovered(llm, reference, *, prompts=None) -> None:
     engine = llm.llm_engine
     drain(llm, reference)
     assert not engine.has_unfinished_requests()
-    assert engine.get_stats()["kv_cache_usage"] == 0.0
+    assert engine.get_stats().kv_cache_usage == 0.0
     assert_no_block_leaks(llm)
     assert scheduler_problems(engine.scheduler) == []
     idx = range(len(PROMPTS)) if prompts is None else prompts
@@ -239,7 +239,7 @@ def test_failed_step_sync(sync_llm, reference, stage, kind):
         pytest.skip("a decode step of two rows allocates at most once per row: covered by prefill")
     err = run_and_fail(sync_llm, stage, kind)
     assert isinstance(err, EngineStepError), err
-    assert isinstance(err.__cause__, Injected) or "Injected" in str(err)
+    assert isinstance(err.__cause__, InjectedError) or "InjectedError" in str(err)
     assert err.aborted_request_ids, err
     assert err.kv_cache_lost == (stage == "jitted_step")
     if stage == "process":  # the request whose output failed is named
@@ -312,7 +312,7 @@ def test_output_processing_failure_keeps_other_outputs(sync_llm, reference):
 
     def process_one(co, now, touched):
         if co.request_id == "bad":
-            raise Injected("bad output")
+            raise InjectedError("bad output")
         return real(co, now, touched)
 
     engine.output_processor._process_one = process_one

@@ -7,17 +7,11 @@ cases (``tp_cases.py``) therefore run in a fresh interpreter with
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.models.sharding import DEFAULT_TP_RULES, TP_AXIS, partition_spec
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.two_host_devices import run_cases_on_two_host_devices
 
 
 @pytest.mark.parametrize(
@@ -53,31 +47,4 @@ def test_rule_of_the_wrong_rank_is_refused():
 
 def test_engine_on_two_host_devices():
     """Runs tests/engine/tp_cases.py on two CPU devices; every case must pass, none skip."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/engine/tp_cases.py",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
-    assert (
-        " passed" in proc.stdout
-        and "skipped" not in proc.stdout
-        and "deselected" not in proc.stdout
-    ), tail
+    run_cases_on_two_host_devices("tests/engine/tp_cases.py")

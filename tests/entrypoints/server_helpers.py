@@ -80,14 +80,29 @@ def _compile_cache_env(tmp: Path) -> dict:
     return {"JAXKV_CACHE_DIR": str(tmp)}
 
 
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
 class Server:
     """``jaxkv serve`` in a subprocess; ``url``, ``pid``, ``log()``; ``stop()`` by pid."""
 
-    def __init__(self, model: str, args: list[str], tmp: Path, *, startup_s: float = 300.0):
+    def __init__(
+        self,
+        model: str,
+        args: list[str],
+        tmp: Path,
+        *,
+        startup_s: float = 300.0,
+        env: dict | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "server.log"
-        env = {**os.environ, **_compile_cache_env(tmp), "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, **_compile_cache_env(tmp), "PYTHONPATH": str(ROOT), **(env or {})}
         cmd = [
             sys.executable,
             "-m",
@@ -122,11 +137,18 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError(f"jaxkv serve not healthy after {timeout_s} s:\n{self.log()}")
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-5000:]
+    def log(self, tail: int = 5000) -> str:
+        return self.log_path.read_text(errors="replace")[-tail:]
+
+    def rss_mb(self) -> float:
+        """The server process's resident memory (the front end; the core is its child)."""
+        return rss_mb(self.pid)
+
+    def open_files(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
 
     def core_pid(self) -> int:
-        """The engine-core process: the server's child running jaxkv.engine.core_client."""
+        """The engine-core process: the server's child running jaxkv.engine.core_proc."""
         for stat in Path("/proc").glob("[0-9]*/stat"):
             with contextlib.suppress(OSError):
                 fields = stat.read_text().rsplit(")", 1)[1].split()

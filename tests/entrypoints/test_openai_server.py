@@ -40,7 +40,15 @@ def model_dir(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     srv = Server(
         str(model_dir),
-        serve_flags() + ["--served-model-name", NAME, "smollm2-135m-instruct", "--api-key", KEY],
+        serve_flags()
+        + [
+            "--served-model-name",
+            NAME,
+            "smollm2-135m-instruct",
+            "--api-key",
+            KEY,
+            "--keep-serving-on-core-death",
+        ],
         tmp_path_factory.mktemp("serve"),
     )
     yield srv
@@ -279,7 +287,7 @@ def test_nothing_compiles_while_serving(server, client, llm):
     """Warm-up (the default) compiled every program before /health answered: requests of every
     kind (sampling features, n > 1, stops, logprobs, prompt logprobs, chat, embeddings) compile
     none. ``jaxkv:compiles_total`` counts every program the core compiled since start."""
-    programs = llm.llm_engine.get_stats()["num_programs"]
+    programs = llm.llm_engine.get_stats().num_programs
     assert _metrics(server)["jaxkv:compiles_total"] == programs > 10
     kinds = [
         dict(temperature=0),
@@ -534,7 +542,9 @@ def test_killed_engine_core_is_a_503_and_health_fails(server):
     waiting.start()
     deadline = time.monotonic() + 60
     while _metrics(server)["jaxkv:num_requests_running"] == 0:  # the request is in the core
-        assert time.monotonic() < deadline and waiting.is_alive()
+        assert time.monotonic() < deadline and waiting.is_alive(), [
+            (a.status_code, a.text[:300]) for a in answer
+        ]
         time.sleep(0.05)
     os.kill(server.core_pid(), signal.SIGKILL)
     t0 = time.monotonic()

@@ -15,11 +15,11 @@ sys.path.insert(0, str(ROOT / "tests" / "models"))  # ckpt_fixtures (the HF conf
 def save_small_model(family: str, path: pathlib.Path, **overrides):
     """``tests.engine.helpers.small_model(family, **overrides)`` written as an HF safetensors
     directory at ``path`` (what a worker process loads); returns the model built here."""
-    from ckpt_fixtures import hf_config_dict  # noqa: PLC0415
+    from ckpt_fixtures import hf_config_dict
 
-    from jaxkv.models import hf_state_dict  # noqa: PLC0415
-    from jaxkv.models.checkpoint import write_safetensors_dir  # noqa: PLC0415
-    from tests.engine.helpers import small_model  # noqa: PLC0415
+    from jaxkv.models import hf_state_dict
+    from jaxkv.models.checkpoint import write_safetensors_dir
+    from tests.engine.helpers import small_model
 
     model = small_model(family, **overrides)
     if not (path / "config.json").exists():
@@ -49,8 +49,8 @@ def all_gone(pids, within: float = 5.0) -> bool:
 def executor_config(model_path, **overrides):
     """The engine config a ``MultiprocExecutor`` is started with: a real ``EngineConfig`` (so
     a field the workers read is never missing here), small and on two processes."""
-    from jaxkv.core import SchedulerConfig  # noqa: PLC0415
-    from jaxkv.engine_config import EngineConfig  # noqa: PLC0415
+    from jaxkv.core import SchedulerConfig
+    from jaxkv.engine_config import EngineConfig
 
     fields = dict(
         model_name=str(model_path),

@@ -8,7 +8,7 @@ import time
 
 
 def whoami(worker) -> dict:
-    import jax  # noqa: PLC0415
+    import jax
 
     return {
         "rank": worker.rank,
@@ -64,4 +64,12 @@ def fail_next_dispatch(worker) -> int:
         raise ValueError(f"dispatch failed on purpose in rank {worker.rank}")
 
     worker.dispatch = failing
+    return worker.rank
+
+
+def fail_next_dispatch_on(worker, rank: int) -> int:
+    """Worker ``rank``'s next step raises in dispatch; the others run it (and wait in its
+    collectives for the rank that never comes)."""
+    if worker.rank == rank:
+        fail_next_dispatch(worker)
     return worker.rank

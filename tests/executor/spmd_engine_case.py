@@ -45,7 +45,7 @@ def main(rank: int, port: int, out_path: str) -> None:
         "prompts": prompts,
         "tokens": [o.outputs[0].token_ids for o in outs],
         "cached": [o.num_cached_tokens for o in outs],
-        "preemptions": llm.llm_engine.get_stats()["num_preemptions"],
+        "preemptions": llm.llm_engine.get_stats().num_preemptions,
     }
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(result, f)

@@ -16,7 +16,7 @@ import pytest
 
 from jaxkv.core.errors import EngineStepError
 from jaxkv.entrypoints.llm import LLM
-from jaxkv.executor.multiproc import WorkerDiedError
+from jaxkv.executor.multiproc import WorkerDiedError, WorkerTimeoutError
 from jaxkv.sampling_params import SamplingParams
 from tests.engine.helpers import assert_no_block_leaks, dense_greedy
 from tests.executor import rpc_funcs
@@ -88,7 +88,7 @@ def test_llama_matches_one_process_and_dense(models):
         assert any(o.num_cached_tokens >= 32 for o in outs[2:5]), [
             o.num_cached_tokens for o in outs
         ]
-        assert llm.llm_engine.get_stats()["num_preemptions"] > 0
+        assert llm.llm_engine.get_stats().num_preemptions > 0
         assert_no_block_leaks(llm)
         got = llm.generate(first, seeded, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref_seeded]
@@ -105,6 +105,19 @@ def test_llama_matches_one_process_and_dense(models):
         assert_no_block_leaks(llm)
         (again,) = llm.generate(first[:1], greedy, use_tqdm=False)
         assert again.outputs[0].token_ids == ref[0].outputs[0].token_ids
+
+        # a step that raises in rank 1 only: rank 0 waits in the step's collectives for a
+        # peer that never comes; found within collective_timeout_s, not execute_timeout_s
+        ex.collective_timeout_s = 4.0
+        assert ex.collective_rpc(rpc_funcs.fail_next_dispatch_on, args=(1,)) == [0, 1]
+        t0 = time.monotonic()
+        with pytest.raises((WorkerTimeoutError, WorkerDiedError)) as info:  # the executor is down
+            llm.generate(first[:1], greedy, use_tqdm=False)
+        message = str(info.value)
+        assert time.monotonic() - t0 < ex.collective_timeout_s + 10, message
+        assert f"worker rank 1 (pid {pids[1]}) raised ValueError" in message, message
+        assert f"worker rank 0 (pid {pids[0]}) did not finish it" in message, message
+        assert all_gone(pids, 2.0)
     finally:
         llm.shutdown()
     assert all_gone(pids, 1.0)
@@ -203,11 +216,11 @@ def test_two_nodes_on_loopback_through_jaxkv_generate(tmp_path):
     spans the two processes. The printed greedy tokens equal the dense forward's, through
     chunked prefill (a 90-token prompt, 64-token steps), prefix hits and preemption (12
     blocks); node 0's exit shuts node 1's worker down, and its launcher then exits 0."""
-    import re  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
+    import re
+    import subprocess
 
-    from tests.executor.helpers import ROOT, worker_env  # noqa: PLC0415
-    from tests.executor.test_multiproc_executor import _two_free_ports  # noqa: PLC0415
+    from tests.executor.helpers import ROOT, worker_env
+    from tests.executor.test_multiproc_executor import _two_free_ports
 
     path = tmp_path / "tiny-llama-kv4"
     model = save_small_model("tiny-llama", path, num_key_value_heads=4)  # 4 KV heads: TP 4

@@ -63,7 +63,7 @@ def _record(model, max_tokens=12):
         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
         use_tqdm=False,
     )
-    assert eng.get_stats()["num_preemptions"] > 0
+    assert eng.get_stats().num_preemptions > 0
     return steps, eng.config.max_model_len
 
 
@@ -176,7 +176,7 @@ def test_no_orphans(tiny, how):
             [
                 sys.executable,
                 "-m",
-                "jaxkv.executor.multiproc",
+                "jaxkv.executor.headless",
                 "--headless",
                 "--nnodes",
                 "2",
@@ -225,7 +225,7 @@ def test_no_orphans(tiny, how):
 
 def _two_free_ports() -> int:
     """A port P with P and P + 1 free on 127.0.0.1 (the coordinator and the control socket)."""
-    import socket  # noqa: PLC0415
+    import socket
 
     for _ in range(50):
         with socket.socket() as a:
@@ -255,7 +255,7 @@ def test_two_nodes_on_loopback_remote_worker_killed(tiny):
         [
             sys.executable,
             "-m",
-            "jaxkv.executor.multiproc",
+            "jaxkv.executor.headless",
             "--headless",
             "--nnodes",
             "2",

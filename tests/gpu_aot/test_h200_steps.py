@@ -15,7 +15,6 @@ import dataclasses
 import pytest
 
 from jaxkv.worker.program_set import FORWARD, GREEDY, SAMPLE, VERIFY, ProgramKey, num_programs
-
 from tests.gpu_aot.helpers import compile_forward, compile_program, pallas_runner
 
 pytestmark = pytest.mark.gpu_aot

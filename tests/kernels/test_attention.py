@@ -106,7 +106,15 @@ def run_case(backend, interpret, *, as_bytes=False, **case):
     assert not np.isnan(want).any() and not np.isnan(got).any()
     n_real = int(b.query_start_loc[int(b.num_seqs)])
     assert (got[n_real:] == 0).all(), "padding rows must be zero"
-    tol = 2e-2 if (b.q.dtype != jnp.float32 or backend == "pallas") else 2e-5
+    if b.q.dtype != jnp.float32 or backend == "pallas":
+        tol = 2e-2
+    elif jax.default_backend() == "gpu":
+        # f32 dots at jax's default precision run as TF32 on the GPU (10-bit mantissa): on an
+        # H200 the XLA backend's prefill tiles differed from the HIGHEST-precision reference by
+        # up to 9.1e-4 (2026-12-04). Its decode path (elementwise sums) stays within 2e-5.
+        tol = 5e-3
+    else:
+        tol = 2e-5
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
@@ -200,13 +208,13 @@ class TestXla:
 def test_xla_decode_items_across_iterations(monkeypatch, as_bytes, sliding_window, soft_cap):
     """Decode work items of 1 block, 3 per iteration: a row's items span several iterations,
     one iteration holds items of several rows (and several of one row), padding rows have none."""
-    from jaxkv.pallas_kernels import xla_backend
+    from jaxkv.pallas_kernels import tiles
 
     per_block = 8 * 2 * 2 * 64 * 4  # bs 8, K+V, Hkv 2, D 64, f32
-    monkeypatch.setattr(xla_backend, "ITEM_KEYS", 8)
-    monkeypatch.setattr(xla_backend, "CHUNK_BYTES", 3 * per_block)
-    assert xla_backend.decode_items(2, 64, 4, 8, bound_blocks=37, num_rows=9) == (1, 3)
-    assert xla_backend.decode_items(2, 64, 4, 8, bound_blocks=2, num_rows=1) == (1, 1)
+    monkeypatch.setattr(tiles, "ITEM_KEYS", 8)
+    monkeypatch.setattr(tiles, "CHUNK_BYTES", 3 * per_block)
+    assert tiles.decode_items(2, 64, 4, 8, bound_blocks=37, num_rows=9) == (1, 3)
+    assert tiles.decode_items(2, 64, 4, 8, bound_blocks=2, num_rows=1) == (1, 1)
     run_case(
         "xla",
         False,

@@ -54,11 +54,14 @@ def _case(rng, dtype, *, num_tokens, bs=8, hkv=2, d=64, n=5):
 def test_equals_xla_scatter_bit_for_bit(dtype, lowering):
     scale = 0.5 if dtype == "fp8" else None
     buf, k, v, slots = _case(np.random.default_rng(1), dtype, num_tokens=21)
-    write = lambda **kw: jax.jit(
-        functools.partial(
-            pk.write_kv, block_size=8, dtype=dtype, k_scale=scale, v_scale=scale, **kw
-        )
-    )(buf, k, v, slots)
+
+    def write(**kw):
+        return jax.jit(
+            functools.partial(
+                pk.write_kv, block_size=8, dtype=dtype, k_scale=scale, v_scale=scale, **kw
+            )
+        )(buf, k, v, slots)
+
     want = np.asarray(write())
     got = np.asarray(write(backend="pallas", interpret=INTERPRET, lowering=lowering))
     np.testing.assert_array_equal(got, want)
@@ -113,18 +116,13 @@ def test_cpu_write_equals_xla_scatter_bit_for_bit(dtype):
     _cpu_kernels()
     scale = 0.5 if dtype == "fp8" else None
     buf, k, v, slots = _case(np.random.default_rng(3), dtype, num_tokens=21)
-    write = lambda backend: np.asarray(
-        jax.jit(
-            functools.partial(
-                pk.write_kv,
-                block_size=8,
-                dtype=dtype,
-                k_scale=scale,
-                v_scale=scale,
-                backend=backend,
-            )
-        )(buf, k, v, slots)
-    )
+
+    def write(backend):
+        fn = functools.partial(
+            pk.write_kv, block_size=8, dtype=dtype, k_scale=scale, v_scale=scale, backend=backend
+        )
+        return np.asarray(jax.jit(fn)(buf, k, v, slots))
+
     want = write("xla")
     np.testing.assert_array_equal(write("cpu"), want)
     assert (want != np.asarray(buf)).any()

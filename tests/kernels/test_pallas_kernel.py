@@ -58,7 +58,7 @@ LOWERING_CASES = [  # T, S, B, bs, Hq, Hkv, D, cache dtype, q dtype, max_q_len, 
 def test_lowers_to_triton_for_cuda(case, monkeypatch):
     """Lower (not run) for CUDA on this CPU: catches non-power-of-two tiles and ops Triton lacks."""
     t, s, b, bs, hq, hkv, d, cdt, qdt, mq, w, cap, scale = case
-    monkeypatch.setattr(pallas_attention.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     sds = jax.ShapeDtypeStruct
     args = (
         sds((t, hq, d), qdt),

@@ -83,7 +83,7 @@ def write_llama_gguf(
     hf_config: dict,
     tensors: dict[str, np.ndarray],
     *,
-    quantize: dict[str, "object"] | None = None,
+    quantize: dict[str, object] | None = None,
     pre: str = "smollm",
     add_bos: bool = False,
     with_tokenizer: bool = True,

@@ -19,14 +19,14 @@ import pytest
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ckpt_fixtures import hf_config_dict, small_config, write_llama_gguf  # noqa: E402
-from no_random_init import forbid_concrete_random_init  # noqa: E402
+from ckpt_fixtures import hf_config_dict, small_config, write_llama_gguf
+from no_random_init import forbid_concrete_random_init
 
-from jaxkv.models import build_model, get_config, hf_state_dict  # noqa: E402
-from jaxkv.models.checkpoint import restore_params, save_params, write_safetensors_dir  # noqa: E402
-from jaxkv.models.checkpoint.safetensors_dir import SafetensorsTensors  # noqa: E402
-from jaxkv.models.registry import load_model  # noqa: E402
-from jaxkv.models.sharding import make_tp_mesh, param_name, shard_state  # noqa: E402
+from jaxkv.models import build_model, hf_state_dict
+from jaxkv.models.checkpoint import restore_params, save_params, write_safetensors_dir
+from jaxkv.models.checkpoint.safetensors_dir import SafetensorsTensors
+from jaxkv.models.registry import load_model
+from jaxkv.models.sharding import make_tp_mesh, param_name, shard_state
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
 

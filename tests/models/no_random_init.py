@@ -9,7 +9,7 @@ import jax
 import jax._src.random as jax_random_impl
 
 
-class ConcreteRandomInit(AssertionError):
+class ConcreteRandomInitError(AssertionError):
     pass
 
 
@@ -21,7 +21,7 @@ def forbid_concrete_random_init(monkeypatch):
 
     def guarded(key, *args, **kwargs):
         if not isinstance(key, jax.core.Tracer):
-            raise ConcreteRandomInit(f"concrete random init of shape {args[:1]}")
+            raise ConcreteRandomInitError(f"concrete random init of shape {args[:1]}")
         return real(key, *args, **kwargs)
 
     with monkeypatch.context() as m:

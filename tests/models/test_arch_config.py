@@ -9,9 +9,9 @@ import pytest
 from jaxkv.models import (
     KVCacheBinding,
     LayerKVInfo,
-    ModelConfig,
     RopeScaling,
     build_model,
+    config_from_hf,
     get_config,
     layer_name,
 )
@@ -43,7 +43,7 @@ def test_llama3_config():
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    c = ModelConfig.from_hf_config(
+    c = config_from_hf(
         _hf("llama", rope_scaling=scaling, tie_word_embeddings=True, hidden_act="silu"),
         dtype="bfloat16",
     )
@@ -63,7 +63,7 @@ def test_llama3_config():
 
 
 def test_llama_attention_bias_sets_q_k_v_and_o():
-    c = ModelConfig.from_hf_config(
+    c = config_from_hf(
         _hf("llama", attention_bias=True, rope_scaling={"type": "linear", "factor": 2.0})
     )
     assert c.attention_bias and c.attention_out_bias
@@ -71,35 +71,33 @@ def test_llama_attention_bias_sets_q_k_v_and_o():
 
 
 def test_mistral_slides_on_every_layer():
-    c = ModelConfig.from_hf_config(_hf("mistral", sliding_window=32, head_dim=32))
+    c = config_from_hf(_hf("mistral", sliding_window=32, head_dim=32))
     assert c.sliding_window == 32 and c.head_dim == 32
     assert c.layer_types == ("sliding_attention",) * 4
     assert [c.layer_window(i) for i in range(4)] == [32] * 4
-    c = ModelConfig.from_hf_config(_hf("mistral", sliding_window=None))
+    c = config_from_hf(_hf("mistral", sliding_window=None))
     assert c.layer_types == ("full_attention",) * 4
 
 
 def test_qwen2_bias_on_qkv_only_and_window_ignored_unless_enabled():
-    c = ModelConfig.from_hf_config(
+    c = config_from_hf(
         _hf("qwen2", sliding_window=4096, max_window_layers=2, use_sliding_window=False)
     )
     assert c.attention_bias and not c.attention_out_bias and not c.qk_norm
     assert c.sliding_window is None and c.layer_types == ("full_attention",) * 4
-    c = ModelConfig.from_hf_config(
+    c = config_from_hf(
         _hf("qwen2", sliding_window=64, max_window_layers=2, use_sliding_window=True)
     )
     assert c.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2
 
 
 def test_qwen3_qk_norm_explicit_head_dim():
-    c = ModelConfig.from_hf_config(
-        _hf("qwen3", head_dim=32, attention_bias=False, tie_word_embeddings=True)
-    )
+    c = config_from_hf(_hf("qwen3", head_dim=32, attention_bias=False, tie_word_embeddings=True))
     assert c.qk_norm and c.head_dim == 32 and not c.attention_bias
 
 
 def test_gemma2_conventions():
-    c = ModelConfig.from_hf_config(
+    c = config_from_hf(
         _hf(
             "gemma2",
             head_dim=16,
@@ -118,13 +116,11 @@ def test_gemma2_conventions():
     assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (50.0, 30.0)
     assert c.sm_scale == pytest.approx(16**-0.5) and c.hidden_act == "gelu_pytorch_tanh"
     explicit = ["full_attention", "sliding_attention"] * 2
-    assert ModelConfig.from_hf_config(_hf("gemma2", layer_types=explicit)).layer_types == tuple(
-        explicit
-    )
+    assert config_from_hf(_hf("gemma2", layer_types=explicit)).layer_types == tuple(explicit)
 
 
 def test_transformers5_rope_parameters():
-    c = ModelConfig.from_hf_config(
+    c = config_from_hf(
         _hf(
             "llama", rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 1234.0}
         )
@@ -148,12 +144,12 @@ def test_transformers5_rope_parameters():
 )
 def test_unsupported_hf_fields_are_named(change, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("[", r"\[")):
-        ModelConfig.from_hf_config({**_hf("llama"), **change})
+        config_from_hf({**_hf("llama"), **change})
 
 
 def test_gemma2_rejects_silu():
     with pytest.raises(ValueError, match="hidden_act 'silu'"):
-        ModelConfig.from_hf_config(_hf("gemma2", hidden_activation="silu"))
+        config_from_hf(_hf("gemma2", hidden_activation="silu"))
 
 
 @pytest.mark.parametrize(
@@ -163,7 +159,7 @@ def test_gemma2_rejects_silu():
         (dict(head_dim=15), "head_dim must be even"),
         (dict(layer_types=("full_attention",)), "layer_types must be 8"),
         (dict(layer_types=("sliding_attention",) * 8), "sliding_window is None"),
-        (dict(attn_logit_softcapping=50.0), "soft-capping is a gemma2 feature"),
+        (dict(attn_logit_softcapping=50.0), "soft-capping is a Gemma feature"),
         (dict(dtype="float64"), "dtype"),
         (dict(vocab_size=0), "vocab_size"),
     ],
@@ -236,3 +232,73 @@ def test_kv_cache_binding():
         KVCacheBinding(layers=(), block_size=16, cache_dtype="bfloat16", k_scale=0.5)
     with pytest.raises(ValueError, match="backend"):
         KVCacheBinding(layers=(), block_size=16, backend="cuda")
+
+
+def test_gemma3_config_from_hf_both_formats():
+    """transformers 4's gemma3_text config (rope_theta, rope_local_base_freq,
+    sliding_window_pattern) and transformers 5's (rope_parameters per layer type, layer_types)
+    give the same ModelConfig; gemma3's multimodal config reads its text_config."""
+    base = dict(
+        model_type="gemma3_text",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=32,
+        query_pre_attn_scalar=16,
+    )
+    old = config_from_hf(
+        {**base, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 6}
+    )
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(8)]
+    new = config_from_hf(
+        {
+            **base,
+            "layer_types": types,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            },
+        }
+    )
+    assert old == new
+    assert old.architecture == "gemma3" and old.qk_norm and old.tie_word_embeddings
+    assert old.layer_types == tuple(types) and old.sliding_window == 32
+    assert old.layer_rope(0) == (1e4, None) and old.layer_rope(5) == (1e6, None)
+    assert old.attn_logit_softcapping is None and old.sm_scale == 16**-0.5
+    multimodal = config_from_hf(
+        {
+            "model_type": "gemma3",
+            "text_config": {k: v for k, v in base.items() if k != "model_type"},
+        }
+    )
+    assert multimodal == config_from_hf(base)
+    with pytest.raises(ValueError, match="text_config"):
+        config_from_hf({"model_type": "gemma3"})
+
+
+@pytest.mark.parametrize(
+    "family, change, needle",
+    [
+        ("tiny-llama", dict(rope_local_base_freq=1e4), "rope_local_base_freq is a gemma3 feature"),
+        ("tiny-hybrid", dict(qk_norm=False), "qk_norm must be True"),
+        ("tiny-hybrid", dict(query_pre_attn_scalar=None), "needs query_pre_attn_scalar"),
+    ],
+)
+def test_gemma3_config_validation(family, change, needle):
+    gemma3 = (
+        dict(
+            architecture="gemma3",
+            qk_norm=True,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+        )
+        if family == "tiny-hybrid"
+        else {}
+    )
+    get_config(family, **gemma3)  # valid as it is
+    with pytest.raises(ValueError, match=needle):
+        get_config(family, **{**gemma3, **change})

@@ -9,7 +9,6 @@ from flax import nnx
 
 from jaxkv.models import build_model, dense_forward, get_config
 
-
 _forward = nnx.jit(dense_forward)
 
 

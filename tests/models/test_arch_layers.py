@@ -27,12 +27,12 @@ def test_rope_scores_depend_only_on_relative_position():
     inv = rope_inv_freq(16, 10000.0, None)
     q = jnp.asarray(rng.randn(1, 1, 16), jnp.float32)
     k = jnp.asarray(rng.randn(1, 1, 16), jnp.float32)
-    score = lambda pq, pk: float(
-        jnp.sum(
-            apply_rope(q, jnp.asarray([pq]), inv)  # noqa: E731
-            * apply_rope(k, jnp.asarray([pk]), inv)
+
+    def score(pq, pk):
+        return float(
+            jnp.sum(apply_rope(q, jnp.asarray([pq]), inv) * apply_rope(k, jnp.asarray([pk]), inv))
         )
-    )
+
     assert score(7, 3) == pytest.approx(score(104, 100), rel=1e-4)
     assert score(7, 3) != pytest.approx(score(8, 3), rel=1e-3)
     np.testing.assert_allclose(

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ckpt_fixtures import gguf_permute_rows, small_config, write_llama_gguf, hf_config_dict  # noqa: E402
+from ckpt_fixtures import gguf_permute_rows, hf_config_dict, small_config, write_llama_gguf
 
-from jaxkv.models import build_model, dense_forward, hf_state_dict  # noqa: E402
-from jaxkv.models.checkpoint import read_gguf  # noqa: E402
-from jaxkv.models.checkpoint.gguf_names import gguf_to_hf_name, unpermute_rotary_rows  # noqa: E402
-from jaxkv.models.registry import load_model  # noqa: E402
+from jaxkv.models import build_model, dense_forward, hf_state_dict
+from jaxkv.models.checkpoint import read_gguf
+from jaxkv.models.checkpoint.gguf_names import gguf_to_hf_name, unpermute_rotary_rows
+from jaxkv.models.registry import load_model
 
 IDS = jnp.asarray([[1, 5, 9, 200, 3, 77, 12, 8]], dtype=jnp.int32)  # [1, L]
 Q = gguf.GGMLQuantizationType
@@ -106,3 +106,29 @@ def test_gguf_errors(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="'mamba' is not supported"):
         read_gguf(tmp_path / "mamba.gguf")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q8_0])
+def test_k_quant_tensors_dequantize_in_hf_layout(tmp_path, qtype):
+    """K-quant tensors (blocks of 256 along a row) read back as ``[rows, cols]`` in HF order,
+    block for block what gguf-py dequantizes (random block bytes: the layout is the test)."""
+    from jaxkv.models.checkpoint.gguf_reader import dequantize_tensor
+
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = 3, 2 * 256
+    raw = np.random.default_rng(int(qtype)).integers(
+        0, 256, size=(rows, cols // block * nbytes), dtype=np.uint8
+    )
+    path = tmp_path / "k.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (tensor,) = gguf.GGUFReader(str(path)).tensors
+    with np.errstate(invalid="ignore", over="ignore"):  # random f16 scales include NaN / inf
+        got = dequantize_tensor(tensor)
+        want = gguf.quants.dequantize(raw, qtype)  # row by row: each row its own blocks
+    assert got.shape == (rows, cols)
+    np.testing.assert_array_equal(got, want.reshape(rows, cols))

@@ -9,11 +9,11 @@ import pytest
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ckpt_fixtures import small_config  # noqa: E402
+from ckpt_fixtures import small_config
 
-from jaxkv.models import build_model  # noqa: E402
-from jaxkv.models.checkpoint import read_saved_config, restore_params, save_params  # noqa: E402
-from jaxkv.models.registry import load_model  # noqa: E402
+from jaxkv.models import build_model
+from jaxkv.models.checkpoint import read_saved_config, restore_params, save_params
+from jaxkv.models.registry import load_model
 
 
 @pytest.mark.parametrize("name,dtype", [("tiny-llama", "float32"), ("tiny-hybrid", "bfloat16")])

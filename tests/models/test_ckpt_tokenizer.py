@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ckpt_fixtures import CHAT_TEMPLATE, bpe_vocab, small_config, write_llama_gguf, hf_config_dict  # noqa: E402
+from ckpt_fixtures import CHAT_TEMPLATE, bpe_vocab, hf_config_dict, small_config, write_llama_gguf
 
-from jaxkv.models.checkpoint import read_gguf, read_gguf_metadata, tokenizer_from_gguf_metadata  # noqa: E402
-from jaxkv.models.tokenizer import ChatTemplateError, Tokenizer  # noqa: E402
+from jaxkv.models.checkpoint import read_gguf, read_gguf_metadata, tokenizer_from_gguf_metadata
+from jaxkv.models.tokenizer import ChatTemplateError, Tokenizer
 
 CFG = hf_config_dict(small_config())
 TENSORS = {

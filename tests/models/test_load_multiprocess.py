@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from ckpt_fixtures import hf_config_dict, small_config  # noqa: E402
+from ckpt_fixtures import hf_config_dict, small_config
 
-from jaxkv.models import build_model, hf_state_dict  # noqa: E402
-from jaxkv.models.checkpoint import write_safetensors_dir  # noqa: E402
+from jaxkv.models import build_model, hf_state_dict
+from jaxkv.models.checkpoint import write_safetensors_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKER = pathlib.Path(__file__).parent / "load_multiprocess_worker.py"

@@ -11,19 +11,19 @@ import pytest
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from ckpt_fixtures import hf_config_dict, small_config, write_llama_gguf  # noqa: E402
-from no_random_init import ConcreteRandomInit, forbid_concrete_random_init  # noqa: E402
+from ckpt_fixtures import hf_config_dict, small_config, write_llama_gguf
+from no_random_init import ConcreteRandomInitError, forbid_concrete_random_init
 
-from jaxkv.models import build_model, hf_state_dict  # noqa: E402
+from jaxkv.models import build_model, hf_state_dict
 from jaxkv.models.checkpoint import (
     GGUFTensors,
     SafetensorsTensors,
     read_gguf,
     write_safetensors_dir,
-)  # noqa: E402
-from jaxkv.models.checkpoint.smollm2 import SMOLLM2_NAME, smollm2_gguf_path  # noqa: E402
-from jaxkv.models.registry import load_model, load_model_config  # noqa: E402
-from tests.two_host_devices import run_cases_on_two_host_devices  # noqa: E402
+)
+from jaxkv.models.checkpoint.smollm2 import SMOLLM2_NAME, smollm2_gguf_path
+from jaxkv.models.registry import load_model, load_model_config
+from tests.two_host_devices import run_cases_on_two_host_devices
 
 
 def _checkpoints(tmp_path):
@@ -40,7 +40,7 @@ def test_guard_catches_a_concrete_init(monkeypatch):
     """The guard the next test relies on: an eager init raises, an abstract one passes."""
     config = small_config("tiny-hybrid")
     with forbid_concrete_random_init(monkeypatch):
-        with pytest.raises(ConcreteRandomInit):
+        with pytest.raises(ConcreteRandomInitError):
             build_model(config, seed=0)
         build_model(config, seed=0, abstract=True)
 

@@ -1,6 +1,6 @@
 """Parity with HF transformers on random-weight checkpoints saved by transformers itself.
 
-Needs torch and transformers (the ``parity`` extra; on these machines ``pip install
+Needs torch and transformers (the ``parity`` extra; on the CI machines ``pip install
 torch==2.13.0`` takes a local CPU wheel first); skipped when either is absent.
 """
 
@@ -39,6 +39,13 @@ CONFIGS = {
         attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0,
     ),
+    # one local layer (RoPE base 10^4, window 4) and one global (base 10^6), q/k norms
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **COMMON,
+        sliding_window=4,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
 }
 PROMPT = [[3, 17, 101, 45, 9, 200, 33, 7, 64, 12, 5, 250]]  # [1, 12]; longer than the window
 STEPS = 32
@@ -46,11 +53,17 @@ STEPS = 32
 
 @pytest.fixture(params=sorted(CONFIGS))
 def checkpoint(request, tmp_path):
+    if request.param == "gemma3" and not hasattr(transformers, "Gemma3TextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma 3 (4.50+)")
     torch.manual_seed(0)
     config = CONFIGS[request.param]()
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation="eager", torch_dtype=torch.float32
     ).eval()
+    with torch.no_grad():  # Gemma's (1 + weight) norms start at 0: make each one matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
     model.save_pretrained(tmp_path, safe_serialization=True)
     return model, tmp_path
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxkv.kv_cache import FullAttentionSpec, SlidingWindowSpec, get_kv_cache_config
+from jaxkv.pallas_kernels import PAD_SLOT_ID, kv_cache_view, write_kv
 from jaxkv.worker import (
     allocate_kv_buffers,
     page_size_bytes,
@@ -14,7 +15,6 @@ from jaxkv.worker import (
     zero_blocks,
 )
 from jaxkv.worker.forward import slot_mapping, token_positions
-from jaxkv.pallas_kernels import PAD_SLOT_ID, kv_cache_view, write_kv
 
 BS, H, D = 16, 2, 64
 

@@ -27,7 +27,9 @@ from jaxkv.worker.logits_ops import (
 from jaxkv.worker.sampler import sample, sample_greedy_vocab_major
 from jaxkv.worker.sampling_state import PAD_TOKEN_ID
 from jaxkv.worker.sampling_updates import make_request_key, make_unseeded_request_key
-from tests.worker.sampler_helpers import V, logits as _logits, rows as _rows, write_state
+from tests.worker.sampler_helpers import V, write_state
+from tests.worker.sampler_helpers import logits as _logits
+from tests.worker.sampler_helpers import rows as _rows
 
 K = 4  # the programs' logprob columns in these tests (the engine's max_logprobs)
 sample_jit = jax.jit(functools.partial(sample, num_logprobs=K))

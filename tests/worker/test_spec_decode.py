@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.sampler import SamplingRows, processed_logits, sample, sample_and_verify
 from jaxkv.worker.spec_decode import SpeculativeConfig, propose_ngram, verify_inputs
-from tests.worker.sampler_helpers import rows as _rows, write_state
+from tests.worker.sampler_helpers import rows as _rows
+from tests.worker.sampler_helpers import write_state
 
 verify_jit = jax.jit(functools.partial(sample_and_verify, num_logprobs=0))
 

@@ -5,14 +5,17 @@
 instance with ``max_tokens=1``, ``stream=false`` and ``kv_transfer_params={"do_remote_decode":
 true}``; the ``kv_transfer_params`` P answers with go, with the original request, to a decode
 instance, whose answer (streamed or whole) is relayed as it comes. Instances are taken round
-robin. A prefill instance that fails or returns no parameters is skipped: the decode instance
-then computes the prompt itself (the answer is the same, only slower). The instances are
+robin. A prefill instance that fails (no answer, or a 5xx) or returns no parameters is skipped
+(its 4xx goes back to the client): the decode instance then computes the prompt itself (the
+answer is the same, only slower). A decode request whose connection broke before any answer
+is sent once more; a decode instance that cannot be reached is a 502. The instances are
 ``jaxkv serve`` servers started with ``--kv-transfer-config`` (``kv_producer`` /
 ``kv_consumer``).
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the handlers' annotations
 # (``request: Request``) as objects, and ``Request`` is imported inside ``build_app``.
+import contextlib
 import itertools
 import json
 import logging
@@ -20,18 +23,31 @@ import logging
 logger = logging.getLogger(__name__)
 
 
-def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0):
-    """The FastAPI app over these prefill and decode base URLs (``http://host:port``)."""
-    import httpx  # noqa: PLC0415
-    from fastapi import FastAPI, Request  # noqa: PLC0415
-    from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: PLC0415
+def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0, transport=None):
+    """The FastAPI app over these prefill and decode base URLs (``http://host:port``);
+    ``transport``: an httpx transport for the instances (tests)."""
+    import httpx
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
 
     if not prefill or not decode:
         raise ValueError(
             f"need at least one prefill and one decode URL, got {prefill!r} and {decode!r}"
         )
-    app = FastAPI(title="jaxkv P/D proxy")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="jaxkv P/D proxy", lifespan=lifespan)
+    # Pooled connections expire before the instances' keep-alive timeout (5 s by default), so
+    # a request is not sent on a connection the instance is closing at that moment.
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=10.0),
+        limits=httpx.Limits(keepalive_expiry=2.0),
+        transport=transport,
+    )
     next_p, next_d = itertools.cycle(prefill), itertools.cycle(decode)
     app.state.stats = {"requests": 0, "prefill_failures": 0}
 
@@ -52,9 +68,25 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
         except httpx.HTTPError as exc:
             logger.warning("prefill %s failed: %s; decode computes the prompt", url, exc)
             return None
-        if r.status_code != 200:
+        if 400 <= r.status_code < 500:
             return r  # a bad request: the client gets the prefill instance's error
+        if r.status_code != 200:  # the instance failed (e.g. its engine died): not the request
+            logger.warning("prefill %s answered %s; decode computes the prompt", url, r.status_code)
+            return None
         return r.json().get("kv_transfer_params")
+
+    async def send_decode(url: str, body: dict, headers: dict, stream: bool) -> httpx.Response:
+        """One retry when the connection broke before any answer (the instance closed a pooled
+        connection as it was reused, or its link blipped): the request never ran there."""
+        for attempt in (0, 1):
+            req = client.build_request("POST", url, json=body, headers=headers)
+            try:
+                return await client.send(req, stream=stream)
+            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+                if attempt:
+                    raise
+                logger.warning("decode %s: %s; retrying once", url, exc)
+        raise AssertionError("unreachable")
 
     async def relay(path: str, request: Request):
         body = await request.json()
@@ -69,11 +101,22 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
             app.state.stats["prefill_failures"] += 1
         d_body = dict(body, kv_transfer_params=params) if params else body
         url = next(next_d) + path
+        try:
+            r = await send_decode(url, d_body, headers, stream=bool(body.get("stream")))
+        except httpx.HTTPError as exc:
+            logger.warning("decode %s failed: %s", url, exc)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"decode instance {url} failed: {type(exc).__name__}",
+                        "type": "BadGateway",
+                        "code": 502,
+                    }
+                },
+                status_code=502,
+            )
         if not body.get("stream"):
-            r = await client.post(url, json=d_body, headers=headers)
             return Response(r.content, status_code=r.status_code, media_type="application/json")
-        req = client.build_request("POST", url, json=d_body, headers=headers)
-        r = await client.send(req, stream=True)
 
         async def chunks():
             try:
@@ -117,10 +160,6 @@ def build_app(prefill: list[str], decode: list[str], *, timeout_s: float = 600.0
     async def stats():
         return app.state.stats
 
-    @app.on_event("shutdown")
-    async def close():
-        await client.aclose()
-
     return app
 
 
@@ -150,7 +189,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_proxy(args) -> int:
-    import uvicorn  # noqa: PLC0415
+    import uvicorn
 
     app = build_app([u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode])
     print(

@@ -9,9 +9,11 @@ written to a temporary name and renamed, so a reader never sees half a file. A c
 prompt's key exists on disk loads those blocks instead of computing them.
 
 Differences from vLLM's: one file per rank with every layer's pages (jaxkv's flat buffers hold
-all layers of a page), not one safetensors file per layer; loads are asynchronous (the request
-waits in ``WAITING_FOR_REMOTE_KVS`` for one step), so a file that is missing, damaged or of
-another layout fails the load and the request recomputes, never reading garbage; saves happen
+all layers of a page), not one safetensors file per layer; loads are asynchronous by default
+(the request waits in ``WAITING_FOR_REMOTE_KVS`` for one step), so a file that is missing,
+damaged or of another layout fails the load and the request recomputes, never reading
+garbage (``"load_async": false`` loads inside the step that computes the rest of the prompt,
+as vLLM's does; a failed load then recomputes from its first bad block); saves happen
 after the step that computes the N-th token (with chunked prefill, a later chunk's step).
 Models with identical KV layouts (same layer names, page size, block size) must not share a
 path: the key cannot tell them apart.
@@ -75,11 +77,16 @@ def layout_fingerprint(kv_cache_config) -> str:
 
 class SharedStorageConnector(KVConnectorBase_V1):
     """``kv_connector_extra_config``: ``shared_storage_path`` (default: a directory under the
-    system's temporary directory)."""
+    system's temporary directory); ``load_async`` (default true)."""
 
     def __init__(self, config, role, kv_cache_config=None, *, rank: int = 0, world_size: int = 1):
         super().__init__(config, role, kv_cache_config, rank=rank, world_size=world_size)
         self.path = str(self.extra.get("shared_storage_path", DEFAULT_PATH))
+        self.load_async = self.extra.get("load_async", True)
+        if not isinstance(self.load_async, bool):
+            raise TypeError(
+                f"kv_connector_extra_config load_async must be true or false, got {self.load_async!r}"
+            )
         self.block_size = kv_cache_config.block_size
         self._fingerprint = layout_fingerprint(kv_cache_config).encode()
         # scheduler side
@@ -117,7 +124,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         n = self._num_blocks(request.prompt_token_ids) * self.block_size
         if n <= num_computed_tokens or not self._stored(self._key(request.prompt_token_ids[:n])):
             return 0, False
-        return n - num_computed_tokens, True
+        return n - num_computed_tokens, self.load_async
 
     def update_state_after_alloc(self, request, blocks_, num_external_tokens):
         req_id = request.request_id

@@ -47,6 +47,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -138,6 +139,12 @@ class TransferAgent:
         self._last_sweep = time.monotonic()
         self._sweep_interval_s = sweep_interval_s
         self._closed = False
+        # An agent dropped without close(): its sockets close before its context ends (left
+        # to the garbage collector, a context in a reference cycle may be finalized first,
+        # and its term() then blocks forever on the still-open sockets).
+        self._finalizer = weakref.finalize(
+            self, _close_sockets, self._zmq, [self._notify_in], self._notify_out
+        )
 
     @property
     def address(self) -> dict[str, str]:
@@ -265,7 +272,7 @@ class TransferAgent:
             try:
                 conn = self._connection(peer_address["transfer"])
                 pull.arrays = conn.pull(uuid, list(specs), timeout=_wall_deadline(deadline_s)[0])
-            except Exception as e:  # e.g. a bad spec: reported like any failure
+            except Exception as e:  # noqa: BLE001 - e.g. a bad spec: reported like any failure
                 pull.error = e
             self._pulls[uuid] = pull
 
@@ -289,7 +296,7 @@ class TransferAgent:
                             for a in pull.arrays:
                                 a.block_until_ready()  # ready: raises the error, if any
                             result = pull.arrays
-                        except Exception as e:
+                        except Exception as e:  # noqa: BLE001 - the transfer's error is the result
                             result = e
                     elif now >= pull.expires_at:
                         result = TimeoutError(
@@ -359,10 +366,7 @@ class TransferAgent:
             self._closed = True
             self._offers.clear()
             self._pulls.clear()
-            for sock in [self._notify_in, *self._notify_out.values()]:
-                sock.close(linger=0)
-            self._notify_out.clear()
-            self._zmq.term()
+            self._finalizer()  # closes every socket, then ends the context
             self._connections.clear()
             self._server = None
             self._sweep_array = None
@@ -372,3 +376,11 @@ class TransferAgent:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _close_sockets(ctx, sockets: list, by_address: dict) -> None:
+    """Closes ``sockets`` and every socket of ``by_address`` (linger 0), then ends ``ctx``."""
+    for sock in [*sockets, *by_address.values()]:
+        sock.close(linger=0)
+    by_address.clear()
+    ctx.term()

@@ -24,14 +24,19 @@ Flow (vLLM's P/D flow, as its NIXL and TPU connectors run it):
   cancelled and its data never written; P's hold timeout frees P's blocks.
 
 Where jaxkv differs: the offered pages are a copy (``await_pull`` registers whole arrays, not
-byte ranges of the cache), so P holds its blocks and that copy until the pull; keeping the
-blocks bounds the copies in flight by P's pool. Loads and saves run at whole-step
+byte ranges of the cache), so P holds its blocks and that copy until the pull or the hold
+timeout. The copies are device memory outside the KV cache: ``max_offered_bytes`` bounds
+them (per worker rank; default a quarter of the rank's KV cache), a request whose copy
+would pass the bound is not offered (it finishes without ``kv_transfer_params``: the proxy
+lets D compute its prompt; counted in ``num_refused_offers``; one offer is always allowed),
+and on a device with memory stats P sizes its KV cache so that the bound fits beside it
+(``kv_bytes_beside_offers``). Loads and saves run at whole-step
 granularity (see ``base``). An offline prefill batch (``LLM.generate`` on P) larger than P's
 pool stalls until offers expire, since its blocks are only freed by pulls that follow the
 batch: give P a pool for the batch, or serve (each answer leaves as its request finishes).
 ``kv_connector_extra_config``: ``host`` (the address peers reach
 this process at, default 127.0.0.1), ``hold_timeout_s`` (P, default 120), ``load_timeout_s``
-(D, default 30).
+(D, default 30), ``max_offered_bytes`` (P, see above).
 """
 
 from __future__ import annotations
@@ -50,6 +55,26 @@ from jaxkv.distributed.kv_transfer.base import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+#: P's default bound on its offered copies, as a fraction of its KV cache.
+DEFAULT_OFFER_FRACTION = 0.25
+
+
+def kv_bytes_beside_offers(available: int, kv_transfer_config) -> int:
+    """Of ``available`` device bytes, those a prefill instance gives its KV cache so that its
+    offered copies (``max_offered_bytes``, or ``DEFAULT_OFFER_FRACTION`` of the cache) fit
+    beside it; ``available`` itself for any other instance."""
+    if (
+        kv_transfer_config is None
+        or kv_transfer_config.kv_connector != "JaxTransferConnector"
+        or not kv_transfer_config.is_kv_producer
+    ):
+        return available
+    explicit = kv_transfer_config.kv_connector_extra_config.get("max_offered_bytes")
+    if explicit is not None:
+        return available - int(explicit)
+    return int(available / (1 + DEFAULT_OFFER_FRACTION))
 
 
 @dataclasses.dataclass
@@ -109,6 +134,17 @@ class JaxTransferConnector(KVConnectorBase_V1):
         self.block_size = kv_cache_config.block_size
         self.hold_timeout_s = float(self.extra.get("hold_timeout_s", 120.0))
         self.load_timeout_s = float(self.extra.get("load_timeout_s", 30.0))
+        cache_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)  # this rank's
+        #: Bytes one block id's pages take over every KV tensor of a rank (what an offer copies).
+        self._block_bytes = cache_bytes // max(kv_cache_config.num_blocks, 1)
+        limit = self.extra.get("max_offered_bytes", int(cache_bytes * DEFAULT_OFFER_FRACTION))
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(
+                f"kv_connector_extra_config max_offered_bytes must be an int >= 0, got {limit!r}"
+            )
+        self.max_offered_bytes = limit
+        self._offered: dict[str, int] = {}  # P: req id -> bytes of its copy, until sent or expired
+        self.num_refused_offers = 0
         # scheduler side
         self._agents: list[dict] = []
         self._layout: dict | None = None
@@ -138,7 +174,7 @@ class JaxTransferConnector(KVConnectorBase_V1):
             "num_expired_offers": 0,
         }
         if role is KVConnectorRole.WORKER:
-            from jaxkv.distributed.kv_transfer.transfer_agent import TransferAgent  # noqa: PLC0415
+            from jaxkv.distributed.kv_transfer.transfer_agent import TransferAgent
 
             self._agent = TransferAgent(host=str(self.extra.get("host", "127.0.0.1")))
 
@@ -227,11 +263,29 @@ class JaxTransferConnector(KVConnectorBase_V1):
                 continue
             del self._to_send[req_id]
             ids = tuple(self._tracker.block_ids[req_id])
+            self._tracker.forget(req_id)
+            nbytes = sum(1 for group in ids for b in group if b) * self._block_bytes
+            held = sum(self._offered.values())
+            if held and held + nbytes > self.max_offered_bytes:
+                self.num_refused_offers += 1
+                logger.warning(
+                    "request %s: not offered to a decode instance: its %d-byte copy would pass "
+                    "max_offered_bytes=%d (%d held); it decodes without it",
+                    req_id,
+                    nbytes,
+                    self.max_offered_bytes,
+                    held,
+                )
+                continue
+            self._offered[req_id] = nbytes
             send = _Send(req_id, uuid, ids, blocks.positions(ids))
             meta.sends.append(send)
             self._sent[req_id] = send
-            self._tracker.forget(req_id)
         return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        for req_id in connector_output.finished_sending:  # pulled or expired: the copy is gone
+            self._offered.pop(req_id, None)
 
     def request_finished(self, request, block_ids):
         req_id = request.request_id
@@ -276,7 +330,7 @@ class JaxTransferConnector(KVConnectorBase_V1):
                     self._kv.shard_specs(len(recv.where)),
                     deadline_s=self.load_timeout_s,
                 )
-            except Exception:  # noqa: BLE001 - e.g. the same uuid twice: this load fails, recompute
+            except Exception:
                 logger.exception(
                     "request %s: pull of uuid %s did not start", recv.req_id, recv.uuid
                 )
@@ -321,7 +375,7 @@ class JaxTransferConnector(KVConnectorBase_V1):
                 continue
             try:
                 self._kv.write_pages(dst, self._kv.from_local_shards(result, len(recv.where)))
-            except Exception:  # noqa: BLE001 - pages of another layout: recompute
+            except Exception:
                 logger.exception("request %s: pulled KV does not fit; recomputing", recv.req_id)
                 self._failed_blocks.update(external)
                 self.stats["num_failed_pulls"] += 1

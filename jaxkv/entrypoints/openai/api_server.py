@@ -4,20 +4,26 @@
 engine (tests, embedding in another server). Routes: ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/models``, ``/health``, ``/tokenize``,
 ``/detokenize``, ``/metrics``, ``/version``. With an API key every ``/v1`` route needs
-``Authorization: Bearer KEY`` (401 otherwise). Errors are OpenAI's JSON shape."""
+``Authorization: Bearer KEY`` (401 otherwise). Errors are OpenAI's JSON shape. Requests pass
+``guard.RequestGuard`` first (hosts, key, JSON only, body limits) and ``limits.ServerLimits``
+before any expensive work; docs/serving.md lists every limit."""
 
 from __future__ import annotations
 
-import hmac
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 
 from jaxkv.engine.async_llm import AsyncLLM
+from jaxkv.entrypoints.openai.guard import RequestGuard
+from jaxkv.entrypoints.openai.http_server import HTTPOptions
+from jaxkv.entrypoints.openai.limits import ServerLimits
 from jaxkv.entrypoints.openai.metrics import PrometheusStatLogger
 from jaxkv.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
-from jaxkv.entrypoints.openai.serving_chat import ServingChat, render_messages
+from jaxkv.entrypoints.openai.serving_chat import ServingChat, encode_messages
 from jaxkv.entrypoints.openai.serving_completion import ServingCompletion
 from jaxkv.entrypoints.openai.serving_embedding import ServingEmbedding
 from jaxkv.entrypoints.openai.serving_engine import (
@@ -27,46 +33,50 @@ from jaxkv.entrypoints.openai.serving_engine import (
     parse_body,
 )
 
-
-class APIKeyMiddleware:
-    """401 on ``/v1`` routes without ``Authorization: Bearer KEY`` (plain ASGI: streamed
-    responses and disconnects pass through untouched)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = OpenAIError(
-                    401, "Unauthorized: a valid API key is needed (Authorization: Bearer KEY)"
-                ).response()
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+#: Worker threads for tokenising, detokenising and chat templates of large inputs.
+NUM_WORKERS = 2
 
 
 def build_app(
-    engine: AsyncLLM, served_model_names: list[str], *, api_key: str | None = None
-) -> FastAPI:
+    engine: AsyncLLM,
+    served_model_names: list[str],
+    *,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
+    http: HTTPOptions | None = None,
+):
+    """The app behind its ``RequestGuard`` (an ASGI app; ``.app`` is the FastAPI one).
+
+    Args:
+      limits: what one request may ask for (default ``ServerLimits()``).
+      http: the allowed hosts and the body-read timeout (default: any host).
+    """
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must not be empty: an empty key would refuse every /v1 request")
+    limits = (limits or ServerLimits()).resolved(engine.tokenizer, engine.config.max_model_len)
+    http = http or HTTPOptions()
     app = FastAPI(title="jaxkv", docs_url=None, redoc_url=None, openapi_url=None)
-    base = Serving(engine, served_model_names)
-    completion = ServingCompletion(engine, served_model_names)
-    chat = ServingChat(engine, served_model_names)
-    embedding = ServingEmbedding(engine, served_model_names)
+    pool = ThreadPoolExecutor(NUM_WORKERS, thread_name_prefix="jaxkv-tokenize")
+    args = (engine, served_model_names, limits, pool)
+    base, completion, chat, embedding = (
+        Serving(*args),
+        ServingCompletion(*args),
+        ServingChat(*args),
+        ServingEmbedding(*args),
+    )
     stat_logger = PrometheusStatLogger(base.model_name)
     info = getattr(getattr(engine, "engine_core", None), "info", None) or {}
     stat_logger.start(num_compiles=int(info.get("num_compiles", 0)))  # the warm-up's programs
     engine.stat_loggers.append(stat_logger)
     created = int(time.time())
 
-    if api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-
     @app.exception_handler(OpenAIError)
     async def openai_error(_request, exc: OpenAIError):
         return exc.response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(_request, _exc):  # nobody reads it; no traceback in the log
+        return OpenAIError(499, "client disconnected").response()
 
     @app.exception_handler(Exception)
     async def any_error(_request, exc: Exception):
@@ -111,7 +121,8 @@ def build_app(
 
     @app.get("/version")
     async def version():
-        from importlib.metadata import PackageNotFoundError, version as pkg_version
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as pkg_version
 
         try:
             return {"version": pkg_version("jaxkv")}
@@ -126,30 +137,35 @@ def build_app(
     async def tokenize(raw: Request):
         req = await parse_body(raw, TokenizeRequest)
         base.check_model(req.model)
-        tok = base.tokenizer_or_400("/tokenize")
+        base.tokenizer_or_400("/tokenize")
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give one of prompt or messages", "prompt")
         if req.messages is not None:
-            ids = tok.encode(
-                render_messages(tok, req.messages, req.add_generation_prompt),
-                add_special_tokens=False,
-            )
+            ids = await encode_messages(base, req.messages, req.add_generation_prompt)
         else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            base.limits.check_prompt_length(req.prompt, engine.config.max_model_len)
+            ids = await base.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(raw: Request):
         req = await parse_body(raw, DetokenizeRequest)
         base.check_model(req.model)
-        tok = base.tokenizer_or_400("/detokenize")
+        base.tokenizer_or_400("/detokenize")
+        base.limits.check_prompt_length(req.tokens, engine.config.max_model_len, "tokens")
         try:
             engine.input_processor.check_vocab("detokenize", "tokens", req.tokens)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), "tokens") from exc
-        return {"prompt": tok.decode(req.tokens)}
+        return {"prompt": await base.decode(req.tokens)}
 
-    return app
+    return RequestGuard(
+        app,
+        allowed_hosts=http.allowed_hosts,
+        api_key=api_key,
+        max_body_bytes=limits.max_body_bytes,
+        body_timeout_s=http.timeout_body_read_s,
+    )
 
 
 def run_server(
@@ -160,12 +176,18 @@ def run_server(
     port: int,
     api_key: str | None = None,
     log_level: str = "info",
-    ready_line: bool = True,
-) -> None:
-    """Serves until SIGINT / SIGTERM, then stops the engine core."""
+    limits: ServerLimits | None = None,
+    http: HTTPOptions | None = None,
+) -> int:
+    """Serves until SIGINT / SIGTERM (exit code 0) or the engine core's death (1, unless
+    ``http.keep_serving_on_core_death``), then ends the open requests, closes the connections
+    and shuts the engine core down (joined, its IPC directory removed)."""
     import uvicorn
 
-    app = build_app(engine, served_model_names, api_key=api_key)
+    from jaxkv.entrypoints.openai.http_server import ServeServer, guarded_h11_protocol
+
+    http = http or HTTPOptions()
+    app = build_app(engine, served_model_names, api_key=api_key, limits=limits, http=http)
     config = uvicorn.Config(
         app,
         host=host,
@@ -173,9 +195,22 @@ def run_server(
         log_level=log_level,
         access_log=False,
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=http.timeout_keep_alive_s,
+        http=guarded_h11_protocol(http.timeout_header_read_s, http.max_connections),
+        lifespan="off",
     )
-    server = uvicorn.Server(config)
+
+    def end_requests():
+        engine.fail_all_requests(OpenAIError(503, "the server is shutting down"))
+
+    server = ServeServer(
+        config,
+        on_stop=end_requests,
+        core_proc=engine.engine_core.proc,
+        keep_serving_on_core_death=http.keep_serving_on_core_death,
+    )
     try:
         server.run()
     finally:
         engine.shutdown()
+    return server.exit_code

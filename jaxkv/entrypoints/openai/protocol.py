@@ -4,17 +4,30 @@
 The models are strict (a string is not a number, ``1`` is not ``true``, ``1.5`` is not an
 int), so every wrong type is a 400 naming the field. Unknown fields are ignored, as OpenAI's
 and vLLM's servers do. Values are checked by ``SamplingParams`` and the engine's input
-processor, whose messages name the field; the server turns them into 400s.
+processor, whose messages name the field; the server turns them into 400s. Lists stop at
+their first bad item (``FailFast``): a million bad numbers cost one error, not a million.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, FailFast, Field
 
 from jaxkv.pooling_params import PoolingParams
 from jaxkv.sampling_params import RequestOutputKind, SamplingParams
+
+
+class _FailFast(FailFast):
+    """pydantic's ``FailFast``, hashable (``typing.Union`` of Python 3.11 hashes its members)."""
+
+    __hash__ = object.__hash__
+
+
+Ids = Annotated[list[int], _FailFast()]
+Strs = Annotated[list[str], _FailFast()]
+#: A prompt (or embedding input): a text, texts, token ids, or token-id lists.
+Prompt = str | Strs | Ids | Annotated[list[Ids], _FailFast()]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -32,7 +45,7 @@ class _SamplingFields(OpenAIBaseModel):
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: str | Strs | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -46,7 +59,7 @@ class _SamplingFields(OpenAIBaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Ids | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
@@ -65,12 +78,9 @@ class _SamplingFields(OpenAIBaseModel):
         """``SamplingParams`` (ValueError / TypeError naming the field on a bad value)."""
         bias = None
         if self.logit_bias is not None:
-            try:
-                bias = {int(k): v for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise ValueError(
-                    f"logit_bias keys must be token ids, got {list(self.logit_bias)[:5]!r}"
-                ) from None
+            from jaxkv.entrypoints.openai.limits import parse_token_id_key
+
+            bias = {parse_token_id_key(k): v for k, v in self.logit_bias.items()}
         kw = {
             name: getattr(self, name)
             for name in (
@@ -108,7 +118,7 @@ class _SamplingFields(OpenAIBaseModel):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -120,13 +130,13 @@ class ChatMessage(OpenAIBaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: str
-    content: str | list[dict] | None = None
+    content: str | Annotated[list[dict], _FailFast()] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], _FailFast()] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -138,7 +148,7 @@ class EmbeddingRequest(OpenAIBaseModel):
     """``POST /v1/embeddings``."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
@@ -161,7 +171,7 @@ class TokenizeRequest(OpenAIBaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], _FailFast()] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -170,4 +180,4 @@ class DetokenizeRequest(OpenAIBaseModel):
     """``POST /detokenize``."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: Ids

@@ -45,6 +45,42 @@ FIELDS = (
 )
 
 
+def messages_chars(messages: list[ChatMessage]) -> int:
+    """Characters of the messages' roles and texts: the rendered prompt has at least as many."""
+    total = 0
+    for m in messages:
+        total += len(m.role)
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif isinstance(m.content, list):
+            total += sum(len(p["text"]) for p in m.content if isinstance(p.get("text"), str))
+    return total
+
+
+async def encode_messages(
+    serving: Serving,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    field: str = "messages",
+) -> list[int]:
+    """The messages' prompt ids (the template rendered, then encoded), refused from their
+    count and length before any of that runs; large ones render and encode in a worker."""
+    serving.limits.check_messages(len(messages))
+    chars = messages_chars(messages)
+    cap = serving.limits.max_prompt_chars
+    if cap is not None and chars > cap:
+        raise OpenAIError(
+            400,
+            f"{field} have {chars} characters: more than can fit in max_model_len="
+            f"{serving.engine.config.max_model_len} tokens (at most {cap} characters, "
+            "--max-prompt-chars)",
+            field,
+        )
+    tok = serving.tokenizer_or_400("chat")
+    prompt = await serving.offload(chars, render_messages, tok, messages, add_generation_prompt)
+    return await serving.encode(prompt, add_special_tokens=False)
+
+
 def render_messages(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
     """The chat template applied to the messages (text parts of list contents joined)."""
     plain = []
@@ -77,11 +113,13 @@ class ServingChat(Serving):
     async def create(self, raw: Request):
         req = await parse_body(raw, ChatCompletionRequest)
         model = self.check_model(req.model)
-        tok = self.tokenizer_or_400("chat")
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        prompt = render_messages(tok, req.messages, req.add_generation_prompt)
-        prompt_ids = tok.encode(prompt, add_special_tokens=False)
+        self.limits.check_n(req.n)
+        self.limits.check_sequences(1, req.n, "messages")
+        self.limits.check_stop(req.stop)
+        self.limits.check_logit_bias(req.logit_bias)
+        prompt_ids = await encode_messages(self, req.messages, req.add_generation_prompt)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         asked = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

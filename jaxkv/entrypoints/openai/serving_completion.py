@@ -4,6 +4,8 @@ answered whole, ``echo``, ``logprobs`` (OpenAI's legacy shape) and ``usage``."""
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -46,6 +48,8 @@ class ServingCompletion(Serving):
     async def create(self, raw: Request):
         req = await parse_body(raw, CompletionRequest)
         model = self.check_model(req.model)
+        limits = self.limits  # every limit before any prompt is tokenised
+        limits.check_n(req.n, req.best_of)
         if req.suffix is not None:
             raise OpenAIError(400, "suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -53,12 +57,17 @@ class ServingCompletion(Serving):
                 400, f"best_of={req.best_of} is not supported (only best_of == n)", "best_of"
             )
         prompts = self.prompts_of(req.prompt)
+        limits.check_sequences(len(prompts), req.n, "prompt")
+        limits.check_stop(req.stop)
+        limits.check_logit_bias(req.logit_bias)
+        for prompt in prompts:  # every prompt's length, before any is tokenised
+            limits.check_prompt_length(prompt, self.engine.config.max_model_len)
         rid = request_id("cmpl")
         streams, rids = [], []
         try:
             for i, prompt in enumerate(prompts):
-                plen = self.prompt_len(prompt)
-                max_tokens = self.max_tokens_for(req.max_tokens, plen, "max_tokens")
+                ids = await self.encode(prompt) if isinstance(prompt, str) else prompt
+                max_tokens = self.max_tokens_for(req.max_tokens, len(ids), "max_tokens")
                 sp = req.sampling_params(
                     max_tokens,
                     logprobs=req.logprobs,
@@ -66,13 +75,14 @@ class ServingCompletion(Serving):
                     stream=req.stream,
                 )
                 streams.append(
-                    await self.engine.add_request(f"{rid}-{i}", prompt, sp, priority=req.priority)
+                    await self.engine.add_request(f"{rid}-{i}", ids, sp, priority=req.priority)
                 )
                 rids.append(f"{rid}-{i}")
+                await asyncio.sleep(0)  # a large batch lets other requests in between its prompts
         except BaseException as exc:  # every prompt is valid or none runs
             await self.abort_all(rids)
             raise from_engine_error(exc, FIELDS) from exc
-        state = _State(self, req, rid, model, len(prompts))
+        state = _State(self, req, rid, model, prompts)
         if req.stream:
             return StreamingResponse(
                 self.aborting(state.stream(streams), rids), media_type="text/event-stream"
@@ -85,11 +95,12 @@ class ServingCompletion(Serving):
 
 class _State:
     def __init__(
-        self, serving: Serving, req: CompletionRequest, rid: str, model: str, num_prompts: int
+        self, serving: Serving, req: CompletionRequest, rid: str, model: str, prompts: list
     ):
         self.s, self.req, self.rid, self.model = serving, req, rid, model
+        self.prompts = prompts  # as sent: the engine got token ids (tokenised off the event loop)
         self.created = now()
-        self.prompt_tokens = [0] * num_prompts
+        self.prompt_tokens = [0] * len(prompts)
         self.completion_tokens = 0
         self.offsets: dict[int, int] = {}  # choice -> text offset (logprobs' text_offset)
 
@@ -101,12 +112,12 @@ class _State:
             "total_tokens": p + self.completion_tokens,
         }
 
-    def _echo(self, out) -> tuple[str, list | None]:
-        """The prompt's text and, with logprobs, its positions (the first has none)."""
+    def _echo(self, i: int, out) -> tuple[str, list | None]:
+        """Prompt ``i``'s text and, with logprobs, its positions (the first has none)."""
         tok = self.s.engine.tokenizer
         text = (
-            out.prompt
-            if out.prompt is not None
+            self.prompts[i]
+            if isinstance(self.prompts[i], str)
             else (tok.decode(out.prompt_token_ids) if tok else "")
         )
         if self.req.logprobs is None:
@@ -141,7 +152,7 @@ class _State:
         index = i * self.req.n + c.index
         text, lp = c.text, None
         if self.req.echo and first:
-            echo_text, echo_positions = self._echo(out)
+            echo_text, echo_positions = self._echo(i, out)
             text = echo_text + text
             if echo_positions is not None:
                 lp = self._logprobs(index, echo_positions)

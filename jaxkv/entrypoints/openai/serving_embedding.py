@@ -4,6 +4,7 @@ default), ``usage``."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import numpy as np
@@ -28,15 +29,22 @@ class ServingEmbedding(Serving):
         req = await parse_body(raw, EmbeddingRequest)
         model = self.check_model(req.model)
         inputs = self.prompts_of(req.input, "input")
+        self.limits.check_sequences(len(inputs), 1, "input")
+        max_len = self.engine.config.max_model_len
+        for prompt in inputs:  # truncated prompts may be longer in tokens, never in characters
+            if req.truncate_prompt_tokens is None or isinstance(prompt, str):
+                self.limits.check_prompt_length(prompt, max_len, "input")
         rid = request_id("embd")
         streams, rids = [], []
         try:
             pp = req.pooling_params()
             for i, prompt in enumerate(inputs):
+                ids = await self.encode(prompt) if isinstance(prompt, str) else prompt
                 streams.append(
-                    await self.engine.add_request(f"{rid}-{i}", prompt, pp, priority=req.priority)
+                    await self.engine.add_request(f"{rid}-{i}", ids, pp, priority=req.priority)
                 )
                 rids.append(f"{rid}-{i}")
+                await asyncio.sleep(0)
         except BaseException as exc:
             await self.abort_all(rids)
             raise from_engine_error(exc, FIELDS) from exc

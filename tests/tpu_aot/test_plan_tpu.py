@@ -1,0 +1,52 @@
+"""``jaxkv plan --tpu v5e|v6e|v7x``: the steps' memory and Mosaic kernels, compiled deviceless."""
+
+import re
+
+import pytest
+
+from jaxkv.entrypoints.cli import main
+
+
+def test_plan_tpu_needs_heads_of_128(capsys):
+    """tiny-llama's heads of 64 are refused by name before anything compiles."""
+    code = main(["plan", "--model", "tiny-llama", "--kv-cache-memory", "64MiB", "--tpu", "v5e"])
+    assert code != 0
+    assert "head_dim to be a multiple of 128, got 64" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_aot
+@pytest.mark.tpu_aot_full
+def test_plan_tpu_reports_steps_and_kernels(tpu, capsys):
+    tpu("v6e")  # skips (fails in CI) without libtpu
+    code = main(
+        [
+            "plan",
+            "--model",
+            "gemma3-270m",
+            "--dtype",
+            "bfloat16",
+            "--kv-cache-memory",
+            "64MiB",
+            "--max-model-len",
+            "1024",
+            "--max-num-batched-tokens",
+            "128",
+            "--max-num-seqs",
+            "8",
+            "--tpu",
+            "v6e",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "TPU v6e (TPU v6 lite, deviceless compile" in out
+    decode = re.search(
+        r"decode step \(T=8, S=8\): temp ([\d.]+) MiB, arguments [\d.]+ GiB, aliased ([\d.]+) GiB",
+        out,
+    )
+    assert decode and float(decode.group(2)) == pytest.approx(64 / 1024, abs=0.01), out  # in place
+    kernels = re.findall(
+        r"ragged_paged_attention_mosaic\w*: VMEM (\d+) B \(scoped limit (\d+)\)", out
+    )
+    assert kernels and all(0 < int(v) <= int(lim) for v, lim in kernels), out
