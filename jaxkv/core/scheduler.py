@@ -111,6 +111,9 @@ class Scheduler(SchedulePhasesMixin, KVTransferMixin, SchedulerUpdateMixin):
         self._failed_loads: set[str] = set()  # of those, failed: recompute
         self._no_connector: set[str] = set()  # failed once: never asked again
         self._sending: dict[str, Request] = {}  # finished, blocks kept until sent
+        #: Reported sent while still running (its offer expired before the step's update
+        #: finished it): freed at once when it finishes.
+        self._sent_early: set[str] = set()
         self.num_external_computed_tokens = 0  # tokens loaded by the connector (stats)
         self.kv_connector_stats: dict = {}  # the workers' latest counters (every rank's)
         self.num_failed_kv_loads = 0
@@ -239,10 +242,12 @@ class Scheduler(SchedulePhasesMixin, KVTransferMixin, SchedulerUpdateMixin):
         self.finished_req_ids.add(req_id)
         delay, params = False, None
         if self.connector is not None:
+            sent = req_id in self._sent_early
             self.forget_kv_transfers(req_id)
             delay, params = self.connector.request_finished(
                 request, self.kv_cache_manager.get_block_ids(req_id)
             )
+            delay = delay and not sent
         if delay:
             self._sending[req_id] = request
         else:

@@ -32,6 +32,7 @@ class KVTransferMixin:
             self._no_connector,
             self._recomputing,
             self._recomputing_news,
+            self._sent_early,
         ):
             if req_id is None:
                 state.clear()
@@ -99,6 +100,8 @@ class KVTransferMixin:
             if request is not None:
                 self.kv_cache_manager.free(request)
                 del self.requests[req_id]
+            elif req_id in self.requests:  # its offer ended before the step finished it
+                self._sent_early.add(req_id)
 
     def _in_flight(self, req_id: str) -> bool:
         return any(req_id in so.num_scheduled_tokens for so, _ in self._uncommitted)

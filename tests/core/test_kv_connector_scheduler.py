@@ -3,6 +3,7 @@ asynchronous loads in WAITING_FOR_REMOTE_KVS, failed loads recomputing, delayed 
 sends, aborts during a load, synchronous external tokens. A scripted fake connector stands in
 for the worker side; no jax."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -149,6 +150,24 @@ def test_delayed_free_until_sent():
     assert num_free(s) == 8
     run(s, s.schedule(), KVConnectorOutput(finished_sending={"a"}))
     assert not s.has_pending_kv_sends() and num_free(s) == 10 and not s.requests
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_send_reported_done_before_the_request_finishes(max_tokens):
+    """A worker may report a send ended (its offer expired: P's hold timeout is shorter than
+    the rest of the step, or than the decode that follows) in the same step's output that
+    finishes the request, or earlier: the blocks are freed when it finishes, not kept for a
+    report that already came."""
+    c = FakeConnector(send={"a"})
+    s = make(c)
+    s.add_request(make_request("a", list(range(20)), max_tokens=max_tokens))
+    kv = KVConnectorOutput(finished_sending={"a"})
+    results = run(s, s.schedule(), kv)
+    while not results or results[-1].finish_reason is None:
+        results = run(s, s.schedule(), KVConnectorOutput())
+    assert results[-1].finish_reason == "length"
+    assert not s.has_pending_kv_sends() and num_free(s) == 10 and not s.requests
+    assert not s._sent_early
 
 
 def test_sync_external_tokens_are_computed_and_not_zeroed():
