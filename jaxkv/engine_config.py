@@ -388,9 +388,10 @@ def resolve_engine_config(
     already built NNX model (then ``tokenizer`` may be given). Flags (``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``async_scheduling``, ``verbose``) must be real bools.
     """
-    from jaxkv.models.registry import (
+    from jaxkv.models.registry import (  # the engine depends on models, never the reverse
         load_model_config,
-    )  # the engine depends on models, never the reverse
+        resolve_quantization,
+    )
 
     _check_argument_types(
         flags=dict(
@@ -449,6 +450,8 @@ def resolve_engine_config(
 
     if isinstance(model, str):  # config and tokenizer only: the workers load the weights sharded
         loaded, (model_config, tok) = None, load_model_config(model, dtype=dtype)
+        # an fp8 checkpoint's own "fp8" (ValueError naming both for another quantization)
+        quantization = resolve_quantization(model, quantization)
         name = model
     else:
         loaded, model_config, tok = model, model.config, None

