@@ -8,9 +8,11 @@ A quantized kernel is ``q`` (int8, or float8_e4m3fn for "fp8") plus float32 scal
 * per block of ``block`` inputs: ``scale [in // block, out]`` (GGUF Q8_0's layout with
   block 32: a Q8_0 tensor's blocks load as they are stored, bit for bit).
 
-``QuantizedLinear.__call__`` dequantizes the kernel in the compute dtype right before the dot,
-inside the jitted forward (``x @ (q * scale)``); no float copy of the weights is stored, and
-XLA may fuse the convert and multiply into the dot's operand.
+``QuantizedLinear.__call__`` (``quantized_matmul``) computes inside the jitted forward: per
+output channel ``(x @ q) * scale`` (the dot takes ``q`` converted to the compute dtype, which
+XLA:GPU fuses into its GEMM: the weights stream from HBM at their own width), per block
+``x @ (q * scale)`` (the kernel dequantized in temp first). No float copy of the weights is
+stored.
 
 Modes (``load_model(..., quantization=...)``, ``EngineConfig.quantization``):
 
@@ -114,6 +116,67 @@ def dequantize(q, scale, dtype=jnp.float32):
     return xp.reshape(w, (n_in, n_out))
 
 
+#: Most rows (tokens) a quantized matmul sends to the C++ kernel on the CPU; more go to XLA.
+CPU_KERNEL_MAX_ROWS = 32
+
+
+def quantized_matmul(x, q, scale, dtype, *, out_major: bool = False, out_dtype=None) -> jax.Array:
+    """``x [..., in] @ dequantize(q [in, out], scale)`` in ``dtype`` (jax, inside jit); with
+    ``out_major``, ``q [out, in]`` and ``scale [out] | [out, in // block]`` (the LM head's
+    vocabulary-major layout). The result is ``[..., out]`` in ``out_dtype`` (default ``dtype``).
+
+    On XLA (GPU, TPU, and the CPU above ``CPU_KERNEL_MAX_ROWS`` rows): per output channel
+    (``scale [out]``) the dot takes the converted ``q`` and the scales multiply its f32 result;
+    XLA:GPU then fuses the int8 / fp8 -> ``dtype`` convert into its GEMM (the kernel is read
+    from HBM as stored, no dequantized copy in temp: tests/gpu_aot/test_h200_quantized.py),
+    and so does the TPU compiler. Per block of inputs the kernel is dequantized first
+    (``dequantize``): XLA:GPU fuses no per-block scale into a dot.
+
+    On the CPU, up to ``CPU_KERNEL_MAX_ROWS`` rows (decode steps) run the C++ kernel
+    (``jaxkv.pallas_kernels.cpu_backend.quantized_matmul``), which reads each weight byte once:
+    XLA:CPU converts the whole kernel to float before its dot. Chosen per platform when the
+    program is lowered (``jax.lax.platform_dependent``), so a GPU or TPU compile never sees it.
+    """
+    out_dtype = dtype if out_dtype is None else out_dtype
+    lead = x.shape[:-1]
+    rows = int(np.prod(lead))
+    n_out = q.shape[0] if out_major else q.shape[1]
+
+    def on_xla(x, q, scale):
+        contract = (((x.ndim - 1,), (1 if out_major else 0,)), ((), ()))
+        if scale.ndim == 1:
+            y = jax.lax.dot_general(
+                x.astype(dtype), q.astype(dtype), contract, preferred_element_type=jnp.float32
+            )  # [..., out] f32
+            return (y * scale).astype(out_dtype)
+        if out_major:
+            w = dequantize(q.T, scale.T, dtype)  # [in, out]
+            contract = (((x.ndim - 1,), (0,)), ((), ()))
+        else:
+            w = dequantize(q, scale, dtype)  # [in, out]
+        return jax.lax.dot_general(x.astype(dtype), w, contract).astype(out_dtype)
+
+    if 0 < rows <= CPU_KERNEL_MAX_ROWS and _cpu_kernel_available():
+        from jaxkv.pallas_kernels import cpu_backend  # lazy: builds C++ on first use
+
+        def on_cpu(x, q, scale):
+            y = cpu_backend.quantized_matmul(
+                x.reshape(rows, x.shape[-1]), q, scale, out_major=out_major
+            )
+            return y.reshape(*lead, n_out).astype(out_dtype)
+
+        return jax.lax.platform_dependent(x, q, scale, cpu=on_cpu, default=on_xla)
+    return on_xla(x, q, scale)
+
+
+def _cpu_kernel_available() -> bool:
+    if jax.default_backend() != "cpu":
+        return False
+    from jaxkv.pallas_kernels import cpu_backend  # lazy: builds C++ on first use
+
+    return cpu_backend.available()
+
+
 def _scale_name(scale_shape: tuple[int, ...]) -> str:
     return "scale" if len(scale_shape) == 1 else "block_scale"
 
@@ -163,10 +226,7 @@ class QuantizedLinear(nnx.Module):
         return dequantize(self.kernel[...], self.scales(), self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out] dtype
-        w = self.dequantized()
-        y = jax.lax.dot_general(
-            x.astype(self.dtype), w, (((x.ndim - 1,), (0,)), ((), ()))
-        )  # [..., out]
+        y = quantized_matmul(x, self.kernel[...], self.scales(), self.dtype)  # [..., out]
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -204,6 +264,19 @@ class QuantizedLMHead(nnx.Module):
 
     def dequantized(self) -> jax.Array:  # [V, hidden] dtype
         return dequantize(self.weight[...].T, self.scales().T, self.dtype).T
+
+    def logits(self, hidden: jax.Array, *, vocab_major: bool = False) -> jax.Array:
+        """``hidden [..., hidden]`` -> ``[..., V]`` f32 (``[V, R]`` when ``vocab_major``,
+        ``hidden [R, hidden]``), through ``quantized_matmul`` on the vocabulary-major weight."""
+        logits = quantized_matmul(
+            hidden,
+            self.weight[...],
+            self.scales(),
+            self.dtype,
+            out_major=True,
+            out_dtype=jnp.float32,
+        )  # [..., V] f32
+        return logits.T if vocab_major else logits
 
 
 def quantized_modules(model) -> dict[tuple, nnx.Module]:

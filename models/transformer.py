@@ -125,25 +125,25 @@ class CausalLM(nnx.Module):
         vocab_major: bool = False,
     ) -> jax.Array:  # [..., V] f32, or [V, R] f32 when vocab_major
         """LM head (the tied embedding when ``tie_word_embeddings``; a quantized head,
-        ``jaxkv.models.quant``, dequantized in the compute dtype), then the final soft-cap.
+        ``jaxkv.models.quant``, from its int8 / fp8 weights), then the final soft-cap.
 
         ``vocab_major=True`` returns the logits transposed, ``[V, R]`` (``W @ h^T``): the faster
         GEMM orientation on XLA:CPU for a decode step's few rows; the greedy sampler takes its
         argmax over axis 0.
         """
-        if isinstance(self.lm_head, QuantizedLMHead):  # dequantized here, inside the program
-            w = self.lm_head.dequantized()  # [V, hidden]
+        if vocab_major and hidden.ndim != 2:
+            raise ValueError(f"vocab_major logits need hidden [R, hidden], got {hidden.shape}")
+        if isinstance(self.lm_head, QuantizedLMHead):  # inside the program, from int8 / fp8
+            logits = self.lm_head.logits(hidden, vocab_major=vocab_major)
         else:
             w = (
                 self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head.weight
             )[...]
-        hidden = hidden.astype(w.dtype)
-        if vocab_major:
-            if hidden.ndim != 2:
-                raise ValueError(f"vocab_major logits need hidden [R, hidden], got {hidden.shape}")
-            logits = jnp.einsum("vh,rh->vr", w, hidden)
-        else:
-            logits = jnp.einsum("...h,vh->...v", hidden, w)
+            hidden = hidden.astype(w.dtype)
+            if vocab_major:
+                logits = jnp.einsum("vh,rh->vr", w, hidden)
+            else:
+                logits = jnp.einsum("...h,vh->...v", hidden, w)
         logits = logits.astype(jnp.float32)
         cap = self.config.final_logit_softcapping
         if cap is not None:

@@ -16,6 +16,10 @@ the compiler, jaxlib and this CPU's flags, and registered with XLA once per proc
 compiler (or with ``JAXKV_CPU_KERNELS=0``)
 :func:`available` is False and "auto" keeps the pure-XLA backend; :func:`build_error` says why.
 
+The same library holds the KV write / page zeroing (``cpu_kernels/kv_write.cc``) and the
+weight-only int8 / fp8 matmul of decode steps (``cpu_kernels/quantized_matmul.cc``,
+:func:`quantized_matmul`, used by ``jaxkv.models.quant.quantized_matmul``).
+
 Supported: f32 / bf16 / f16 caches (typed or as bytes), head_size <= 256, GQA group <= 16,
 block_size <= 256, sliding window, soft-cap, a static k_scale. Anything else (fp8 caches, a
 traced k_scale) runs the XLA backend.
@@ -42,16 +46,23 @@ from jaxkv.pallas_kernels import xla_backend
 
 #: C++ sources, built into one library; custom-call target -> exported handler symbol.
 SOURCES = tuple(
-    pathlib.Path(__file__).parent / "cpu_kernels" / n for n in ("paged_attention.cc", "kv_write.cc")
+    pathlib.Path(__file__).parent / "cpu_kernels" / n
+    for n in ("paged_attention.cc", "kv_write.cc", "quantized_matmul.cc")
 )
 TARGET = "jaxkv_paged_attention_cpu"
 WRITE_TARGET = "jaxkv_write_kv_cpu"
 ZERO_TARGET = "jaxkv_zero_pages_cpu"
+QMATMUL_TARGET = "jaxkv_quantized_matmul_cpu"
 HANDLERS = {
     TARGET: "JaxkvPagedAttentionCpu",
     WRITE_TARGET: "JaxkvWriteKvCpu",
     ZERO_TARGET: "JaxkvZeroPagesCpu",
+    QMATMUL_TARGET: "JaxkvQuantizedMatmulCpu",
 }
+#: Quantized kernel dtypes of ``quantized_matmul`` (its ``qtype`` attribute).
+QTYPES = {jnp.dtype(jnp.int8): 0, jnp.dtype(jnp.float8_e4m3fn): 1}
+#: Most rows of x ``quantized_matmul`` takes (the C++ kernel's limit).
+QMATMUL_MAX_ROWS = 64
 #: Flags of every build, then the first of ARCH_FLAGS the compiler accepts: -march=native (GCC,
 #: Clang on x86), -mcpu=native (AArch64 compilers that reject -march=native), none (portable,
 #: slower); then -fopenmp-simd when accepted (it only enables ``#pragma omp simd``).
@@ -283,6 +294,36 @@ def zero_pages(
         ZERO_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype), input_output_aliases={0: 0}
     )
     return call(buffer, page_ids.astype(jnp.int32), page_bytes=np.int64(page_bytes))
+
+
+def quantized_matmul(
+    x,  # [M, K], M <= QMATMUL_MAX_ROWS
+    q,  # [K, N] int8 | float8_e4m3fn; [N, K] when out_major
+    scale,  # [N] | [K // block, N] f32; [N] | [N, K // block] when out_major
+    *,
+    out_major: bool = False,
+):
+    """The FFI weight-only quantized matmul: ``x @ dequantize(q, scale)`` (``x @ (q * scale)^T``
+    when ``out_major``) as [M, N] f32, reading each weight byte once
+    (``cpu_kernels/quantized_matmul.cc``); block scales' block size follows from the shapes."""
+    if x.ndim != 2 or x.shape[0] > QMATMUL_MAX_ROWS or jnp.dtype(q.dtype) not in QTYPES:
+        raise ValueError(
+            f"quantized_matmul takes x [M <= {QMATMUL_MAX_ROWS}, K] and an int8 / fp8 q, got "
+            f"x {x.shape}, q {q.dtype}"
+        )
+    n_in, n_out = (q.shape[1], q.shape[0]) if out_major else q.shape
+    groups = 0 if scale.ndim == 1 else scale.shape[1 if out_major else 0]
+    block = 0 if groups == 0 else n_in // groups
+    call = _ffi_call(QMATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n_out), jnp.float32))
+    return call(
+        x.astype(jnp.float32),
+        q,
+        scale.astype(jnp.float32),
+        block=np.int64(block),
+        qtype=np.int32(QTYPES[jnp.dtype(q.dtype)]),
+        out_major=bool(out_major),
+        num_threads=np.int32(_num_threads()),
+    )
 
 
 def use_cpu_kernels() -> bool:

@@ -1,0 +1,91 @@
+"""Weight-only int8 / fp8 weights on the deviceless H200: the weights stay quantized in HBM.
+
+A Llama-3-8B-sized layer (hidden 4096, MLP 14336, 32 / 8 heads of 128, vocabulary 128256) with
+``quantization="int8"`` / ``"fp8"`` (per output channel), weights abstract: its linear kernels
+and LM head are held at one byte per parameter, and the compiled decode forward (which
+includes the greedy LM head) converts them inside XLA's GEMM fusions: no dequantized copy of
+any kernel is made in temp (the largest, the MLP's 4096 x 14336, would be 112 MiB in bf16;
+the whole program's temp stays below that and no fusion outside a GEMM writes a kernel-sized
+bf16 array). ``jaxkv.models.quant.quantized_matmul`` says why the form matters.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxkv.models import build_model, get_config
+from jaxkv.models.quant import quantized_modules
+from tests.engine.helpers import make_llm
+from tests.gpu_aot.helpers import compile_forward
+
+pytestmark = pytest.mark.gpu_aot
+
+LLAMA3_8B_LAYER = dict(
+    num_hidden_layers=1,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    dtype="bfloat16",
+)
+MLP_KERNEL_BF16 = 4096 * 14336 * 2  # 112 MiB: one dequantized MLP kernel
+
+
+def _runner(model):
+    return make_llm(
+        model,
+        attention_backend="pallas",
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        max_model_len=4096,
+        kv_cache_memory_bytes=256 << 20,
+    ).llm_engine.runner
+
+
+def _kernel_sized_bf16_outside_gemms(hlo: str) -> list[str]:
+    """Instructions of the entry computation that write a bf16 array as large as a linear
+    kernel (a materialised dequantized weight): not a parameter, a bitcast (no data written),
+    a GEMM fusion or a custom call."""
+    entry = hlo[hlo.index("ENTRY") :]
+    found = []
+    for line in entry.splitlines():
+        m = re.search(r"= bf16\[([\d,]+)\]", line)
+        if not m or any(w in line for w in ("gemm", "custom-call", "parameter(", " bitcast(")):
+            continue
+        if np.prod([int(d) for d in m.group(1).split(",")]) >= 4096 * 4096:
+            found.append(line.strip()[:160])
+    return found
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_llama3_8b_layer_keeps_quantized_weights_on_h200(h200, mode):
+    cfg = get_config("tiny-llama", **LLAMA3_8B_LAYER)
+    model = nnx.eval_shape(lambda: build_model(cfg, seed=0, quantization=mode))
+    qmods = quantized_modules(model)
+    assert len(qmods) == 8  # q, k, v, o, gate, up, down and the (tied) head
+    n_params = sum(
+        int(np.prod(m.kernel.shape if hasattr(m, "kernel") else m.weight.shape))
+        for m in qmods.values()
+    )
+    q_bytes = sum(
+        leaf.size * leaf.dtype.itemsize
+        for m in qmods.values()
+        for leaf in jax.tree.leaves(nnx.state(m, nnx.Param))
+    )
+    assert n_params <= q_bytes < 1.01 * n_params  # one byte a parameter, plus f32 scales
+    compiled = compile_forward(_runner(model), h200, 64)  # decode: + the greedy head
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    print(
+        f"{mode}: weights {q_bytes / 2**20:.0f} MiB for {n_params / 1e6:.0f} M params; "
+        f"decode forward temp {temp / 2**20:.1f} MiB"
+    )
+    assert temp < MLP_KERNEL_BF16 // 2, temp
+    assert _kernel_sized_bf16_outside_gemms(compiled.as_text()) == []

@@ -1,0 +1,105 @@
+"""The C++ weight-only quantized matmul (``cpu_backend.quantized_matmul``) against numpy on the
+dequantized kernel, and where ``models.quant.quantized_matmul`` sends a matmul: the C++ kernel
+for the few rows of a decode step on the CPU, XLA for more rows and on every other platform."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from jaxkv.models.quant import CPU_KERNEL_MAX_ROWS, dequantize, quantize, quantized_matmul
+from jaxkv.pallas_kernels import cpu_backend
+
+TARGET = cpu_backend.QMATMUL_TARGET
+
+
+@pytest.fixture(autouse=True)
+def _kernel():
+    if jax.default_backend() != "cpu":
+        pytest.skip("the C++ kernels run on the CPU platform")
+    if not cpu_backend.available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_backend.build_error()}")
+
+
+def _case(rows, n_in, n_out, mode, block, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n_in, n_out)).astype(np.float32)
+    q, scale = quantize(w, mode, block)
+    x = rng.standard_normal((rows, n_in)).astype(np.float32)
+    want = x.astype(np.float64) @ np.asarray(dequantize(q, scale, np.float32), np.float64)
+    return x, q, scale, want
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize(
+    "rows,n_in,n_out,block",
+    [
+        (1, 576, 1536, None),  # SmolLM2's up projection, per channel
+        (1, 1536, 576, 32),  # its down projection, GGUF Q8_0 blocks
+        (3, 70, 130, None),  # inputs not a multiple of 4, a ragged last column range
+        (8, 64, 200, 32),
+        (64, 96, 65, None),  # the most rows the kernel takes
+        (5, 256, 4097, 32),  # more columns than the widest range
+    ],
+)
+def test_kernel_equals_numpy_on_the_dequantized_weights(rows, n_in, n_out, block, mode):
+    x, q, scale, want = _case(rows, n_in, n_out, mode, block)
+    got = np.asarray(jax.jit(cpu_backend.quantized_matmul)(x, q, scale))
+    assert got.shape == (rows, n_out) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("rows,n_in,n_out,block", [(1, 576, 4099, 32), (7, 96, 130, None)])
+def test_out_major_kernel_equals_numpy(rows, n_in, n_out, block, mode):
+    """The LM head's layout: q [out, in] with scales [out] or [out, in // block]."""
+    x, q, scale, want = _case(rows, n_in, n_out, mode, block, seed=1)
+    got = np.asarray(cpu_backend.quantized_matmul(x, q.T.copy(), scale.T.copy(), out_major=True))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_fp8_table_matches_ml_dtypes_for_every_byte():
+    """All 256 float8_e4m3fn encodings (subnormals, +-0, the NaNs) widen as ml_dtypes does."""
+    codes = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).reshape(1, 256)
+    got = cpu_backend.quantized_matmul(np.ones((1, 1), np.float32), codes, np.ones(256, np.float32))
+    np.testing.assert_array_equal(np.asarray(got)[0], codes.astype(np.float32)[0])
+
+
+def test_bad_shapes_are_refused():
+    x, q, scale, _ = _case(2, 64, 32, "int8", None)
+    with pytest.raises(ValueError, match="quantized_matmul takes x"):
+        cpu_backend.quantized_matmul(np.zeros((65, 64), np.float32), q, scale)
+    with pytest.raises(ValueError, match="quantized_matmul takes x"):
+        cpu_backend.quantized_matmul(x, q.astype(np.float32), scale)
+
+
+def _lowered(rows, platform):
+    fn = jax.jit(lambda x, q, s: quantized_matmul(x, q, s, jnp.float32))
+    args = (
+        jax.ShapeDtypeStruct((rows, 64), jnp.float32),
+        jax.ShapeDtypeStruct((64, 96), jnp.int8),
+        jax.ShapeDtypeStruct((96,), jnp.float32),
+    )
+    unchecked = [export.DisabledSafetyCheck.custom_call(TARGET)]
+    return export.export(fn, platforms=[platform], disabled_checks=unchecked)(*args).mlir_module()
+
+
+def test_decode_rows_take_the_kernel_on_cpu_only():
+    assert TARGET in _lowered(1, "cpu")
+    assert TARGET in _lowered(CPU_KERNEL_MAX_ROWS, "cpu")
+    assert TARGET not in _lowered(CPU_KERNEL_MAX_ROWS + 1, "cpu")
+    for platform in ("cuda", "tpu"):  # lowered for another platform: XLA's dot
+        assert TARGET not in _lowered(1, platform)
+
+
+@pytest.mark.parametrize("block", [None, 32])
+def test_model_matmul_equals_xla_path(block):
+    """Through ``models.quant.quantized_matmul`` (leading dims flattened, cast to dtype): the
+    kernel's rows equal XLA's for the same weights up to summation order."""
+    x, q, scale, want = _case(6, 128, 96, "int8", block)
+    x3 = x.reshape(2, 3, 128)
+    got = np.asarray(jax.jit(lambda x, q, s: quantized_matmul(x, q, s, jnp.float32))(x3, q, scale))
+    np.testing.assert_allclose(got.reshape(6, 96), want, rtol=0, atol=2e-5 * np.abs(want).max())
