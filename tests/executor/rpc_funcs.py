@@ -73,3 +73,9 @@ def fail_next_dispatch_on(worker, rank: int) -> int:
     if worker.rank == rank:
         fail_next_dispatch(worker)
     return worker.rank
+
+
+def q_proj_shard(worker) -> tuple[str, list[int]]:
+    """Layer 0's q_proj kernel on this worker: its dtype and the shape of its local shard."""
+    kernel = worker.model.model.layers[0].self_attn.q_proj.kernel[...]
+    return str(kernel.dtype), list(kernel.addressable_shards[0].data.shape)

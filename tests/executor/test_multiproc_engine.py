@@ -57,6 +57,31 @@ def _run(llm, first, later, params):
 
 
 @pytest.mark.slow
+def test_int8_weights_across_two_processes_match_one_process(models):
+    """``quantization="int8"`` with the workers in two processes (tensor parallel 2): each
+    worker holds its half of the int8 kernels and the greedy tokens are the one-process
+    engine's."""
+    path, _ = models["tiny-llama"]
+    first, later = _workload(1)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    one = LLM(str(path), quantization="int8", max_num_seqs=4, **SMALL)
+    ref = _run(one, first, later, greedy)
+    one.shutdown()
+    llm = _mp(path, quantization="int8", max_num_seqs=4)
+    try:
+        ex = llm.llm_engine.engine_core.model_executor
+        (dtype, shard), other = (tuple(r) for r in ex.collective_rpc(rpc_funcs.q_proj_shard))
+        assert dtype == "int8" and other == (dtype, shard), other
+        hidden = llm.llm_engine.model_config.hidden_size
+        assert shard[0] == hidden and shard[1] < hidden  # columns split over the two ranks
+        outs = _run(llm, first, later, greedy)
+        assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
+        assert_no_block_leaks(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
 def test_llama_matches_one_process_and_dense(models):
     """Greedy tokens equal the dense forward's and the one-process engine's (chunked prefill,
     prefix hits, preemption); seeded sampling draws what one process draws; each worker holds
