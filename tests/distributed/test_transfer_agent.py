@@ -223,7 +223,7 @@ def test_peer_killed_before_pull_fails_within_deadline(peer_factory, agents):
     t0 = time.monotonic()
     d.start_pull(p.address, 5, [spec(8, 256)], deadline_s=1.5)  # offered, but P is gone
     results = wait_pulled(d, 2, timeout_s=5)
-    assert time.monotonic() - t0 < 1.5 + 1.0
+    assert time.monotonic() - t0 < 1.5 + 3.0  # the deadline, not the other pull's 20 s
     assert isinstance(results[6], Exception) and "closed" in str(results[6]).lower(), results[6]
     assert isinstance(results[5], Exception), results[5]
 
@@ -239,7 +239,7 @@ def test_never_registered_times_out_and_process_exits(peer_factory, agents):
     elapsed = time.monotonic() - t0
     assert event[:3] == ["pulled", 99, False] and event[3].startswith("TimeoutError"), event
     assert "uuid 99" in event[3] and "1.5 s" in event[3] and p.address["transfer"] in event[3]
-    assert 1.4 < elapsed < 1.5 + 2.0
+    assert 1.4 < elapsed < 1.5 + 4.0  # the deadline, not the other pull's 600 s
     assert d.quit(timeout_s=10) < 5.0
 
 
@@ -266,7 +266,7 @@ def test_close_returns_promptly_with_pulls_stuck(agents):
     t0 = time.monotonic()
     d.close()
     d.close()
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 2.0  # not the stuck pull's 600 s
     with pytest.raises(RuntimeError, match="closed"):
         d.poll_pulled()
 

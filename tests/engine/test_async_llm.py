@@ -75,7 +75,7 @@ def test_core_loop_stops_when_its_front_end_is_gone():
     try:
         t0 = time.monotonic()
         EngineCoreProc(BusyCore(), inp, out, parent_pid=os.getppid() + 1).run()
-        assert BusyCore.steps == 0 and time.monotonic() - t0 < 1.0
+        assert BusyCore.steps == 0 and time.monotonic() - t0 < 3.0
     finally:
         inp.close(linger=0)
         out.close(linger=0)
