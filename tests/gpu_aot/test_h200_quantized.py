@@ -87,5 +87,7 @@ def test_llama3_8b_layer_keeps_quantized_weights_on_h200(h200, mode):
         f"{mode}: weights {q_bytes / 2**20:.0f} MiB for {n_params / 1e6:.0f} M params; "
         f"decode forward temp {temp / 2**20:.1f} MiB"
     )
-    assert temp < MLP_KERNEL_BF16 // 2, temp
+    # below one dequantized MLP kernel (the old form needed 127.8 MiB; this one 31.4 MiB with
+    # jax 0.10.2 and 62.8 MiB with jax 0.12, whose GEMMs split K into f32 partial sums)
+    assert temp < MLP_KERNEL_BF16, temp
     assert _kernel_sized_bf16_outside_gemms(compiled.as_text()) == []
