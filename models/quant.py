@@ -299,17 +299,20 @@ def _set_child(parent, key, value) -> None:
         setattr(parent, str(key), value)
 
 
-def quantize_model(model, mode: str | None, block: int | None = None):
+def quantize_model(model, mode: str | None, block: int | None = None, *, blocks=None):
     """Replaces, in place, every ``nnx.Linear`` of ``model`` by a ``QuantizedLinear`` of its
     kernel, and its LM head (``model.lm_head``, or the tied embedding) by a
     ``QuantizedLMHead``; returns ``model``. ``mode`` None returns it unchanged.
 
     ``block``: per block of that many inputs where it divides a layer's inputs, else per
-    output channel. Works inside ``nnx.eval_shape`` and ``jax.jit`` (what ``build_model``
-    does); on a concrete model it quantizes on the model's devices.
+    output channel. ``blocks``: HF weight name (``"model.layers.0.mlp.up_proj.weight"``,
+    ``"lm_head.weight"``) -> the block of that layer, over ``block`` (a checkpoint's own
+    layout; a tied head takes ``block``). Works inside ``nnx.eval_shape`` and ``jax.jit`` (what
+    ``build_model`` does); on a concrete model it quantizes on the model's devices.
     """
     if check_quantization(mode) is None:
         return model
+    blocks = {} if blocks is None else blocks
     linears = [
         path for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Linear) and path
     ]
@@ -318,11 +321,13 @@ def quantize_model(model, mode: str | None, block: int | None = None):
         for key in path[:-1]:
             parent = _get_child(parent, key)
         child = _get_child(parent, path[-1])
-        _set_child(parent, path[-1], QuantizedLinear.from_linear(child, mode, block))
+        layer_block = blocks.get(".".join(str(p) for p in path) + ".weight", block)
+        _set_child(parent, path[-1], QuantizedLinear.from_linear(child, mode, layer_block))
     if hasattr(model, "lm_head") and not isinstance(model.lm_head, QuantizedLMHead):
         if model.lm_head is None:
-            weight = model.model.embed_tokens.embedding[...]  # [V, hidden]
+            weight, head_block = model.model.embed_tokens.embedding[...], block  # [V, hidden]
         else:
             weight = model.lm_head.weight[...]  # [V, hidden]
-        model.lm_head = nnx.data(QuantizedLMHead.from_weight(weight, mode, block))
+            head_block = blocks.get("lm_head.weight", block)
+        model.lm_head = nnx.data(QuantizedLMHead.from_weight(weight, mode, head_block))
     return model

@@ -285,39 +285,12 @@ class Fp8Tensors(CheckpointTensors):
         self._source.close()
 
 
-def _child(parent, key):
-    from flax import nnx
-
-    return parent[int(key)] if isinstance(parent, (nnx.List, list)) else getattr(parent, str(key))
-
-
 def quantize_as_stored(model, layout: Mapping[str, int | None]):
     """``model`` (float, inside ``nnx.eval_shape`` or concrete) with every ``nnx.Linear`` and
     its LM head replaced, in place, by fp8 ``QuantizedLinear`` / ``QuantizedLMHead`` laid out
     as the checkpoint stores them: ``layout`` (``Fp8Tensors.quantized_layout``) gives each fp8
     weight's block of inputs; layers not in it (float in the checkpoint, or a tied head) get
     one scale per output, as ``quantize_model(model, "fp8")``. Returns ``model``."""
-    from flax import nnx
+    from jaxkv.models.quant import quantize_model
 
-    from jaxkv.models.quant import QuantizedLinear, QuantizedLMHead
-
-    linears = [
-        path for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Linear) and path
-    ]
-    for path in linears:
-        parent = model
-        for key in path[:-1]:
-            parent = _child(parent, key)
-        name = ".".join(str(p) for p in path) + ".weight"
-        linear = QuantizedLinear.from_linear(_child(parent, path[-1]), "fp8", layout.get(name))
-        if isinstance(parent, (nnx.List, list)):
-            parent[int(path[-1])] = linear
-        else:
-            setattr(parent, str(path[-1]), linear)
-    if hasattr(model, "lm_head") and not isinstance(model.lm_head, QuantizedLMHead):
-        if model.lm_head is None:  # tied: a quantized copy of the float embedding
-            weight, block = model.model.embed_tokens.embedding[...], None
-        else:
-            weight, block = model.lm_head.weight[...], layout.get("lm_head.weight")
-        model.lm_head = nnx.data(QuantizedLMHead.from_weight(weight, "fp8", block))
-    return model
+    return quantize_model(model, "fp8", blocks=layout)

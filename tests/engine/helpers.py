@@ -24,6 +24,21 @@ SMALL = dict(
 )
 
 
+#: ``get_config("tiny-llama", **LLAMA3_8B_LAYER)``: one layer of Llama-3-8B's shapes (hidden
+#: 4096, MLP 14336, 32 / 8 heads of 128, vocabulary 128256) in bf16, for compile-only checks.
+LLAMA3_8B_LAYER = dict(
+    num_hidden_layers=1,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    dtype="bfloat16",
+)
+
+
 def small_model(family: str = "tiny-llama", seed: int = 0, **overrides):
     kw = dict(SMALL)
     if family == "tiny-hybrid":

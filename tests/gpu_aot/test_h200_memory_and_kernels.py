@@ -19,7 +19,7 @@ from flax import nnx
 import jaxkv.pallas_kernels as pk
 from jaxkv import gpu_aot
 from jaxkv.models import build_model, get_config
-from tests.engine.helpers import make_llm
+from tests.engine.helpers import LLAMA3_8B_LAYER, make_llm
 from tests.gpu_aot.helpers import compile_forward, pallas_runner
 
 pytestmark = pytest.mark.gpu_aot
@@ -110,18 +110,7 @@ def test_kernels_fit_the_h200(h200, case, decode):
 def test_llama3_8b_layer_compiles_in_bf16(h200):
     """One Llama-3-8B-sized layer (hidden 4096, MLP 14336, 32 / 8 heads of 128, vocabulary
     128256) in bf16, weights abstract (nothing is allocated): decode and mixed steps."""
-    cfg = get_config(
-        "tiny-llama",
-        num_hidden_layers=1,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        dtype="bfloat16",
-    )
+    cfg = get_config("tiny-llama", **LLAMA3_8B_LAYER)
     model = nnx.eval_shape(lambda: build_model(cfg, seed=0))
     runner = make_llm(
         model,

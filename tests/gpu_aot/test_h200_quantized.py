@@ -20,22 +20,11 @@ from flax import nnx
 
 from jaxkv.models import build_model, get_config
 from jaxkv.models.quant import quantized_modules
-from tests.engine.helpers import make_llm
+from tests.engine.helpers import LLAMA3_8B_LAYER, make_llm
 from tests.gpu_aot.helpers import compile_forward
 
 pytestmark = pytest.mark.gpu_aot
 
-LLAMA3_8B_LAYER = dict(
-    num_hidden_layers=1,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    dtype="bfloat16",
-)
 MLP_KERNEL_BF16 = 4096 * 14336 * 2  # 112 MiB: one dequantized MLP kernel
 
 

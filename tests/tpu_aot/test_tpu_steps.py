@@ -136,20 +136,9 @@ def test_llama3_8b_layer_compiles_in_place_with_flat_temp(tpu):
     from flax import nnx
 
     from jaxkv.models import build_model, get_config
-    from tests.engine.helpers import make_llm
+    from tests.engine.helpers import LLAMA3_8B_LAYER, make_llm
 
-    cfg = get_config(
-        "tiny-llama",
-        num_hidden_layers=1,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        dtype="bfloat16",
-    )
+    cfg = get_config("tiny-llama", **LLAMA3_8B_LAYER)
     model = nnx.eval_shape(lambda: build_model(cfg, seed=0))
     runner = make_llm(
         model,
