@@ -156,8 +156,9 @@ def quantized_matmul(x, q, scale, dtype, *, out_major: bool = False, out_dtype=N
             w = dequantize(q, scale, dtype)  # [in, out]
         return jax.lax.dot_general(x.astype(dtype), w, contract).astype(out_dtype)
 
-    if 0 < rows <= CPU_KERNEL_MAX_ROWS and _cpu_kernel_available():
-        from jaxkv.pallas_kernels import cpu_backend  # lazy: builds C++ on first use
+    from jaxkv.pallas_kernels import cpu_backend  # builds its C++ only when asked
+
+    if 0 < rows <= CPU_KERNEL_MAX_ROWS and cpu_backend.use_cpu_kernels():
 
         def on_cpu(x, q, scale):
             y = cpu_backend.quantized_matmul(
@@ -167,18 +168,6 @@ def quantized_matmul(x, q, scale, dtype, *, out_major: bool = False, out_dtype=N
 
         return jax.lax.platform_dependent(x, q, scale, cpu=on_cpu, default=on_xla)
     return on_xla(x, q, scale)
-
-
-def _cpu_kernel_available() -> bool:
-    if jax.default_backend() != "cpu":
-        return False
-    from jaxkv.pallas_kernels import cpu_backend  # lazy: builds C++ on first use
-
-    return cpu_backend.available()
-
-
-def _scale_name(scale_shape: tuple[int, ...]) -> str:
-    return "scale" if len(scale_shape) == 1 else "block_scale"
 
 
 class QuantizedLinear(nnx.Module):

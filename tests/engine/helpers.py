@@ -39,6 +39,28 @@ LLAMA3_8B_LAYER = dict(
 )
 
 
+def llama3_8b_layer(quantization: str | None = None):
+    """An abstract (``nnx.eval_shape``: nothing allocated) model of ``LLAMA3_8B_LAYER``."""
+    from flax import nnx
+
+    cfg = get_config("tiny-llama", **LLAMA3_8B_LAYER)
+    return nnx.eval_shape(lambda: build_model(cfg, seed=0, quantization=quantization))
+
+
+def llama3_8b_layer_runner(model, **engine):
+    """The model runner of an engine on ``model`` (``llama3_8b_layer()``) for compile-only
+    checks: Pallas attention, 64 sequences, a 512-token budget, 4k context, a 256 MiB cache;
+    ``engine`` overrides."""
+    args = dict(
+        attention_backend="pallas",
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        max_model_len=4096,
+        kv_cache_memory_bytes=256 << 20,
+    )
+    return make_llm(model, **{**args, **engine}).llm_engine.runner
+
+
 def small_model(family: str = "tiny-llama", seed: int = 0, **overrides):
     kw = dict(SMALL)
     if family == "tiny-hybrid":

@@ -14,12 +14,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from flax import nnx
 
 import jaxkv.pallas_kernels as pk
 from jaxkv import gpu_aot
-from jaxkv.models import build_model, get_config
-from tests.engine.helpers import LLAMA3_8B_LAYER, make_llm
+from tests.engine.helpers import llama3_8b_layer, llama3_8b_layer_runner
 from tests.gpu_aot.helpers import compile_forward, pallas_runner
 
 pytestmark = pytest.mark.gpu_aot
@@ -110,16 +108,7 @@ def test_kernels_fit_the_h200(h200, case, decode):
 def test_llama3_8b_layer_compiles_in_bf16(h200):
     """One Llama-3-8B-sized layer (hidden 4096, MLP 14336, 32 / 8 heads of 128, vocabulary
     128256) in bf16, weights abstract (nothing is allocated): decode and mixed steps."""
-    cfg = get_config("tiny-llama", **LLAMA3_8B_LAYER)
-    model = nnx.eval_shape(lambda: build_model(cfg, seed=0))
-    runner = make_llm(
-        model,
-        attention_backend="pallas",
-        max_num_seqs=64,
-        max_num_batched_tokens=512,
-        max_model_len=4096,
-        kv_cache_memory_bytes=256 << 20,
-    ).llm_engine.runner
+    runner = llama3_8b_layer_runner(llama3_8b_layer())
     for T in (64, 512):
         compiled = compile_forward(runner, h200, T)
         assert compiled.memory_analysis().temp_size_in_bytes < 1 << 30

@@ -18,25 +18,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkv.models import build_model, get_config
 from jaxkv.models.quant import quantized_modules
-from tests.engine.helpers import LLAMA3_8B_LAYER, make_llm
+from tests.engine.helpers import llama3_8b_layer, llama3_8b_layer_runner
 from tests.gpu_aot.helpers import compile_forward
 
 pytestmark = pytest.mark.gpu_aot
 
 MLP_KERNEL_BF16 = 4096 * 14336 * 2  # 112 MiB: one dequantized MLP kernel
-
-
-def _runner(model):
-    return make_llm(
-        model,
-        attention_backend="pallas",
-        max_num_seqs=64,
-        max_num_batched_tokens=512,
-        max_model_len=4096,
-        kv_cache_memory_bytes=256 << 20,
-    ).llm_engine.runner
 
 
 def _kernel_sized_bf16_outside_gemms(hlo: str) -> list[str]:
@@ -56,8 +44,7 @@ def _kernel_sized_bf16_outside_gemms(hlo: str) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
 def test_llama3_8b_layer_keeps_quantized_weights_on_h200(h200, mode):
-    cfg = get_config("tiny-llama", **LLAMA3_8B_LAYER)
-    model = nnx.eval_shape(lambda: build_model(cfg, seed=0, quantization=mode))
+    model = llama3_8b_layer(mode)
     qmods = quantized_modules(model)
     assert len(qmods) == 8  # q, k, v, o, gate, up, down and the (tied) head
     n_params = sum(
@@ -70,7 +57,7 @@ def test_llama3_8b_layer_keeps_quantized_weights_on_h200(h200, mode):
         for leaf in jax.tree.leaves(nnx.state(m, nnx.Param))
     )
     assert n_params <= q_bytes < 1.01 * n_params  # one byte a parameter, plus f32 scales
-    compiled = compile_forward(_runner(model), h200, 64)  # decode: + the greedy head
+    compiled = compile_forward(llama3_8b_layer_runner(model), h200, 64)  # decode: + the greedy head
     temp = compiled.memory_analysis().temp_size_in_bytes
     print(
         f"{mode}: weights {q_bytes / 2**20:.0f} MiB for {n_params / 1e6:.0f} M params; "

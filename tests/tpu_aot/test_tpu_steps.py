@@ -133,22 +133,9 @@ def test_llama3_8b_layer_compiles_in_place_with_flat_temp(tpu):
     byte layout needed 9.2 GiB of temp for 256 MiB). Not flat at this size: measured 2.3 MiB
     (256 MiB cache), 3.2 MiB (512 MiB), 33.8 MiB (1 GiB) for T=64, jax 0.12 + libtpu
     0.0.50.1; the growth is not a copy of the cache (4% of it) and is not explained yet."""
-    from flax import nnx
+    from tests.engine.helpers import llama3_8b_layer, llama3_8b_layer_runner
 
-    from jaxkv.models import build_model, get_config
-    from tests.engine.helpers import LLAMA3_8B_LAYER, make_llm
-
-    cfg = get_config("tiny-llama", **LLAMA3_8B_LAYER)
-    model = nnx.eval_shape(lambda: build_model(cfg, seed=0))
-    runner = make_llm(
-        model,
-        attention_backend="pallas",
-        max_num_seqs=64,
-        max_num_batched_tokens=512,
-        max_model_len=4096,
-        kv_cache_dtype="bfloat16",
-        kv_cache_memory_bytes=256 << 20,
-    ).llm_engine.runner
+    runner = llama3_8b_layer_runner(llama3_8b_layer(), kv_cache_dtype="bfloat16")
     tpu_aot.use_tpu_kv_layout(runner)
     assert runner.kv_layout == "words"
     blocks = runner.config.num_blocks
