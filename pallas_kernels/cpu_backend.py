@@ -17,8 +17,9 @@ compiler (or with ``JAXKV_CPU_KERNELS=0``)
 :func:`available` is False and "auto" keeps the pure-XLA backend; :func:`build_error` says why.
 
 The same library holds the KV write / page zeroing (``cpu_kernels/kv_write.cc``) and the
-weight-only int8 / fp8 matmul of decode steps (``cpu_kernels/quantized_matmul.cc``,
-:func:`quantized_matmul`, used by ``jaxkv.models.quant.quantized_matmul``).
+weight-only matmuls of decode steps, used by ``jaxkv.models.quant.quantized_matmul``: int8 /
+fp8 (``cpu_kernels/quantized_matmul.cc``, :func:`quantized_matmul`) and 4-bit blocks of 32
+inputs with a scale and an offset each (``cpu_kernels/q4_matmul.cc``, :func:`q4_matmul`).
 
 Supported: f32 / bf16 / f16 caches (typed or as bytes), head_size <= 256, GQA group <= 16,
 block_size <= 256, sliding window, soft-cap, a static k_scale. Anything else (fp8 caches, a
@@ -47,22 +48,28 @@ from jaxkv.pallas_kernels import xla_backend
 #: C++ sources, built into one library; custom-call target -> exported handler symbol.
 SOURCES = tuple(
     pathlib.Path(__file__).parent / "cpu_kernels" / n
-    for n in ("paged_attention.cc", "kv_write.cc", "quantized_matmul.cc")
+    for n in ("paged_attention.cc", "kv_write.cc", "quantized_matmul.cc", "q4_matmul.cc")
 )
 TARGET = "jaxkv_paged_attention_cpu"
 WRITE_TARGET = "jaxkv_write_kv_cpu"
 ZERO_TARGET = "jaxkv_zero_pages_cpu"
 QMATMUL_TARGET = "jaxkv_quantized_matmul_cpu"
+Q4_TARGET = "jaxkv_q4_matmul_cpu"
 HANDLERS = {
     TARGET: "JaxkvPagedAttentionCpu",
     WRITE_TARGET: "JaxkvWriteKvCpu",
     ZERO_TARGET: "JaxkvZeroPagesCpu",
     QMATMUL_TARGET: "JaxkvQuantizedMatmulCpu",
+    Q4_TARGET: "JaxkvQ4MatmulCpu",
 }
 #: Quantized kernel dtypes of ``quantized_matmul`` (its ``qtype`` attribute).
 QTYPES = {jnp.dtype(jnp.int8): 0, jnp.dtype(jnp.float8_e4m3fn): 1}
-#: Most rows of x ``quantized_matmul`` takes (the C++ kernel's limit).
+#: Most rows of x ``quantized_matmul`` and ``q4_matmul`` take (the C++ kernels' limit).
 QMATMUL_MAX_ROWS = 64
+#: Inputs per block of ``q4_matmul`` (one scale and one offset each; GGUF Q4_0 / Q4_1's block).
+Q4_BLOCK = 32
+#: Scale / offset dtypes ``q4_matmul`` reads as stored (others are converted to f32 first).
+Q4_PARAM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))
 #: Flags of every build, then the first of ARCH_FLAGS the compiler accepts: -march=native (GCC,
 #: Clang on x86), -mcpu=native (AArch64 compilers that reject -march=native), none (portable,
 #: slower); then -fopenmp-simd when accepted (it only enables ``#pragma omp simd``).
@@ -321,6 +328,54 @@ def quantized_matmul(
         scale.astype(jnp.float32),
         block=np.int64(block),
         qtype=np.int32(QTYPES[jnp.dtype(q.dtype)]),
+        out_major=bool(out_major),
+        num_threads=np.int32(_num_threads()),
+    )
+
+
+def q4_matmul(
+    x,  # [M, K] f32 (other floats are converted), M <= QMATMUL_MAX_ROWS, K a multiple of Q4_BLOCK
+    packed,  # [K // 2, N] uint8; [N, K // 2] when out_major
+    scale,  # [K // 32, N] f32 | f16; [N, K // 32] when out_major
+    offset,  # as scale (its own dtype)
+    *,
+    out_major: bool = False,
+):
+    """The FFI 4-bit matmul: ``x @ w`` (``x @ w^T`` when ``out_major``) as [M, N] f32, where
+    ``w[k, n] = q[k, n] * scale[k // 32, n] + offset[k // 32, n]`` and ``q`` (0..15) is packed
+    two to a byte per block of 32 inputs: ``packed[16 b + j, n]`` holds ``q[32 b + j, n]`` in
+    its low nibble and ``q[32 b + 16 + j, n]`` in its high one (out-major: ``packed[n, 16 b +
+    j]``, ``scale[n, b]``). Each weight byte is read once (``cpu_kernels/q4_matmul.cc``); f32
+    and f16 scales / offsets are read as stored, other dtypes converted to f32."""
+    shapes = (
+        f"x {tuple(x.shape)} {jnp.dtype(x.dtype)}, packed {tuple(packed.shape)} "
+        f"{jnp.dtype(packed.dtype)}, scale {tuple(scale.shape)}, offset {tuple(offset.shape)}"
+    )
+    if x.ndim != 2 or x.shape[0] > QMATMUL_MAX_ROWS or x.shape[1] % Q4_BLOCK:
+        raise ValueError(
+            f"q4_matmul takes x [M <= {QMATMUL_MAX_ROWS}, K] with K a multiple of {Q4_BLOCK}, "
+            f"got {shapes}"
+        )
+    n_in = x.shape[1]
+    if jnp.dtype(packed.dtype) != jnp.uint8 or packed.ndim != 2:
+        raise ValueError(f"q4_matmul takes a 2-d uint8 packed, got {shapes}")
+    n_out = packed.shape[0] if out_major else packed.shape[1]
+    want_packed = (n_out, n_in // 2) if out_major else (n_in // 2, n_out)
+    want_params = (n_out, n_in // Q4_BLOCK) if out_major else (n_in // Q4_BLOCK, n_out)
+    if tuple(packed.shape) != want_packed:
+        raise ValueError(f"q4_matmul takes packed {want_packed} for this x, got {shapes}")
+    if tuple(scale.shape) != want_params or tuple(offset.shape) != want_params:
+        raise ValueError(f"q4_matmul takes scale and offset {want_params}, got {shapes}")
+
+    def params(a):
+        return a if jnp.dtype(a.dtype) in Q4_PARAM_DTYPES else a.astype(jnp.float32)
+
+    call = _ffi_call(Q4_TARGET, jax.ShapeDtypeStruct((x.shape[0], n_out), jnp.float32))
+    return call(
+        x.astype(jnp.float32),
+        packed,
+        params(scale),
+        params(offset),
         out_major=bool(out_major),
         num_threads=np.int32(_num_threads()),
     )

@@ -1,0 +1,418 @@
+// Weight-only 4-bit matmul for the CPU: an XLA FFI custom call that reads the packed nibbles as
+// stored, half a byte per weight.
+//
+// y [M, N] f32 = x [M, K] f32 @ w, w [K, N] = q * scale + offset per block of 32 inputs (GGUF
+// Q4_0 / Q4_1 / Q4_K's form after repacking): q in 0..15, packed [K / 2, N] uint8 where, for
+// block b, byte packed[16 b + j, n] holds q[32 b + j, n] in its low nibble and
+// q[32 b + 16 + j, n] in its high one (j in 0..15); scale and offset [K / 32, N], f32 or f16
+// (each on its own). With out_major, packed [N, K / 2] (byte packed[n, 16 b + j] holds
+// q[n, 32 b + j] low, q[n, 32 b + 16 + j] high), scale and offset [N, K / 32] (the LM head's
+// vocabulary-major layout, GGUF's own): y = x @ w^T.
+//
+// Why it exists: XLA:CPU does not fuse the unpacking and the per-block scale into its dot, so
+// a 4-bit linear first writes the whole kernel as floats and reads it again: a decode step
+// moves 8 bytes a weight instead of half a byte. Here each weight byte is read once and
+// widened in registers, for the few rows of a decode step (the caller routes larger row counts
+// to XLA). f16 scales are read as stored for the same reason: converting them to f32 before
+// the call would write and read again a quarter of the bytes of the nibbles.
+//
+// Arithmetic: per block, the nibbles are widened to floats once for up to kGroup rows of x and
+// summed without scale, acc = sum_j x[32 b + j] lo_j + x[32 b + 16 + j] hi_j; the block's sum
+// enters y as acc * scale + xsum * offset, xsum the block's sum of x (computed once per call).
+// Per weight: a widening shared by the group, one multiply-add per row of x.
+//
+// Work: column ranges (outputs for out_major) split over XLA's intra-op pool, as in
+// quantized_matmul.cc. Input-major, per range: the 16 packed rows of a block are contiguous
+// runs of the range's bytes, read in order (the hardware prefetcher streams them), 4 packed
+// rows (8 inputs) at a time into every row's partial sums, so each partial sum is loaded and
+// stored once per 8 multiply-adds. Out-major, per output: its K / 2 bytes a block at a time,
+// 16 lanes of partial sums per row of x, reduced once per output.
+//
+// The widening is written with vectors of 16 lanes (GCC / Clang vector extensions) and x86's
+// byte -> int32 widening (vpmovzxbd) where the build has AVX2 or AVX-512, f16 scales with
+// F16C's conversion: left to the auto-vectorizer, GCC 12 widens a 16-byte vector to int32 byte
+// by byte, takes a 16-iteration block loop in 16-byte vectors, and converts f16 with the
+// integer steps of HalfToFloat, each a large share of a decode step's time here. Other
+// machines take the portable vector code.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 32;         // inputs per block (one scale and offset)
+constexpr int64_t kHalf = kBlock / 2;  // packed bytes (rows, input-major) per block
+constexpr int64_t kMinCols = 64;       // narrowest column range
+constexpr int64_t kMaxCols = 4096;     // widest column range
+constexpr int64_t kAccFloats = 16384;  // rows x columns of a range's partial sums (64 KiB)
+constexpr int64_t kMaxRows = 64;       // rows of x the kernel accepts
+constexpr int64_t kGroup = 4;          // rows of x sharing one widening of the nibbles
+constexpr int64_t kPacked = 4;         // packed rows (8 inputs) per accumulation pass
+
+// 16 lanes: the bytes of one block (out-major) or of 16 columns of a packed row (input-major).
+typedef uint8_t VBytes __attribute__((vector_size(kHalf)));
+typedef uint16_t VShorts __attribute__((vector_size(2 * kHalf)));
+typedef int32_t VInts __attribute__((vector_size(4 * kHalf)));
+typedef float VFloats __attribute__((vector_size(4 * kHalf)));
+
+// 16 floats at p (unaligned). Out-parameters, not return values: a 64-byte vector returned by
+// value changes the ABI with the build's vector extensions (a -Wpsabi note).
+inline void Load(VFloats& v, const float* p) { std::memcpy(&v, p, sizeof(v)); }
+inline void Store(float* p, const VFloats& v) { std::memcpy(p, &v, sizeof(v)); }
+
+// The 16 bytes at p as floats: lo[j] = p[j] & 15, hi[j] = p[j] >> 4.
+inline void Nibbles(const uint8_t* p, VFloats& lo, VFloats& hi) {
+#if defined(__AVX512F__)
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 l = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
+  const __m512 h = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+  std::memcpy(&lo, &l, sizeof(lo));
+  std::memcpy(&hi, &h, sizeof(hi));
+#elif defined(__AVX2__)
+  const __m256i mask = _mm256_set1_epi32(15);
+  __m256 l[2], h[2];
+  for (int half = 0; half < 2; ++half) {
+    const __m256i q =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half)));
+    l[half] = _mm256_cvtepi32_ps(_mm256_and_si256(q, mask));
+    h[half] = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+  }
+  std::memcpy(&lo, l, sizeof(lo));
+  std::memcpy(&hi, h, sizeof(hi));
+#else  // in two steps: GCC widens bytes to int32 in one step byte by byte
+  VBytes b;
+  std::memcpy(&b, p, kHalf);
+  const VInts q = __builtin_convertvector(__builtin_convertvector(b, VShorts), VInts);
+  lo = __builtin_convertvector(q & 15, VFloats);
+  hi = __builtin_convertvector(q >> 4, VFloats);
+#endif
+}
+
+// IEEE half bits -> float, branch-free so the loops that call it vectorize: a normal number
+// moves its exponent and mantissa into a float's fields and rebiases the exponent (+112); a
+// subnormal (exponent 0) is its mantissa times 2^-24, computed as a float product; exponent 31
+// (infinity, NaN) becomes exponent 255 with the mantissa kept.
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t mag = h & 0x7fffu;
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = mag >> 10;
+  const float normal = __builtin_bit_cast(float, (mag << 13) + (112u << 23));
+  const float subnormal = static_cast<float>(mag) * (1.0f / 16777216.0f);
+  const uint32_t special = (mag << 13) | 0x7f800000u;
+  const uint32_t bits = exponent == 0    ? __builtin_bit_cast(uint32_t, subnormal)
+                        : exponent == 31 ? special
+                                         : __builtin_bit_cast(uint32_t, normal);
+  return __builtin_bit_cast(float, bits | sign);
+}
+
+// A scale or offset array as stored: f32, or f16 bits.
+struct Params {
+  const void* data;
+  bool half;
+};
+
+// Values [at, at + count) of a as floats: a pointer into a (f32), or converted into buf (f16).
+inline const float* Floats(const Params& a, int64_t at, int64_t count, float* __restrict__ buf) {
+  if (!a.half) return static_cast<const float*>(a.data) + at;
+  const uint16_t* __restrict__ h = static_cast<const uint16_t*>(a.data) + at;
+  int64_t j = 0;
+#if defined(__F16C__)
+  for (; j + 8 <= count; j += 8) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j));
+    _mm256_storeu_ps(buf + j, _mm256_cvtph_ps(bits));
+  }
+#endif
+  for (; j < count; ++j) buf[j] = HalfToFloat(h[j]);
+  return buf;
+}
+
+struct Problem {
+  const float* x;       // [M, K]
+  const uint8_t* q;     // [K / 2, N] (input-major), or [N, K / 2] when out_major
+  Params s, o;          // scale, offset: [K / 32, N], or [N, K / 32] when out_major
+  const float* xsum;    // [M, K / 32]: sum of x over each block
+  float* y;             // [M, N]
+  int64_t m, k, n, nb;  // nb = K / 32 blocks
+  bool out_major;
+};
+
+inline float Low(uint8_t b) { return static_cast<float>(b & 15u); }
+inline float High(uint8_t b) { return static_cast<float>(b >> 4); }
+
+template <int R>
+using Rows = std::integral_constant<int, R>;
+
+// Calls f(Rows<R>(), i) for the groups of rows [i, i + R) of m, R <= kGroup (R a compile-time
+// constant, so the loops over a group's rows unroll).
+template <typename F>
+inline void ForGroups(int64_t m, F&& f) {
+  for (int64_t i = 0; i < m; i += kGroup) {
+    switch (std::min(kGroup, m - i)) {
+      case 1: f(Rows<1>(), i); break;
+      case 2: f(Rows<2>(), i); break;
+      case 3: f(Rows<3>(), i); break;
+      default: f(Rows<4>(), i);
+    }
+  }
+}
+
+// d_i += sum_t xl_i[t] low(r_t) + xh_i[t] high(r_t) over n columns, t < 4, for R rows of x
+// (d_i = d + i * d_stride, xl_i = x + i * x_stride, xh_i = xl_i + 16): eight inputs against
+// four packed rows, each nibble widened once for all R rows; 16 columns at a time, the last
+// n % 16 one by one.
+template <int R>
+void Accumulate4Q4(float* __restrict__ d, int64_t d_stride, const uint8_t* __restrict__ r0,
+                   const uint8_t* __restrict__ r1, const uint8_t* __restrict__ r2,
+                   const uint8_t* __restrict__ r3, const float* __restrict__ x, int64_t x_stride,
+                   int64_t n) {
+  float l[R][kPacked], h[R][kPacked];
+  for (int i = 0; i < R; ++i) {
+    for (int t = 0; t < kPacked; ++t) {
+      l[i][t] = x[i * x_stride + t];
+      h[i][t] = x[i * x_stride + kHalf + t];
+    }
+  }
+  int64_t j = 0;
+  for (; j + kHalf <= n; j += kHalf) {
+    VFloats lo[kPacked], hi[kPacked];
+    Nibbles(r0 + j, lo[0], hi[0]);
+    Nibbles(r1 + j, lo[1], hi[1]);
+    Nibbles(r2 + j, lo[2], hi[2]);
+    Nibbles(r3 + j, lo[3], hi[3]);
+    for (int i = 0; i < R; ++i) {
+      VFloats di;
+      Load(di, d + i * d_stride + j);
+      di += l[i][0] * lo[0] + h[i][0] * hi[0] + l[i][1] * lo[1] + h[i][1] * hi[1] +
+            l[i][2] * lo[2] + h[i][2] * hi[2] + l[i][3] * lo[3] + h[i][3] * hi[3];
+      Store(d + i * d_stride + j, di);
+    }
+  }
+  for (; j < n; ++j) {
+    const float lo0 = Low(r0[j]), lo1 = Low(r1[j]), lo2 = Low(r2[j]), lo3 = Low(r3[j]);
+    const float hi0 = High(r0[j]), hi1 = High(r1[j]), hi2 = High(r2[j]), hi3 = High(r3[j]);
+    for (int i = 0; i < R; ++i) {
+      d[i * d_stride + j] += l[i][0] * lo0 + h[i][0] * hi0 + l[i][1] * lo1 + h[i][1] * hi1 +
+                             l[i][2] * lo2 + h[i][2] * hi2 + l[i][3] * lo3 + h[i][3] * hi3;
+    }
+  }
+}
+
+// Columns [n0, n0 + nc) of y, input-major. Scratch: acc and part m * nc floats, sbuf and obuf
+// nc each (the block's f16 scales and offsets as floats).
+void RunColumns(const Problem& p, int64_t n0, int64_t nc, float* __restrict__ acc,
+                float* __restrict__ part, float* __restrict__ sbuf, float* __restrict__ obuf) {
+  std::fill(acc, acc + p.m * nc, 0.0f);
+  for (int64_t b = 0; b < p.nb; ++b) {
+    std::fill(part, part + p.m * nc, 0.0f);
+    const uint8_t* rows = p.q + b * kHalf * p.n + n0;  // packed row 16 b, this range
+    for (int64_t j = 0; j < kHalf; j += kPacked) {
+      const uint8_t *r0 = rows + j * p.n, *r1 = r0 + p.n, *r2 = r1 + p.n, *r3 = r2 + p.n;
+      const float* xb = p.x + b * kBlock + j;
+      ForGroups(p.m, [&](auto rows, int64_t i) {
+        const float* xi = xb + i * p.k;
+        Accumulate4Q4<decltype(rows)::value>(part + i * nc, nc, r0, r1, r2, r3, xi, p.k, nc);
+      });
+    }
+    const float* __restrict__ s = Floats(p.s, b * p.n + n0, nc, sbuf);
+    const float* __restrict__ o = Floats(p.o, b * p.n + n0, nc, obuf);
+    for (int64_t i = 0; i < p.m; ++i) {
+      float* __restrict__ a = acc + i * nc;
+      const float* __restrict__ pi = part + i * nc;
+      const float xs = p.xsum[i * p.nb + b];
+#pragma omp simd
+      for (int64_t j = 0; j < nc; ++j) a[j] += pi[j] * s[j] + xs * o[j];
+    }
+  }
+  for (int64_t i = 0; i < p.m; ++i) std::memcpy(p.y + i * p.n + n0, acc + i * nc, nc * 4);
+}
+
+// lanes[i] += scale * (x_lo lo + x_hi hi) for R rows of x over one block of an out-major
+// output: its 16 bytes widened once for all rows (x: the block's first input of row 0).
+template <int R>
+inline void Block(const uint8_t* __restrict__ bytes, float scale, const float* __restrict__ x,
+                  int64_t x_stride, VFloats* __restrict__ lanes) {
+  VFloats lo, hi;
+  Nibbles(bytes, lo, hi);
+  for (int i = 0; i < R; ++i) {
+    VFloats xl, xh;
+    Load(xl, x + i * x_stride);
+    Load(xh, x + i * x_stride + kHalf);
+    lanes[i] += scale * (xl * lo + xh * hi);
+  }
+}
+
+// y[i0 + i, n] for R rows of x and one out-major output: each row's 16 lanes of sum_b scale_b
+// (x_lo lo + x_hi hi), in two sets (even and odd blocks: one add chain would wait on the
+// multiply-add latency) reduced at the end, plus the offsets' dot with the row's block sums.
+template <int R>
+void DotsInRegisters(const Problem& p, int64_t i0, const uint8_t* __restrict__ row,
+                     const float* __restrict__ s, const float* __restrict__ o, int64_t n) {
+  VFloats even[R] = {}, odd[R] = {};
+  const float* __restrict__ x = p.x + i0 * p.k;
+  int64_t b = 0;
+  for (; b + 2 <= p.nb; b += 2) {
+    Block<R>(row + b * kHalf, s[b], x + b * kBlock, p.k, even);
+    Block<R>(row + (b + 1) * kHalf, s[b + 1], x + (b + 1) * kBlock, p.k, odd);
+  }
+  if (b < p.nb) Block<R>(row + b * kHalf, s[b], x + b * kBlock, p.k, even);
+  for (int i = 0; i < R; ++i) {
+    const float* __restrict__ xs = p.xsum + (i0 + i) * p.nb;
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t c = 0; c < p.nb; ++c) total += xs[c] * o[c];
+    const VFloats both = even[i] + odd[i];
+    for (int64_t j = 0; j < kHalf; ++j) total += both[j];
+    p.y[(i0 + i) * p.n + n] = total;
+  }
+}
+
+// Outputs [n0, n0 + nc) of y for an out-major q (each output's K / 2 bytes contiguous). Scratch:
+// sbuf and obuf nb floats each (the output's f16 scales and offsets as floats).
+void RunOutputs(const Problem& p, int64_t n0, int64_t nc, float* __restrict__ sbuf,
+                float* __restrict__ obuf) {
+  for (int64_t n = n0; n < n0 + nc; ++n) {
+    const uint8_t* __restrict__ row = p.q + n * (p.k / 2);
+    const float* __restrict__ s = Floats(p.s, n * p.nb, p.nb, sbuf);
+    const float* __restrict__ o = Floats(p.o, n * p.nb, p.nb, obuf);
+    ForGroups(p.m, [&](auto rows, int64_t i) {
+      DotsInRegisters<decltype(rows)::value>(p, i, row, s, o, n);
+    });
+  }
+}
+
+struct Work {
+  Problem p;
+  std::vector<float> xsum;  // p.xsum's storage
+  int64_t cols = kMinCols;  // columns of a range
+  int64_t chunks = 0;       // column ranges
+  int parts = 1;
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+  std::mutex mu;
+  std::condition_variable all_done;
+
+  void RunParts() {
+    std::vector<float> scratch;  // allocated once this thread has a part
+    for (int w; (w = next.fetch_add(1)) < parts;) {
+      const int64_t params = p.out_major ? p.nb : cols;  // sbuf, obuf floats each
+      const int64_t body = p.out_major ? 0 : 2 * p.m * cols;  // acc, part
+      if (scratch.empty()) scratch.resize(body + 2 * params);
+      float* sbuf = scratch.data() + body;
+      float* obuf = sbuf + params;
+      const int64_t c0 = chunks * w / parts, c1 = chunks * (w + 1) / parts;
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t n0 = c * cols, nc = std::min<int64_t>(cols, p.n - n0);
+        if (p.out_major) {
+          RunOutputs(p, n0, nc, sbuf, obuf);
+        } else {
+          RunColumns(p, n0, nc, scratch.data(), scratch.data() + p.m * cols, sbuf, obuf);
+        }
+      }
+      if (done.fetch_add(1) + 1 == parts) {
+        std::lock_guard<std::mutex> lock(mu);
+        all_done.notify_all();
+      }
+    }
+  }
+};
+
+bool IsParams(const ffi::AnyBuffer& a) {
+  return a.element_type() == ffi::DataType::F32 || a.element_type() == ffi::DataType::F16;
+}
+
+ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
+                        ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y,
+                        bool out_major, int32_t num_threads) {
+  const auto xd = x.dimensions();
+  const auto qd = packed.dimensions();
+  const auto sd = scale.dimensions();
+  const auto od = offset.dimensions();
+  const bool ranks_ok = xd.size() == 2 && qd.size() == 2 && sd.size() == 2 && od.size() == 2;
+  const int64_t k = ranks_ok ? xd[1] : 0;
+  const int64_t n = ranks_ok ? qd[out_major ? 0 : 1] : 0;
+  const int64_t nb = k / kBlock;
+  const int in_axis = out_major ? 1 : 0, out_axis = 1 - in_axis;
+  if (!ranks_ok || xd[0] > kMaxRows || k % kBlock != 0 || qd[in_axis] * 2 != k ||
+      sd[in_axis] != nb || sd[out_axis] != n || od[in_axis] != nb || od[out_axis] != n ||
+      !IsParams(scale) || !IsParams(offset)) {
+    return ffi::Error::InvalidArgument(
+        "jaxkv q4 matmul: x [M <= 64, K] f32 (K a multiple of 32), packed [K / 2, N] uint8, "
+        "scale and offset [K / 32, N] f32 or f16 (out-major: [N, K / 2], [N, K / 32]) expected");
+  }
+  auto work = std::make_shared<Work>();
+  const int64_t m = xd[0];
+  {  // block sums of x, for the offsets
+    work->xsum.resize(m * nb);
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* __restrict__ xb = x.typed_data() + i * k + b * kBlock;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < kBlock; ++j) total += xb[j];
+        work->xsum[i * nb + b] = total;
+      }
+    }
+  }
+  work->p = Problem{x.typed_data(),
+                    packed.typed_data(),
+                    Params{scale.untyped_data(), scale.element_type() == ffi::DataType::F16},
+                    Params{offset.untyped_data(), offset.element_type() == ffi::DataType::F16},
+                    work->xsum.data(),
+                    y->typed_data(),
+                    m,
+                    k,
+                    n,
+                    nb,
+                    out_major};
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {  // no inputs: y = 0
+    std::fill(y->typed_data(), y->typed_data() + m * n, 0.0f);
+    return ffi::Error::Success();
+  }
+  // XLA's intra-op pool runs the helpers. Ranges: as wide as the partial sums allow, but at
+  // least one per thread; about 128k weights (64 KiB of nibbles) a part at least.
+  const int64_t pool_threads = pool.num_threads();
+  const int threads = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(num_threads, pool_threads > 0 ? pool_threads + 1 : 1)));
+  const int64_t per_thread = (n + threads - 1) / threads;
+  const int64_t cols = std::clamp<int64_t>(
+      out_major ? per_thread : std::min(kAccFloats / m, per_thread), kMinCols, kMaxCols);
+  work->cols = (cols + kMinCols - 1) / kMinCols * kMinCols;
+  work->chunks = (n + work->cols - 1) / work->cols;
+  work->parts = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>({work->chunks, static_cast<int64_t>(threads), k * n / 131072})));
+  const int helpers = std::min(threads, work->parts) - 1;
+  for (int t = 0; t < helpers; ++t) pool.Schedule([work] { work->RunParts(); });
+  work->RunParts();
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->all_done.wait(lock, [&] { return work->done.load() == work->parts; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvQ4MatmulCpu, Q4MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // packed [K / 2, N] | [N, K / 2]
+                                  .Arg<ffi::AnyBuffer>()  // scale [K / 32, N] | [N, K / 32] f32|f16
+                                  .Arg<ffi::AnyBuffer>()  // offset, as scale
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<bool>("out_major")
+                                  .Attr<int32_t>("num_threads"));
