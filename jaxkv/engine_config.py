@@ -78,7 +78,7 @@ class EngineConfig:
     )
     kv_transfer_config: object = None  # a KVTransferConfig: the KV connector (P/D disaggregation)
     compile_cache_dir: str | None = None  # jax's persistent compilation cache (None: left alone)
-    # weight-only quantization of the linear layers and LM head: None, "int8" or "fp8"
+    # weight-only quantization of the linear layers and LM head: None, "int8", "fp8", "q4"
     # (jaxkv.models.quant; load_model(..., quantization=...))
     quantization: str | None = None
 
@@ -379,10 +379,10 @@ def resolve_engine_config(
     for ``$JAXKV_COMPILE_CACHE``, else a directory the process already gave jax, else
     ``~/.cache/jaxkv/xla``; a directory; or False / "off" to leave jax's setting alone.
 
-    ``quantization`` (vLLM's name): None (float weights), "int8" or "fp8": every linear
-    layer and the LM head kept quantized in device memory (``jaxkv.models.quant``; a GGUF
-    checkpoint's int8 keeps Q8_0's blocks of 32). A model object given is quantized here, in
-    place.
+    ``quantization`` (vLLM's name): None (float weights), "int8", "fp8" or "q4" (4-bit blocks
+    of 32): every linear layer and the LM head kept quantized in device memory
+    (``jaxkv.models.quant``; a GGUF checkpoint keeps its Q8_0 blocks for int8, its Q4_0 /
+    Q4_1 / Q4_K blocks for q4). A model object given is quantized here, in place.
 
     ``model`` is a name or path (``str`` or ``os.PathLike``) for ``jaxkv.models.load_model``, or an
     already built NNX model (then ``tokenizer`` may be given). Flags (``enable_prefix_caching``,

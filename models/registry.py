@@ -154,8 +154,9 @@ def _gguf_config(path: Path, dtype: str) -> tuple[ModelConfig, Tokenizer | None]
 
 
 def _gguf_block(quantization: str | None) -> int | None:
-    """A GGUF checkpoint's quantization block: int8 keeps Q8_0's blocks of 32 inputs."""
-    return GGUF_BLOCK if quantization == "int8" else None
+    """A GGUF checkpoint's quantization block: int8 keeps Q8_0's blocks of 32 inputs (and
+    "q4" has blocks of 32 in any case)."""
+    return GGUF_BLOCK if quantization in ("int8", "q4") else None
 
 
 def _quantize_loaded(model, quantization, block, mesh, rules):
@@ -190,10 +191,17 @@ def _from_checkpoint(
     ``Fp8Tensors``: each layer laid out as the checkpoint stores it (its fp8 bits and
     scales kept; float layers fp8 per output channel)."""
     config = config_from_hf(hf_config, dtype=dtype)
+    gguf_layout = tensors.quantized_layout(quantization) if isinstance(tensors, GGUFTensors) else {}
     if isinstance(tensors, Fp8Tensors):
         layout = tensors.quantized_layout()
         abstract = nnx.eval_shape(
             lambda: quantize_as_stored(build_model(config, seed=seed), layout)
+        )
+    elif gguf_layout:  # a GGUF's layers as stored ("q4": Q8_0 stays int8, Q4_K float32 scales)
+        abstract = nnx.eval_shape(
+            lambda: quantize_model(
+                build_model(config, seed=seed), quantization, block, blocks=gguf_layout
+            )
         )
     else:
         abstract = build_model(
@@ -240,7 +248,9 @@ def _write_converted(
 
 def _load_smollm2(dtype: str, seed: int, use_cache: bool, mesh, rules, quantization=None):
     converted = _smollm2_converted(dtype)
-    if use_cache and (converted / "params").is_dir():
+    # int8 / q4 read the GGUF's blocks as stored; the converted copy holds dequantized floats
+    as_stored = quantization in ("int8", "q4")
+    if use_cache and not as_stored and (converted / "params").is_dir():
         config = read_saved_config(converted)
         model = restore_params(config, converted, mesh=mesh, rules=rules)
         model = _quantize_loaded(model, quantization, _gguf_block(quantization), mesh, rules)
@@ -284,13 +294,17 @@ def load_model(
         ``tp_partition_rules``, else DEFAULT_TP_RULES. ValueError when a split does not divide.
       use_cache: SmolLM2 only: read/write the converted orbax copy in the cache directory
         (written by a single process only).
-      quantization: None (float weights), "int8" or "fp8" (``jaxkv.models.quant``): every
+      quantization: None (float weights), "int8", "fp8" or "q4" (``jaxkv.models.quant``): every
         linear kernel and the LM head (a tied head gets its own quantized copy; the
         embedding stays float) kept quantized in device memory, quantized from the float
         checkpoint at load. "int8" is per output channel, except for GGUF checkpoints
         (``.gguf`` files, SmolLM2, Gemma 3): blocks of 32 inputs, Q8_0 tensors kept as
         stored, other types dequantized then re-quantized. "fp8": float8_e4m3fn per output
-        channel. An HF directory that ships fp8 weights (``quantization_config`` quant_method
+        channel. "q4": 4-bit blocks of 32 inputs with a scale and an offset each (half a byte
+        a weight plus 1/8 for the scales), quantized at load (min / max per block); a GGUF
+        checkpoint keeps its Q4_0 / Q4_1 / Q4_K tensors as stored (bit for bit) and its Q8_0
+        ones (and other formats over 4 bits) as int8 blocks of 32, so nothing is re-quantized
+        below the file's own width. An HF directory that ships fp8 weights (``quantization_config`` quant_method
         "fp8" or "compressed-tensors", ``checkpoint.fp8_checkpoint``) loads as "fp8" when
         this is None or "fp8": its fp8 bits and scales kept as stored (per channel, per
         tensor as per channel, 128x128 blocks as blocks of 128 inputs), its float layers

@@ -44,12 +44,12 @@ DEFAULT_TP_RULES: tuple[tuple, ...] = (
     (rf"\.{_COLUMN}\.kernel$", (None, TP_AXIS)),
     (rf"\.{_COLUMN}\.bias$", (TP_AXIS,)),
     (rf"\.{_COLUMN}\.scale$", (TP_AXIS,)),
-    (rf"\.{_COLUMN}\.block_scale$", (None, TP_AXIS)),
+    (rf"\.{_COLUMN}\.(block_scale|block_offset)$", (None, TP_AXIS)),
     (rf"\.{_ROW}\.kernel$", (TP_AXIS, None)),
-    (rf"\.{_ROW}\.block_scale$", (TP_AXIS, None)),
+    (rf"\.{_ROW}\.(block_scale|block_offset)$", (TP_AXIS, None)),
     (r"^lm_head\.weight$", (TP_AXIS, None), IF_DIVISIBLE),
     (r"^lm_head\.scale$", (TP_AXIS,), IF_DIVISIBLE),
-    (r"^lm_head\.block_scale$", (TP_AXIS, None), IF_DIVISIBLE),
+    (r"^lm_head\.(block_scale|block_offset)$", (TP_AXIS, None), IF_DIVISIBLE),
     (r"^model\.embed_tokens\.embedding$", (TP_AXIS, None), IF_DIVISIBLE),
 )
 

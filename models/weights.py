@@ -21,9 +21,10 @@ from flax import nnx
 from jaxkv.models.checkpoint.tensors import CheckpointTensors, InMemoryTensors
 from jaxkv.models.quant import (
     GGUF_BLOCK,
+    LayerQuant,
     QuantizedLinear,
     QuantizedLMHead,
-    quantize,
+    quantize_layer,
     quantized_modules,
 )
 from jaxkv.models.sharding import model_rules, param_sharding
@@ -53,6 +54,8 @@ def _hf_layout(model: CausalLM) -> dict[str, tuple[tuple, tuple[int, ...], bool]
         name = ".".join(str(p) for p in path[:-1]) + "." + _LEAF_NAMES[leaf]
         shape = tuple(var.get_value().shape)  # works for abstract (eval_shape) models too
         transposed = leaf == "kernel"
+        if owner is not None and leaf != "bias" and owner.mode == "q4":  # two inputs a byte
+            shape = (2 * shape[0], shape[1]) if transposed else (shape[0], 2 * shape[1])
         if owner is not None and leaf != "bias":
             path = tuple(path[:-1])  # the module: hf_params quantizes the float tensor into it
         layout[name] = (path, shape[::-1] if transposed else shape, transposed)
@@ -155,15 +158,24 @@ def hf_params(model: CausalLM, tensors: CheckpointTensors, *, mesh=None, rules=N
     return nnx.from_flat_state(updates)
 
 
+def _scale_dtype(module) -> np.dtype:
+    """The dtype of a quantized module's scales (abstract modules too)."""
+    scale = module.scale if module.block is None else module.block_scale
+    return np.dtype(scale.get_value().dtype)
+
+
 def _quantized_params(path: tuple, module, tensors: CheckpointTensors, name: str, place):
     """``[(leaf path, array)]`` of a quantized module from HF tensor ``name``, quantized on
     the host as the module is laid out (its mode, its block); a GGUF Q8_0 tensor whose blocks
-    are the module's (int8, 32 inputs) is taken as stored (``read_q8_0``), bit for bit, and
-    so is an fp8 checkpoint's fp8 weight (``read_fp8``, ``checkpoint.fp8_checkpoint``)."""
+    are the module's (int8, 32 inputs) is taken as stored (``read_q8_0``), bit for bit, and so
+    are a GGUF Q4_0 / Q4_1 / Q4_K tensor for a "q4" module (``read_q4``) and an fp8
+    checkpoint's fp8 weight (``read_fp8``, ``checkpoint.fp8_checkpoint``)."""
     linear = isinstance(module, QuantizedLinear)
     blocks = None
     if module.mode == "int8" and module.block == GGUF_BLOCK and hasattr(tensors, "read_q8_0"):
         blocks = tensors.read_q8_0(name)  # (q [out, in] int8, scale [out, in / 32]) or None
+    if module.mode == "q4" and hasattr(tensors, "read_q4"):
+        blocks = tensors.read_q4(name)  # (packed [out, in / 2], scale, offset [out, in / 32])
     if module.mode == "fp8" and hasattr(tensors, "read_fp8"):
         blocks = tensors.read_fp8(name)  # (q [out, in] fp8, scale [out] | [out, in / b]) or None
         if blocks is not None:
@@ -173,21 +185,27 @@ def _quantized_params(path: tuple, module, tensors: CheckpointTensors, name: str
                     f"{name}: the checkpoint's fp8 block {stored} is not the model's "
                     f"{module.block} (build the model with the checkpoint's layout)"
                 )
+    leaf_names = ["kernel" if linear else "weight"]
+    leaf_names.append("scale" if module.block is None else "block_scale")
+    if module.mode == "q4":
+        leaf_names.append("block_offset")
     if blocks is not None:
-        q, scale = blocks
-        if linear:
-            q, scale = q.T, scale.T  # [in, out], [out] | [in / block, out]
+        parts = tuple(a.T for a in blocks) if linear else blocks  # [in, out] | [V, hidden]
     else:
         w = np.asarray(tensors.read(name, None), np.float32)  # HF layout [out, in] / [V, h]
-        q, scale = quantize(w.T, module.mode, module.block)  # [in, out]
-        if not linear:
-            q, scale = q.T, scale.T  # vocab-major [V, hidden], [V] | [V, hidden / block]
-    leaves = (
-        ("kernel" if linear else "weight", q),
-        ("scale" if module.block is None else "block_scale", scale),
-    )
+        quant = LayerQuant(module.mode, module.block, _scale_dtype(module).name)
+        parts = quantize_layer(w.T, quant)
+        if not linear:  # vocab-major [V, hidden], [V] | [V, hidden / block]
+            parts = tuple(a.T for a in parts)
+    expected = _scale_dtype(module)
+    if parts[1].dtype != expected:  # a GGUF Q4_K tensor for a float16 "q4" module
+        raise ValueError(
+            f"{name}: its stored scales are {parts[1].dtype}, the model's {expected} (build "
+            "the model with the checkpoint's layout)"
+        )
     return [
-        (path + (leaf,), place(path + (leaf,), np.ascontiguousarray(arr))) for leaf, arr in leaves
+        (path + (leaf,), place(path + (leaf,), np.ascontiguousarray(arr)))
+        for leaf, arr in zip(leaf_names, parts, strict=True)
     ]
 
 

@@ -185,8 +185,9 @@ class EngineArgs:
             choices=QUANTIZATION_MODES,
             help="weight-only quantization of every linear layer and the LM head, kept "
             "quantized in device memory: int8 (per output channel; a GGUF checkpoint's Q8_0 "
-            "blocks as stored) or fp8 (default: none, the weights in --dtype; a checkpoint that "
-            "ships fp8 weights: fp8, as stored)",
+            "blocks as stored), fp8, or q4 (4-bit blocks of 32 with a scale and an offset; a "
+            "GGUF checkpoint's Q4_0 / Q4_1 / Q4_K blocks as stored) (default: none, the weights "
+            "in --dtype; a checkpoint that ships fp8 weights: fp8, as stored)",
         ),
     )
     seed: int = dataclasses.field(

@@ -4,7 +4,10 @@ gguf-py's `GGUFReader` memory-maps the file; tensors are dequantized with
 `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, the K-quants, ... whatever the
 installed gguf supports). F32 and F16 keep their dtype; everything else becomes float32.
 ``GGUFTensors.read_q8_0`` reads a Q8_0 tensor as its blocks instead (int8 values and one
-scale per 32 inputs), what ``load_model(..., quantization="int8")`` keeps in device memory.
+scale per 32 inputs), what ``load_model(..., quantization="int8")`` keeps in device memory;
+``GGUFTensors.read_q4`` reads a Q4_0 / Q4_1 / Q4_K tensor as 4-bit blocks of 32 with a scale
+and an offset each (``jaxkv.models.quant``'s "q4" layout), and ``quantized_layout`` says how
+``quantization="q4"`` lays out each layer of the file.
 """
 
 from __future__ import annotations
@@ -27,7 +30,34 @@ from jaxkv.models.checkpoint.gguf_names import (
 )
 from jaxkv.models.checkpoint.gguf_tokenizer import tokenizer_from_gguf_metadata
 from jaxkv.models.checkpoint.tensors import CheckpointTensors, Index
+from jaxkv.models.quant import GGUF_BLOCK, Q4_BLOCK, LayerQuant, pack_q4
 from jaxkv.models.tokenizer import Tokenizer
+
+#: GGUF types ``read_q4`` reads as "q4" blocks
+Q4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
+#: quantized GGUF types of more than 4 bits a weight (other than Q8_0)
+WIDER_THAN_Q4 = tuple(
+    getattr(GGMLQuantizationType, t)
+    for t in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_1", "Q8_K")
+    if hasattr(GGMLQuantizationType, t)
+)
+
+
+def _q4_k_blocks(raw: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks ``raw [rows, n, 144]`` (``d [rows, n, 1]`` float16, their first two
+    bytes) -> ``(packed [rows, n * 128], scale, offset [rows, n * 8] float32)``: each 256-value
+    super-block's eight sub-blocks of 32 as "q4" blocks, ``scale = d * sc``, ``offset =
+    -(dmin * m)`` (gguf's dequantization is ``d * sc * q - dmin * m``)."""
+    rows, n, _ = raw.shape
+    dmin = raw[..., 2:4].copy().view(np.float16).astype(np.float32)  # [rows, n, 1]
+    sc, m = gguf.quants.Q4_K.get_scale_min(raw[..., 4:16].reshape(rows * n, 12))  # [rows*n, 8]
+    scale = d.astype(np.float32) * sc.reshape(rows, n, 8).astype(np.float32)
+    offset = -(dmin * m.reshape(rows, n, 8).astype(np.float32))
+    qs = raw[..., 16:].reshape(rows, n, 4, 1, 32)  # 4 chunks of 32 bytes: sub-blocks 2c, 2c + 1
+    q = (qs >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & np.uint8(15)
+    q = q.reshape(rows, n * 256)  # [rows, cols] values 0..15
+    packed = pack_q4(np.ascontiguousarray(q.T)).T  # [rows, cols / 2]
+    return packed, scale.reshape(rows, n * 8), offset.reshape(rows, n * 8)
 
 
 def field_value(field) -> Any:
@@ -166,6 +196,70 @@ class GGUFTensors(CheckpointTensors):
             q = unpermute_rotary_rows(q, self._permuted_heads[name])
             scale = unpermute_rotary_rows(scale, self._permuted_heads[name])
         return np.ascontiguousarray(q), np.ascontiguousarray(scale)
+
+    def read_q4(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Tensor ``name`` as "q4" blocks (``jaxkv.models.quant.pack_q4``), not dequantized,
+        or None when it is not Q4_0, Q4_1 or Q4_K.
+
+        Returns ``(packed [rows, cols / 2] uint8, scale [rows, cols / 32], offset [rows, cols /
+        32])`` in HF layout (llama q/k rows unpermuted like ``read``'s), each row packed along
+        its columns as ``pack_q4`` packs a column: ``q * scale + offset`` per block of 32
+        columns, in float32, equals ``read(name)`` bit for bit. Scales and offsets are the
+        stored float16 values (Q4_0: ``d`` and ``-8 d``; Q4_1: ``d`` and ``m``) or, for Q4_K,
+        float32 products of its super-block's float16 ``d`` / ``dmin`` and each sub-block's
+        6-bit scale / minimum (``d * sc`` and ``-(dmin * m)``, which float16 cannot hold).
+        """
+        tensor = self._tensors[name]
+        qtype = tensor.tensor_type
+        if qtype not in Q4_TYPES:
+            return None
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        rows, cols = int(np.prod(shape[:-1])), shape[-1]
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = np.asarray(tensor.data).view(np.uint8).reshape(rows, cols // block, type_size)
+        d = raw[..., :2].copy().view(np.float16)  # [rows, blocks, 1]
+        if qtype == GGMLQuantizationType.Q4_K:
+            packed, scale, offset = _q4_k_blocks(raw, d)
+        else:
+            if qtype == GGMLQuantizationType.Q4_0:  # d * (q - 8) = q * d + (-8 d), exactly
+                nibbles, offset = raw[..., 2:], (d.astype(np.float32) * -8).astype(np.float16)
+                if not np.isfinite(offset).all():
+                    raise ValueError(f"GGUF tensor {name!r}: a Q4_0 scale too large for q4")
+            else:  # Q4_1: d * q + m
+                nibbles, offset = raw[..., 4:], raw[..., 2:4].copy().view(np.float16)
+            packed, scale = nibbles.reshape(rows, cols // 2), d  # already pack_q4's order
+        parts = [
+            packed.reshape(*shape[:-1], cols // 2),
+            scale.reshape(*shape[:-1], cols // 32),
+            offset.reshape(*shape[:-1], cols // 32),
+        ]
+        if name in self._permuted_heads:  # rows are output channels: blocks move whole
+            parts = [unpermute_rotary_rows(a, self._permuted_heads[name]) for a in parts]
+        return tuple(np.ascontiguousarray(a) for a in parts)
+
+    def quantized_layout(self, mode: str | None) -> dict[str, LayerQuant]:
+        """HF weight name -> ``LayerQuant`` of the layers ``quantize_model(model, mode)``
+        should lay out other than its default for ``mode`` (``"lm_head.weight"`` for a tied
+        head made from the embedding). For "q4": a Q4_K tensor's scales are float32; a Q8_0
+        tensor, and one of another format over 4 bits (Q5_*, Q6_K), stays int8 in blocks of
+        32 (its Q8_0 blocks as stored), so no weight is re-quantized below the file's own
+        width. Other modes: empty."""
+        if mode != "q4":
+            return {}
+        tied = "lm_head.weight" not in self._tensors
+        layout = {}
+        for name, tensor in self._tensors.items():
+            qtype = tensor.tensor_type
+            if qtype == GGMLQuantizationType.Q4_K:
+                quant = LayerQuant("q4", Q4_BLOCK, "float32")
+            elif qtype == GGMLQuantizationType.Q8_0 or qtype in WIDER_THAN_Q4:
+                quant = LayerQuant("int8", GGUF_BLOCK)
+            else:
+                continue
+            layout[name] = quant
+            if tied and name == "model.embed_tokens.weight":
+                layout["lm_head.weight"] = quant
+        return layout
 
     def close(self) -> None:
         self._last = None

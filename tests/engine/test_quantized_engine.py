@@ -1,4 +1,4 @@
-"""The engine with weight-only quantized weights (``quantization="int8"`` / ``"fp8"``) against
+"""The engine with weight-only quantized weights (``quantization="int8"`` / ``"fp8"`` / ``"q4"``) against
 the dense forward on the dequantized weights, and on two host devices (a subprocess)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ PROMPTS = [[1, 15, 300, 7, 42], list(range(3, 40)), [9, 9, 9]]
 
 
 @pytest.mark.slow  # ~45 s on 2 CPU cores: the 8-layer, 32000-vocabulary model compiled twice
-@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize("mode", ["int8", "fp8", "q4"])
 def test_tiny_llama_greedy_equals_dense_on_dequantized_weights(mode):
     """The built-in tiny-llama loaded by name with ``quantization``: greedy tokens equal the
     dense forward's on the same weights dequantized to float32 (what the kernels hold)."""
@@ -56,7 +56,9 @@ def test_weight_bytes_are_the_quantized_ones():
 
 def test_bad_quantization_value_is_refused():
     for bad in ("int4", "awq", 1, True):
-        with pytest.raises(ValueError, match=r"quantization must be one of \('int8', 'fp8'\)"):
+        with pytest.raises(
+            ValueError, match=r"quantization must be one of \('int8', 'fp8', 'q4'\)"
+        ):
             resolve_engine_config("tiny-llama", quantization=bad)
     assert resolve_engine_config("tiny-llama")[3].quantization is None
 

@@ -59,6 +59,33 @@ def test_int8_two_devices_equal_one(block):
         assert shards["lm_head.block_scale"][::2] == ((512, 4), (256, 4))
 
 
+def test_q4_two_devices_equal_one():
+    """4-bit blocks on 2 devices: the tokens of 1 device and of the dense forward on the
+    dequantized weights; packed kernels, scales and offsets split alike (a row-parallel shard
+    holds whole blocks of 32 inputs)."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 512, size=n).tolist() for n in (5, 37)]
+    outs = {}
+    for tp in (1, 2):
+        model = quantize_model(small_model("tiny-llama"), "q4")
+        llm = make_llm(model, tensor_parallel_size=tp)
+        outs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert_no_block_leaks(llm)
+    assert outs[2] == outs[1]
+    assert outs[1] == [dense_greedy(dequantized_model(model), p, 8) for p in prompts]
+    shards = _shards(llm)
+    assert shards["model.layers.0.self_attn.q_proj.kernel"] == ((64, 128), np.uint8, (64, 64))
+    assert shards["model.layers.1.mlp.down_proj.kernel"] == ((128, 128), np.uint8, (64, 128))
+    for leaf in ("block_scale", "block_offset"):
+        q, down = (
+            f"model.layers.{i}.{m}.{leaf}"
+            for i, m in ((0, "self_attn.q_proj"), (1, "mlp.down_proj"))
+        )
+        assert shards[q] == ((4, 128), np.float16, (4, 64))
+        assert shards[down] == ((8, 128), np.float16, (4, 128))
+    assert shards["lm_head.weight"] == ((512, 64), np.uint8, (256, 64))
+
+
 def test_loaded_by_name_on_two_devices():
     """``quantization="int8"`` through the engine's config: the worker builds the quantized
     model straight onto the mesh (a jitted init), the same weights as one device's."""

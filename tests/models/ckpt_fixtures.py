@@ -84,6 +84,7 @@ def write_llama_gguf(
     tensors: dict[str, np.ndarray],
     *,
     quantize: dict[str, object] | None = None,
+    raw: dict[str, tuple[object, np.ndarray]] | None = None,
     pre: str = "smollm",
     add_bos: bool = False,
     with_tokenizer: bool = True,
@@ -91,6 +92,9 @@ def write_llama_gguf(
     """Writes a llama-architecture GGUF the way llama.cpp's converter does.
 
     ``quantize`` maps HF tensor names to a `gguf.GGMLQuantizationType` (default F32).
+    ``raw`` maps HF tensor names to ``(type, encoded rows [out, bytes] uint8)`` written as
+    they are (types gguf-py cannot quantize, e.g. Q4_K); their ``tensors`` entry only names
+    them (q/k rows are permuted as llama.cpp's converter does).
     """
     import gguf
 
@@ -116,9 +120,15 @@ def write_llama_gguf(
         w.add_add_bos_token(add_bos)
         w.add_chat_template(CHAT_TEMPLATE)
     heads = {"q_proj": hf_config["num_attention_heads"], "k_proj": hf_config["num_key_value_heads"]}
+    raw = raw or {}
     for name, value in tensors.items():
-        value = np.asarray(value, dtype=np.float32)
         proj = name.split(".")[-2]
+        if name in raw:
+            qtype, data = raw[name]
+            data = gguf_permute_rows(data, heads[proj]) if proj in heads else data
+            w.add_tensor(hf_to_gguf_name(name), data, raw_dtype=qtype)
+            continue
+        value = np.asarray(value, dtype=np.float32)
         if proj in heads:
             value = gguf_permute_rows(value, heads[proj])
         qtype = quantize.get(name, gguf.GGMLQuantizationType.F32)
