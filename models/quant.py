@@ -198,19 +198,22 @@ def quantized_matmul(
     ``[in / 32, out]`` (``[out, in / 32]``), ``w = dequantize_q4(q, scale, offset)``. The
     result is ``[..., out]`` in ``out_dtype`` (default ``dtype``).
 
-    On XLA (TPU, and the CPU above ``CPU_KERNEL_MAX_ROWS`` rows): per output channel
+    On XLA (TPU, GPU, and the CPU above ``CPU_KERNEL_MAX_ROWS`` rows): per output channel
     (``scale [out]``) the dot takes the converted ``q`` and the scales multiply its f32 result;
     XLA:GPU then fuses the int8 / fp8 -> ``dtype`` convert into its GEMM (the kernel is read
     from HBM as stored, no dequantized copy in temp: tests/gpu_aot/test_h200_quantized.py),
     and so does the TPU compiler. Per block of int8 / fp8 inputs the kernel is dequantized
-    first (``dequantize``, in temp): XLA:GPU fuses no per-block scale into a dot. "q4" takes
-    ``_q4_on_xla``'s form, which the TPU compiler fuses whole (no temp at 1 or 64 rows).
+    first (``dequantize``, in temp). "q4" takes ``_q4_on_xla``'s form, which the TPU compiler
+    fuses whole (no temp at 1 or 64 rows).
 
-    On the CPU, up to ``CPU_KERNEL_MAX_ROWS`` rows (decode steps) run a C++ kernel
+    On a GPU, per-block and "q4" kernels run a Pallas kernel instead
+    (``jaxkv.pallas_kernels.block_dequant_matmul``: XLA:GPU fuses no per-block scale into a
+    dot and would write the dequantized kernel to HBM). On the CPU, up to
+    ``CPU_KERNEL_MAX_ROWS`` rows (decode steps) run a C++ kernel
     (``jaxkv.pallas_kernels.cpu_backend.quantized_matmul``, ``q4_matmul``), which reads each
-    weight byte once: XLA:CPU converts the whole kernel to float before its dot. Chosen per
-    platform when the program is lowered (``jax.lax.platform_dependent``), so a GPU or TPU
-    compile never sees it.
+    weight byte once: XLA:CPU converts the whole kernel to float before its dot. Both are
+    chosen per platform when the program is lowered (``jax.lax.platform_dependent``), so each
+    compile sees its own platform's form only.
     """
     out_dtype = dtype if out_dtype is None else out_dtype
     lead = x.shape[:-1]
@@ -233,6 +236,7 @@ def quantized_matmul(
         contract = (((x.ndim - 1,), (0,)), ((), ()))
         return jax.lax.dot_general(x.astype(dtype), w, contract).astype(out_dtype)
 
+    from jaxkv.pallas_kernels import block_dequant_matmul as bdm
     from jaxkv.pallas_kernels import cpu_backend  # builds its C++ only when asked
 
     n_in = x.shape[-1]
@@ -248,6 +252,19 @@ def quantized_matmul(
             return y.reshape(*lead, n_out).astype(out_dtype)
 
         branches["cpu"] = on_cpu
+    if (
+        rows > 0
+        and scale.ndim == 2
+        and bdm.supports(n_in, n_out, n_in // scale.shape[int(out_major)])
+    ):
+
+        def on_gpu(x, q, scale, offset=None):
+            y = bdm.block_dequant_matmul(
+                x.reshape(rows, n_in), q, scale, offset, out_major=out_major, dtype=dtype
+            )
+            return y.reshape(*lead, n_out).astype(out_dtype)
+
+        branches["cuda"] = on_gpu
     if branches:
         return jax.lax.platform_dependent(*operands, default=on_xla, **branches)
     return on_xla(*operands)
