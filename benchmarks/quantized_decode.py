@@ -1,22 +1,26 @@
-"""Decode with float, int8 and fp8 weights: the same checkpoint, one process, alternating rounds.
+"""Decode with float, int8, fp8 and q4 weights: one checkpoint, one process, alternating rounds.
 
     python benchmarks/quantized_decode.py [--model smollm2-135m-instruct] [--batch 1,8]
         [--max-tokens 128] [--prompt-len 32] [--rounds 4] [--no-matmuls] [--json PATH]
 
 First (unless ``--no-matmuls``) single matmuls ``x [M, K] @ w [K, N]``: float32 weights
-(XLA), int8 / fp8 weights through XLA (convert, dot, scale) and through the path the engine
-takes (``quantized_matmul``: the C++ kernel on the CPU), best of 5 x 50 calls each.
+(XLA), int8 / fp8 / q4 weights through XLA (int8 / fp8: convert, dot, scale; q4: dequantize,
+dot) and through the path the engine takes (``quantized_matmul``: the C++ kernels on the CPU),
+best of 5 x 50 calls each.
 
-For each batch size, one engine per weight mode (``quantization`` None, "int8", "fp8") on the
+For each batch size, one engine per weight mode (``quantization`` None, "int8", "fp8", "q4") on the
 same checkpoint, warmed up, then timed rounds that alternate the modes (float, int8, fp8, then
 the reverse) so that drift of a shared machine hits them alike. A round is ``batch`` greedy
 requests of ``prompt-len`` random tokens decoding ``max-tokens`` tokens each (EOS ignored).
 Prints per mode the best and median decode rate (tokens/s over the whole round), the weights
-held on the device (``device_weight_bytes``), the bytes those weights stream per decode step
-and the rate at which they stream (weight bytes x steps / s), the ratio to the float engine,
+held on the device (``device_weight_bytes``), the bytes a decode step streams (those weights
+less the embedding table, of which a step reads a few rows; a tied float head reads it whole)
+and the rate at which they stream (streamed bytes x steps / s), the ratio to the float engine,
 and how many generated tokens agree with the float engine's (quantization changes the
 numbers, so some divergence is expected). On the CPU the int8 / fp8 linears of a decode step
-run the C++ kernel (``jaxkv.models.quant.quantized_matmul``).
+run the C++ kernels (``jaxkv.models.quant.quantized_matmul``). SmolLM2 with "q4" keeps its
+GGUF's Q4_1 blocks as stored (and its Q8_0 embedding as the int8 head); with "int8" its Q4_1
+tensors are re-quantized to int8 blocks of 32.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import time
 import bench_common as bc
 import numpy as np
 
-MODES = (None, "int8", "fp8")
+MODES = (None, "int8", "fp8", "q4")
 
 
 def _name(mode) -> str:
@@ -62,23 +66,35 @@ def matmuls(rows=(1, 8)) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from jaxkv.models.quant import quantize, quantized_matmul
+    from jaxkv.models.quant import dequantize_q4, quantize, quantize_q4, quantized_matmul
 
     rng = np.random.default_rng(0)
     out = []
     for n_in, n_out in MATMUL_SHAPES:
         w = rng.standard_normal((n_in, n_out)).astype(np.float32)
-        for mode in ("int8", "fp8"):
-            q, scale = (jnp.asarray(a) for a in quantize(w, mode))
+        for mode in ("int8", "fp8", "q4"):
+            if mode == "q4":
+                parts = tuple(jnp.asarray(a) for a in quantize_q4(w))
+
+                def xla_form(x, p, s, o):
+                    return x @ dequantize_q4(p, s, o)
+
+                def engine_form(x, p, s, o):
+                    return quantized_matmul(x, p, s, jnp.float32, offset=o)
+            else:
+                parts = tuple(jnp.asarray(a) for a in quantize(w, mode))
+
+                def xla_form(x, q, s):
+                    return (x @ q.astype(jnp.float32)) * s
+
+                def engine_form(x, q, s):
+                    return quantized_matmul(x, q, s, jnp.float32)
+
             for m in rows:
                 x = jnp.asarray(rng.standard_normal((m, n_in)).astype(np.float32))
                 f32 = _best_time(jax.jit(lambda x, w: x @ w), x, jnp.asarray(w))
-                xla = _best_time(
-                    jax.jit(lambda x, q, s: (x @ q.astype(jnp.float32)) * s), x, q, scale
-                )
-                engine = _best_time(
-                    jax.jit(lambda x, q, s: quantized_matmul(x, q, s, jnp.float32)), x, q, scale
-                )
+                xla = _best_time(jax.jit(xla_form), x, *parts)
+                engine = _best_time(jax.jit(engine_form), x, *parts)
                 out.append(
                     dict(
                         shape=f"{m}x{n_in} @ {n_in}x{n_out}",
@@ -92,6 +108,13 @@ def matmuls(rows=(1, 8)) -> list[dict]:
                     )
                 )
     return out
+
+
+def _unread_embedding_bytes(model) -> int:
+    """Bytes of the embedding table a decode step does not stream: all of it, unless it is
+    also the (float, tied) LM head."""
+    table = model.model.embed_tokens.embedding[...]
+    return 0 if getattr(model, "lm_head", None) is None else table.size * table.dtype.itemsize
 
 
 def main(argv=None) -> dict:
@@ -123,7 +146,7 @@ def main(argv=None) -> dict:
         greedy=True,
         rounds=args.rounds,
     )
-    print("\n".join(bc.header_lines("decode with float / int8 / fp8 weights", env, workload)))
+    print("\n".join(bc.header_lines("decode with float / int8 / fp8 / q4 weights", env, workload)))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     results = {}
     if not args.no_matmuls:
@@ -132,7 +155,7 @@ def main(argv=None) -> dict:
         print(bc.table(rows, [*cols, "vs_f32", "vs_xla_quant"], title="single matmuls"))
         results["matmuls"] = rows
     for batch in batches:
-        llms, weight_bytes = {}, {}
+        llms, weight_bytes, streamed = {}, {}, {}
         for mode in MODES:
             llm = LLM(
                 args.model,
@@ -144,6 +167,7 @@ def main(argv=None) -> dict:
             )
             worker = llm.llm_engine.engine_core.model_executor.driver_worker.worker
             weight_bytes[mode] = device_weight_bytes(worker.model)
+            streamed[mode] = weight_bytes[mode] - _unread_embedding_bytes(worker.model)
             llms[mode] = llm
         vocab = llms[None].llm_engine.model_config.vocab_size
         rng = np.random.default_rng(args.seed)
@@ -175,7 +199,8 @@ def main(argv=None) -> dict:
                     weight_MiB=weight_bytes[mode] / 2**20,
                     tok_s_best=batch * args.max_tokens / best,
                     tok_s_median=batch * args.max_tokens / statistics.median(times[mode]),
-                    weight_GB_s=weight_bytes[mode] * steps_per_s / 1e9,
+                    streamed_MiB=streamed[mode] / 2**20,
+                    weight_GB_s=streamed[mode] * steps_per_s / 1e9,
                     speed_vs_float=min(times[None]) / best,
                     tokens_as_float=same,
                 )
@@ -186,6 +211,7 @@ def main(argv=None) -> dict:
                 [
                     "weights",
                     "weight_MiB",
+                    "streamed_MiB",
                     "tok_s_best",
                     "tok_s_median",
                     "weight_GB_s",
