@@ -4,8 +4,15 @@
 
 This file imports only the standard library and numpy at the top, because it runs under three
 different environments (jaxkv's, vLLM's CPU build's and llama-cpp-python's); each engine's
-adapter imports its own library. ``SPEC.json`` (written by peers.py) holds the weights' paths,
-the thread count, the engine options and every workload's requests as token ids.
+adapter imports its own library. ``SPEC.json`` (written by peers.py) holds the precision, the
+weights' paths, the thread count, the engine options and every workload's requests as token ids.
+
+Precisions (``PRECISIONS``; ``spec["precision"]``, default "f32"): what each engine loads.
+
+  f32   jaxkv and vLLM: the HF directory, ``dtype="float32"``; llama.cpp: the F32 GGUF
+  q8_0  jaxkv: the Q8_0 GGUF, ``quantization="int8"`` (its blocks kept as stored),
+        ``dtype="float32"``; llama.cpp: the same GGUF
+  bf16  jaxkv and vLLM: the HF directory, ``dtype="bfloat16"``
 
 Protocol: after loading, the worker prints one ``@@peer {...}`` line (its configuration and
 versions) on stdout, then reads commands from stdin, one JSON object per line:
@@ -34,6 +41,17 @@ if __name__ == "__main__":
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
 
 PREFIX = "@@peer "
+
+#: precision -> engines that run it; jaxkv's and vLLM's dtype; which weights file each loads
+PRECISIONS = {
+    "f32": {"engines": ("jaxkv", "vllm", "llamacpp"), "dtype": "float32"},
+    "q8_0": {"engines": ("jaxkv", "llamacpp"), "dtype": "float32", "quantization": "int8"},
+    "bf16": {"engines": ("jaxkv", "vllm"), "dtype": "bfloat16"},
+}
+
+
+def _precision(spec: dict) -> dict:
+    return PRECISIONS[spec.get("precision", "f32")]
 
 
 def _send(obj: dict) -> None:
@@ -88,6 +106,7 @@ class JaxkvEngine:
     def __init__(self, spec: dict):
         from jaxkv.engine.llm_engine import LLMEngine
 
+        prec = _precision(spec)
         # async scheduling: jaxkv's throughput setting (vLLM's default on GPUs; its CPU platform
         # turns it off); measured on SmolLM2 at batch 1: TPOT 24.3 -> 18-20 ms.
         opts = {
@@ -95,11 +114,16 @@ class JaxkvEngine:
             "max_num_batched_tokens": 4096,
             "async_scheduling": True,
             "kv_cache_memory_bytes": int(spec["kv_cache_gib"] * (1 << 30)),
-            "dtype": "float32",
+            "dtype": prec["dtype"],
         }
+        if "quantization" in prec:  # the GGUF's Q8_0 blocks, kept as stored
+            opts["quantization"] = prec["quantization"]
+            model = str(spec["gguf_path"])
+        else:
+            model = str(spec["hf_dir"])
         opts.update(spec.get("jaxkv_options", {}))
-        self.engine = LLMEngine.from_config(str(spec["hf_dir"]), **opts)
-        self.options = opts
+        self.engine = LLMEngine.from_config(model, **opts)
+        self.options = dict(opts, model=model)
 
     def describe(self) -> dict:
         import jax
@@ -146,7 +170,7 @@ class VllmEngine:
         # max_num_batched_tokens: vLLM's offline default on CPUs (4096, arg_utils), also jaxkv's here
         opts = {
             "model": str(spec["hf_dir"]),
-            "dtype": "float32",
+            "dtype": _precision(spec)["dtype"],
             "skip_tokenizer_init": True,
             "max_num_seqs": 64,
             "max_num_batched_tokens": 4096,
@@ -219,7 +243,9 @@ class LlamaCppEngine:
     decoding sequences' next tokens plus prompt tokens up to ``n_batch``; a prompt prefix
     shared by every request is decoded once into a sequence of its own (the last id) and
     copied to each request's (``llama_memory_seq_cp``, the examples' shared system prompt).
-    Greedy: argmax of the logits."""
+    Greedy: argmax of the logits. Options naming a ``llama_model_params`` field set the
+    model's (``use_extra_bufts``: false keeps the weights in plain CPU buffers, as stored,
+    instead of llama.cpp's AMX or repacked layouts)."""
 
     def __init__(self, spec: dict):
         import llama_cpp as lc
@@ -246,7 +272,12 @@ class LlamaCppEngine:
             need = (self.n_parallel + 1) * (-(-(longest + 1) // 256) * 256)
         opts.setdefault("n_ctx", -(-need // 256) * 256)
         mparams = lc.llama_model_default_params()
-        self.model = lc.llama_model_load_from_file(str(spec["gguf_path"]).encode(), mparams)
+        model_fields = {f[0] for f in getattr(mparams, "_fields_", ())}
+        self.model_opts = {k: opts.pop(k) for k in list(opts) if k in model_fields}
+        for k, v in self.model_opts.items():  # llama_model_params fields: use_extra_bufts, ...
+            setattr(mparams, k, v)
+        self.gguf_path = str(spec["gguf_path"])
+        self.model = lc.llama_model_load_from_file(self.gguf_path.encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {spec['gguf_path']}")
         cparams = lc.llama_context_default_params()
@@ -274,6 +305,8 @@ class LlamaCppEngine:
             "version": lc.__version__,
             "system_info": lc.llama_print_system_info().decode(errors="replace").strip(),
             "options": dict(self.opts, n_parallel=self.n_parallel),
+            "model_options": self.model_opts,
+            "model": self.gguf_path,
             "type_k": self.type_k,
             "flash_attn_type": self.flash_attn,
         }

@@ -1,27 +1,47 @@
 """jaxkv side by side with vLLM's CPU build and llama.cpp, on the same model, weights and token ids.
 
     python benchmarks/peers.py [--workloads fixed,batch1,shared-prefix,mixed] [--passes 3]
-        [--engines jaxkv,vllm,llamacpp] [--threads 2] [--quick] [--json PATH]
+        [--engines jaxkv,vllm,llamacpp] [--precision f32,q8_0,bf16] [--threads 2] [--quick]
+        [--json PATH]
     jaxkv bench peers ...   (same arguments)
 
-Model: SmolLM2-135M-Instruct in float32 for all three (``peer_weights.py``: one dequantisation
-of the Q4_1 GGUF jaxkv embeds, written as an HF directory for jaxkv and vLLM and as an F32 GGUF
-for llama.cpp). Each engine runs in its own process and virtual environment
-(``peer_environments``: created under ``~/.cache/jaxkv/peers`` on first use, with pip only),
-configured as its CPU documentation recommends (printed). Workloads (token ids drawn once,
-seeded; greedy, EOS ignored, all requests at t0):
+Model: SmolLM2-135M-Instruct (``peer_weights.py``: one dequantisation to float32 of the Q4_1
+GGUF jaxkv embeds, written as an HF directory for jaxkv and vLLM, as an F32 GGUF for llama.cpp
+and, for q8_0, as a Q8_0 GGUF). Precisions (``--precision``, default f32), each a set of
+engines running the same numbers (``peer_worker.PRECISIONS``):
+
+  f32   jaxkv, vLLM and llama.cpp in float32
+  q8_0  jaxkv (``quantization="int8"``: the GGUF's Q8_0 blocks kept as stored, float32
+        activations) and llama.cpp on the same Q8_0 GGUF
+  bf16  jaxkv and vLLM with ``dtype="bfloat16"`` on the HF directory
+
+Each engine runs in its own process and virtual environment (``peer_envs.py``: created under
+``~/.cache/jaxkv/peers`` on first use, with pip only; an engine whose environment cannot be
+built is left out, with pip's error printed and kept in the JSON), configured as its CPU
+documentation recommends (printed). Workloads (token ids drawn once, seeded; greedy, EOS
+ignored, all requests at t0):
 
   fixed          64 requests, prompts U[32, 256], 64 output tokens
   batch1         1 request, a 128-token prompt, 256 output tokens (decode tok/s = 1 / TPOT)
   shared-prefix  64 requests: one 1024-token prefix + U[32, 128] own tokens, 64 output tokens
   mixed          64 requests, prompts U[32, 512], outputs U[16, 256]
 
-Every engine first runs each workload once untimed (compiles, caches), then ``--passes`` timed
-passes go round the engines in turn (the order rotates every pass), so slow drifts of a shared
-machine hit every engine alike. Reported per engine and workload: min / median / max over the
-passes of output tok/s (all tokens / wall time), of the median TTFT and of the median TPOT;
-the ratios of medians (jaxkv over each peer); how many requests' greedy tokens agree with
-jaxkv's (first divergence positions when not).
+The precisions run one after the other (only one precision's engines are loaded at a time).
+Within a precision every engine first runs each workload once untimed (compiles, caches), then
+``--passes`` timed passes go round the engines in turn (the order rotates every pass), so slow
+drifts of a shared machine hit every engine alike. Reported per precision, engine and
+workload: min / median / max over the passes of output tok/s (all tokens / wall time), of the
+median TTFT and of the median TPOT; the ratios of medians (jaxkv over each peer of the same
+precision); how many requests' greedy tokens agree with jaxkv's of the same precision (first
+divergence positions when not).
+
+Memory bandwidth, per precision: the weights a decode step reads whole (every linear layer and
+the LM head, ``peer_weights.decode_step_weights``) times their stored width (4 B float32, 2 B
+bfloat16, 34/32 B Q8_0: 32 int8 values and a float16 scale a block) is the weight traffic of
+one step; at batch 1 that over the median TPOT is the achieved GB/s, printed beside the
+machine's copy bandwidth: ``numpy.copyto`` of a ``--bandwidth-gib`` array into another (one
+thread, best of 5), counted as 2 bytes moved per byte copied (one read, one write; a
+write-allocate read the CPU may add is not counted). GB: 1e9 bytes.
 """
 
 from __future__ import annotations
@@ -53,11 +73,13 @@ if str(HERE) not in sys.path:
 import bench_common as bc
 import peer_envs
 import peer_weights
-from peer_worker import PREFIX
+from peer_worker import PRECISIONS, PREFIX
 
 ENGINES = ("jaxkv", "vllm", "llamacpp")
 WORKLOADS = ("fixed", "batch1", "shared-prefix", "mixed")
 LABELS = {"jaxkv": "jaxkv", "vllm": "vLLM CPU", "llamacpp": "llama.cpp"}
+#: bytes per weight as each precision stores its linear layers and LM head
+WEIGHT_BYTES = {"f32": 4.0, "q8_0": peer_weights.Q8_0_BYTES_PER_WEIGHT, "bf16": 2.0}
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 # name -> (requests, prompt range or fixed length, shared prefix, output range or fixed)
@@ -128,6 +150,22 @@ def cpu_facts() -> dict:
     return facts
 
 
+def copy_bandwidth(gib: float, repeats: int = 5) -> dict:
+    """The machine's memory bandwidth as one thread of numpy sees it: ``np.copyto`` of a
+    ``gib`` GiB array into another (both touched first), best of ``repeats``; bytes counted:
+    2 per byte copied (read + write)."""
+    n = int(gib * (1 << 30))
+    src = np.ones(n, np.uint8)
+    dst = np.zeros(n, np.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return {"array_bytes": n, "bytes_counted": 2 * n, "best_s": best, "gb_s": 2 * n / best / 1e9}
+
+
 # ---- engine processes -------------------------------------------------------------------------
 
 
@@ -172,8 +210,12 @@ class Worker:
         except queue.Empty:
             msg = None
         if msg is None:
+            try:  # its output ended: let it exit, so its status (a signal: < 0) is known
+                code = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                code = None
             raise RuntimeError(
-                f"{self.engine} worker gave no answer (exit code {self.proc.poll()}); "
+                f"{self.engine} worker gave no answer (exit code {code}); "
                 f"its last lines:\n" + "\n".join(self.tail[-25:])
             )
         return msg
@@ -267,18 +309,32 @@ def parse_args(argv):
     p.add_argument(
         "--engines", default=",".join(ENGINES), help="comma-separated, from " + ",".join(ENGINES)
     )
+    p.add_argument(
+        "--precision",
+        default="f32",
+        help="comma-separated, from " + ",".join(PRECISIONS) + " (each runs the engines "
+        "of --engines that take part in it: see above)",
+    )
     p.add_argument("--passes", type=int, default=3, help="timed passes per engine and workload")
     p.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for every engine"
     )
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of jaxkv and vLLM (GiB)")
+    p.add_argument(
+        "--bandwidth-gib",
+        type=float,
+        default=1.0,
+        help="array size of the copy-bandwidth measurement (GiB; 0: none)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny workloads (a smoke test)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--root", default=str(peer_envs.DEFAULT_ROOT), help="where the venvs and weights live"
     )
     p.add_argument(
-        "--no-install", action="store_true", help="fail instead of creating a missing venv"
+        "--no-install",
+        action="store_true",
+        help="leave out an engine whose venv is missing instead of creating it",
     )
     p.add_argument(
         "--jaxkv-options",
@@ -295,22 +351,110 @@ def parse_args(argv):
         type=json.loads,
         default={},
         metavar="JSON",
-        help="llama_context_params fields (n_batch, n_ubatch, type_k, ...) or n_parallel",
+        help="llama_context_params fields (n_batch, n_ubatch, type_k, ...), n_parallel, or "
+        "llama_model_params fields (use_extra_bufts: false keeps the weights as the GGUF "
+        "stores them, no AMX or repacked copies)",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     p.add_argument("--json", default=str(bc.RESULTS_DIR / "peers.json"))
     args = p.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
     args.engines = [e for e in args.engines.split(",") if e]
+    args.precision = [x for x in args.precision.split(",") if x]
     for w in args.workloads:
         if w not in WORKLOADS:
             p.error(f"unknown workload {w!r} (choose from {', '.join(WORKLOADS)})")
     for e in args.engines:
         if e not in ENGINES:
             p.error(f"unknown engine {e!r} (choose from {', '.join(ENGINES)})")
+    for x in args.precision:
+        if x not in PRECISIONS:
+            p.error(f"unknown precision {x!r} (choose from {', '.join(PRECISIONS)})")
+    if not args.precision:
+        p.error("--precision names none")
+    if not any(plan(args).values()):
+        p.error(
+            f"no engine of --engines {','.join(args.engines)} takes part in --precision "
+            f"{','.join(args.precision)}"
+        )
     if args.passes < 1 or args.threads < 1:
         p.error("--passes and --threads must be >= 1")
+    if args.bandwidth_gib < 0:
+        p.error("--bandwidth-gib must be >= 0")
     return args
+
+
+def plan(args) -> dict[str, list[str]]:
+    """precision -> the engines of ``--engines`` that take part in it, in ``--engines`` order."""
+    return {x: [e for e in args.engines if e in PRECISIONS[x]["engines"]] for x in args.precision}
+
+
+def weights_line(precision: str, weights) -> str:
+    if precision == "f32":
+        return (
+            f"{weights.hf_dir.name} (jaxkv, vLLM: dtype float32) and {weights.gguf_path.name} "
+            "(llama.cpp)"
+        )
+    if precision == "q8_0":
+        return (
+            f"{weights.q8_0_path.name} (llama.cpp; jaxkv: quantization int8, its Q8_0 blocks "
+            "as stored, dtype float32)"
+        )
+    return f"{weights.hf_dir.name} (jaxkv, vLLM: dtype bfloat16)"
+
+
+def run_precision(precision, engines, pythons, spec_path, args, workloads, log, left_out):
+    """Loads ``engines`` (one at a time), runs each workload untimed, then the timed passes.
+    An engine that fails to load or to finish its untimed passes is left out (its error in
+    ``left_out``); a timed pass that fails raises. Returns (configs, results, tokens)."""
+    workers: dict[str, Worker] = {}
+    configs: dict[str, dict] = {}
+    try:
+        for e in engines:  # one at a time: loading competes for the same cores
+            t0 = time.perf_counter()
+            wk = Worker(e, pythons[e], spec_path, engine_env(e, args, pythons[e]))
+            try:
+                ready = wk.receive(args.timeout)
+                config = dict(ready["config"], load_s=ready["load_s"])
+                warm = {}
+                for w in args.workloads:  # untimed: compiles and first-touch costs
+                    r = wk.run(w, args.timeout)
+                    pass_metrics(r, workloads[w])
+                    warm[w] = round(r["elapsed_s"], 2)
+            except RuntimeError as err:
+                wk.close()
+                left_out[f"{e} {precision}"] = str(err)
+                log(f"# {precision} {LABELS[e]} left out, it failed to start: {err}")
+                continue
+            workers[e] = wk
+            configs[e] = dict(config, warm_pass_s=warm)
+            log(
+                f"# {precision} {LABELS[e]} config (loaded in {ready['load_s']:.1f} s, warm "
+                f"passes {warm} s, {time.perf_counter() - t0:.0f} s in all): "
+                f"{json.dumps(ready['config'])}"
+            )
+        ran = list(workers)
+        results = {w: {e: [] for e in ran} for w in args.workloads}
+        tokens: dict[str, dict[str, list]] = {w: {} for w in args.workloads}
+        for p in range(args.passes):
+            k = p % len(ran) if ran else 0
+            order = ran[k:] + ran[:k]
+            for w in args.workloads:
+                for e in order:
+                    r = workers[e].run(w, args.timeout)
+                    m = pass_metrics(r, workloads[w])
+                    results[w][e].append(m)
+                    tokens[w].setdefault(e, r["tokens"])
+                    log(
+                        f"pass {p + 1} {precision:4s} {w:14s} {LABELS[e]:10s} "
+                        f"{m['output_tok_s']:8.1f} out tok/s  TTFT {m['ttft_ms']:8.1f} ms  "
+                        f"TPOT {bc.fmt(m['tpot_ms'])} ms  "
+                        f"({m['elapsed_s']:.1f} s, load {os.getloadavg()[0]:.1f})"
+                    )
+    finally:
+        for wk in workers.values():
+            wk.close()
+    return configs, results, tokens
 
 
 def main(argv=None) -> dict:
@@ -326,8 +470,10 @@ def main(argv=None) -> dict:
 
     cpu = cpu_facts()
     env_info = bc.environment()
+    runs = plan(args)
     log(
-        f"# peers: {', '.join(LABELS[e] for e in args.engines)}; {args.passes} passes; {args.threads} threads"
+        f"# peers: {'; '.join(f'{x}: ' + ', '.join(LABELS[e] for e in runs[x]) for x in runs)}; "
+        f"{args.passes} passes; {args.threads} threads"
     )
     log(
         f"# cpu: {cpu['model']}, {cpu.get('cores')} cores, flags {' '.join(cpu['flags'])}; "
@@ -336,77 +482,78 @@ def main(argv=None) -> dict:
     log(
         f"# command: python benchmarks/peers.py {' '.join(argv if argv is not None else sys.argv[1:])}"
     )
-    pythons = {
-        e: peer_envs.ensure(e, root, install=not args.no_install, log=log) for e in args.engines
-    }
-    weights = peer_weights.prepare(root / "weights")
-    log(
-        f"# weights: {weights.hf_dir} and {weights.gguf_path.name} (float32, from {weights.source.name})"
-    )
+    copy = copy_bandwidth(args.bandwidth_gib) if args.bandwidth_gib > 0 else None
+    if copy is not None:
+        log(
+            f"# memory bandwidth: {copy['gb_s']:.1f} GB/s (numpy.copyto of a "
+            f"{args.bandwidth_gib:g} GiB array into another, one thread, best of 5 in "
+            f"{copy['best_s'] * 1e3:.0f} ms; counted 2 bytes per byte copied, read + write)"
+        )
+    left_out: dict[str, str] = {}
+    pythons = {}
+    for e in dict.fromkeys(e for engines in runs.values() for e in engines):
+        try:
+            pythons[e] = peer_envs.ensure(e, root, install=not args.no_install, log=log)
+        except RuntimeError as err:  # no index, a failed build: the other engines still run
+            left_out[e] = str(err)
+            log(f"# {LABELS[e]} left out, no environment: {err}")
+    weights = peer_weights.prepare(root / "weights", q8_0="q8_0" in args.precision)
+    step_weights = peer_weights.decode_step_weights(weights.hf_dir)
+    log(f"# weights: from {weights.source.name}, {step_weights} read whole a decode step")
+    for x in args.precision:
+        log(f"# weights {x}: {weights_line(x, weights)}")
     sizes = QUICK if args.quick else FULL
     workloads = make_workloads(args.workloads, sizes, weights.vocab_size, args.seed)
     for w in args.workloads:
         log(f"# workload {w}: {describe_workload(w, sizes[w])}")
 
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="jaxkv-peers-"))
-    spec_path = tmp / "spec.json"
-    spec_path.write_text(
-        json.dumps(
-            {
-                "hf_dir": str(weights.hf_dir),
-                "gguf_path": str(weights.gguf_path),
-                "threads": args.threads,
-                "kv_cache_gib": args.kv_cache_gib,
-                "workloads": workloads,
-                "jaxkv_options": args.jaxkv_options,
-                "vllm_options": args.vllm_options,
-                "llamacpp_options": args.llamacpp_options,
-            }
-        )
-    )
-    workers: dict[str, Worker] = {}
     configs: dict[str, dict] = {}
-    results = {w: {e: [] for e in args.engines} for w in args.workloads}
-    tokens: dict[str, dict[str, list]] = {w: {} for w in args.workloads}
+    results: dict[str, dict] = {}
+    tokens: dict[str, dict] = {}
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="jaxkv-peers-"))
     try:
-        for e in args.engines:  # one at a time: loading competes for the same cores
-            t0 = time.perf_counter()
-            workers[e] = Worker(e, pythons[e], spec_path, engine_env(e, args, pythons[e]))
-            ready = workers[e].receive(args.timeout)
-            configs[e] = dict(ready["config"], load_s=ready["load_s"])
-            warm = {}
-            for w in args.workloads:  # untimed: compiles and first-touch costs
-                r = workers[e].run(w, args.timeout)
-                pass_metrics(r, workloads[w])
-                warm[w] = round(r["elapsed_s"], 2)
-            configs[e]["warm_pass_s"] = warm
-            log(
-                f"# {LABELS[e]} config (loaded in {ready['load_s']:.1f} s, warm passes {warm} s, "
-                f"{time.perf_counter() - t0:.0f} s in all): {json.dumps(ready['config'])}"
+        for x in args.precision:
+            engines = [e for e in runs[x] if e in pythons]
+            if not engines:
+                log(f"# {x}: no engine to run")
+                continue
+            spec_path = tmp / f"spec-{x}.json"
+            spec_path.write_text(
+                json.dumps(
+                    {
+                        "precision": x,
+                        "hf_dir": str(weights.hf_dir),
+                        "gguf_path": str(weights.q8_0_path if x == "q8_0" else weights.gguf_path),
+                        "threads": args.threads,
+                        "kv_cache_gib": args.kv_cache_gib,
+                        "workloads": workloads,
+                        "jaxkv_options": args.jaxkv_options,
+                        "vllm_options": args.vllm_options,
+                        "llamacpp_options": args.llamacpp_options,
+                    }
+                )
             )
-        for p in range(args.passes):
-            order = args.engines[p % len(args.engines) :] + args.engines[: p % len(args.engines)]
-            for w in args.workloads:
-                for e in order:
-                    r = workers[e].run(w, args.timeout)
-                    m = pass_metrics(r, workloads[w])
-                    results[w][e].append(m)
-                    tokens[w].setdefault(e, r["tokens"])
-                    log(
-                        f"pass {p + 1} {w:14s} {LABELS[e]:10s} {m['output_tok_s']:8.1f} out tok/s  "
-                        f"TTFT {m['ttft_ms']:8.1f} ms  TPOT {bc.fmt(m['tpot_ms'])} ms  "
-                        f"({m['elapsed_s']:.1f} s, load {os.getloadavg()[0]:.1f})"
-                    )
+            configs[x], results[x], tokens[x] = run_precision(
+                x, engines, pythons, spec_path, args, workloads, log, left_out
+            )
     finally:
-        for wk in workers.values():
-            wk.close()
         shutil.rmtree(tmp, ignore_errors=True)
+    if not any(configs.get(x) for x in configs):
+        raise RuntimeError("no engine ran: " + json.dumps(left_out, indent=1))
 
-    summary = summarize(args, results, tokens, workloads)
-    print_tables(summary, args, log)
+    summary = {
+        x: summarize(list(configs[x]), args.workloads, results[x], tokens[x], workloads)
+        for x in results
+    }
+    traffic = weight_traffic(summary, step_weights, copy)
+    print_tables(summary, traffic, copy, args, log)
+    for what, err in left_out.items():
+        log(f"# left out: {what}: {err.splitlines()[0] if err else ''}")
     payload = {
         "config": {
             "engines": configs,
+            "precisions": args.precision,
+            "left_out": left_out,
             "cpu": cpu,
             "environment": env_info,
             "passes": args.passes,
@@ -417,6 +564,8 @@ def main(argv=None) -> dict:
             "argv": argv if argv is not None else sys.argv[1:],
         },
         "summary": summary,
+        "weight_traffic": traffic,
+        "copy_bandwidth": copy,
         "passes": results,
     }
     if args.json:
@@ -430,16 +579,17 @@ def ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def summarize(args, results, tokens, workloads) -> dict:
+def summarize(engines, workload_names, results, tokens, workloads) -> dict:
+    """One precision's ``{workload: {"engines", "jaxkv_over", "requests"}}``."""
     out = {}
-    for w in args.workloads:
+    for w in workload_names:
         per = {}
-        for e in args.engines:
+        for e in engines:
             ms = results[w][e]
             per[e] = {k: spread([m[k] for m in ms]) for k in ("output_tok_s", "ttft_ms", "tpot_ms")}
         ratios = {}
         if "jaxkv" in per:
-            for e in args.engines:
+            for e in engines:
                 if e == "jaxkv":
                     continue
                 j, q = per["jaxkv"], per[e]
@@ -455,28 +605,57 @@ def summarize(args, results, tokens, workloads) -> dict:
     return out
 
 
-def print_tables(summary, args, log) -> None:
+def weight_traffic(summary: dict, step_weights: int, copy: dict | None) -> dict:
+    """Per precision: the weight bytes a decode step reads (``step_weights`` at the
+    precision's stored width) and, per engine, that over its median batch-1 TPOT in GB/s and
+    as a fraction of the copy bandwidth (None without a batch1 workload or a copy figure)."""
+    out = {}
+    for x, per_workload in summary.items():
+        step_bytes = step_weights * WEIGHT_BYTES[x]
+        engines = {}
+        batch1 = per_workload.get("batch1", {}).get("engines", {})
+        for e, per in batch1.items():
+            tpot = per["tpot_ms"]["median"]
+            gb_s = step_bytes / (tpot * 1e-3) / 1e9 if tpot else None
+            engines[e] = {
+                "tpot_ms": tpot,
+                "gb_s": gb_s,
+                "of_copy_bandwidth": ratio(gb_s, copy["gb_s"] if copy else None),
+            }
+        out[x] = {
+            "weights": step_weights,
+            "bytes_per_weight": WEIGHT_BYTES[x],
+            "bytes_per_step": step_bytes,
+            "engines": engines,
+        }
+    return out
+
+
+def print_tables(summary, traffic, copy, args, log) -> None:
     rows = []
-    for w, s in summary.items():
-        for e, per in s["engines"].items():
-            rows.append(
-                {
-                    "workload": w,
-                    "engine": LABELS[e],
-                    "out tok/s min/med/max": "/".join(
-                        bc.fmt(per["output_tok_s"][k], 4) for k in ("min", "median", "max")
-                    ),
-                    "TTFT ms med": bc.fmt(per["ttft_ms"]["median"]),
-                    "TPOT ms med": bc.fmt(per["tpot_ms"]["median"]),
-                    "decode tok/s": bc.fmt(1e3 / per["tpot_ms"]["median"])
-                    if per["tpot_ms"]["median"]
-                    else "-",
-                }
-            )
+    for x, per_workload in summary.items():
+        for w, s in per_workload.items():
+            for e, per in s["engines"].items():
+                rows.append(
+                    {
+                        "precision": x,
+                        "workload": w,
+                        "engine": LABELS[e],
+                        "out tok/s min/med/max": "/".join(
+                            bc.fmt(per["output_tok_s"][k], 4) for k in ("min", "median", "max")
+                        ),
+                        "TTFT ms med": bc.fmt(per["ttft_ms"]["median"]),
+                        "TPOT ms med": bc.fmt(per["tpot_ms"]["median"]),
+                        "decode tok/s": bc.fmt(1e3 / per["tpot_ms"]["median"])
+                        if per["tpot_ms"]["median"]
+                        else "-",
+                    }
+                )
     log(
         bc.table(
             rows,
             [
+                "precision",
                 "workload",
                 "engine",
                 "out tok/s min/med/max",
@@ -488,26 +667,31 @@ def print_tables(summary, args, log) -> None:
         )
     )
     rows = []
-    for w, s in summary.items():
-        for e, r in s["jaxkv_over"].items():
-            ag = r["greedy_agreement"]
-            div = ag["first_divergence"]
-            rows.append(
-                {
-                    "workload": w,
-                    "jaxkv over": LABELS[e],
-                    "out tok/s": bc.fmt(r["output_tok_s"]),
-                    "decode tok/s": bc.fmt(r["decode_tok_s"]),
-                    "TTFT (<1 better)": bc.fmt(r["ttft"]),
-                    "greedy equal": f"{ag['equal']}/{ag['requests']}",
-                    "first divergence": (f"min {div[0]} med {div[len(div) // 2]}" if div else "-"),
-                }
-            )
+    for x, per_workload in summary.items():
+        for w, s in per_workload.items():
+            for e, r in s["jaxkv_over"].items():
+                ag = r["greedy_agreement"]
+                div = ag["first_divergence"]
+                rows.append(
+                    {
+                        "precision": x,
+                        "workload": w,
+                        "jaxkv over": LABELS[e],
+                        "out tok/s": bc.fmt(r["output_tok_s"]),
+                        "decode tok/s": bc.fmt(r["decode_tok_s"]),
+                        "TTFT (<1 better)": bc.fmt(r["ttft"]),
+                        "greedy equal": f"{ag['equal']}/{ag['requests']}",
+                        "first divergence": (
+                            f"min {div[0]} med {div[len(div) // 2]}" if div else "-"
+                        ),
+                    }
+                )
     if rows:
         log(
             bc.table(
                 rows,
                 [
+                    "precision",
                     "workload",
                     "jaxkv over",
                     "out tok/s",
@@ -516,7 +700,42 @@ def print_tables(summary, args, log) -> None:
                     "greedy equal",
                     "first divergence",
                 ],
-                title="ratios of medians",
+                title="ratios of medians, within a precision",
+            )
+        )
+    rows = []
+    for x, t in traffic.items():
+        for e, m in t["engines"].items():
+            rows.append(
+                {
+                    "precision": x,
+                    "engine": LABELS[e],
+                    "B/weight": bc.fmt(t["bytes_per_weight"]),
+                    "weights MB/step": bc.fmt(t["bytes_per_step"] / 1e6),
+                    "batch1 TPOT ms": bc.fmt(m["tpot_ms"]),
+                    "GB/s": bc.fmt(m["gb_s"]),
+                    "of copy BW": (
+                        f"{100 * m['of_copy_bandwidth']:.0f}%"
+                        if m["of_copy_bandwidth"] is not None
+                        else "-"
+                    ),
+                }
+            )
+    if rows:
+        bw = f"{copy['gb_s']:.1f} GB/s, read + write" if copy else "not measured"
+        log(
+            bc.table(
+                rows,
+                [
+                    "precision",
+                    "engine",
+                    "B/weight",
+                    "weights MB/step",
+                    "batch1 TPOT ms",
+                    "GB/s",
+                    "of copy BW",
+                ],
+                title=f"weight traffic at batch 1 (numpy copy bandwidth {bw})",
             )
         )
 
