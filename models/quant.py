@@ -1,8 +1,9 @@
 """Weight-only quantization: linear kernels and the LM head kept as int8, fp8 or 4-bit blocks in
 device memory.
 
-A quantized kernel is ``q`` (int8, or float8_e4m3fn for "fp8") plus float32 scales, symmetric
-(no zero point), with ``w ~= q * scale``:
+A quantized kernel is ``q`` (int8, or float8_e4m3fn for "fp8") plus float32 scales (float16
+for a GGUF's int8 blocks, as Q8_0 stores them), symmetric (no zero point), with
+``w ~= q * scale``:
 
 * per output channel: ``scale [out]``, one per column of a ``[in, out]`` kernel
   (``amax over the inputs / qmax``);
@@ -18,8 +19,9 @@ stored.
 Modes (``load_model(..., quantization=...)``, ``EngineConfig.quantization``):
 
 * ``"int8"``: int8, per output channel; a GGUF checkpoint (and SmolLM2, converted from
-  one) gets blocks of 32 inputs instead, so its Q8_0 tensors are kept as stored and its other
-  tensors (F16/F32, Q4, K-quants) are dequantized then re-quantized to int8 blocks of 32.
+  one) gets blocks of 32 inputs with float16 scales instead (Q8_0's form, 34 bytes per 32
+  weights), so its Q8_0 tensors are kept as stored and its other tensors (F16/F32, Q4,
+  K-quants) are dequantized then re-quantized to such blocks.
 * ``"fp8"``: float8_e4m3fn per output channel (``amax / 448``), any checkpoint.
 * ``"q4"``: 4-bit blocks of 32 inputs, each with a scale and an offset (GGUF Q4_1's form,
   ``w ~= q * scale + offset``, ``q`` in 0..15, two per byte): half a byte per weight plus the
@@ -50,6 +52,8 @@ GGUF_BLOCK = 32
 
 #: inputs per block of the "q4" layout (GGUF Q4_0 / Q4_1's block; Q4_K's sub-block)
 Q4_BLOCK = 32
+#: dtypes a quantized layer's scales (and "q4"'s offsets) may have
+SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 _QMAX = {"int8": 127.0, "fp8": 448.0}  # float8_e4m3fn's largest finite value is 448
 _QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -62,8 +66,10 @@ def check_quantization(value) -> str | None:
     return value
 
 
-def _quantize(w, block: int | None, mode: str):
-    """``w [in, out]`` -> ``(q [in, out], scale [out] | [in // block, out] float32)``.
+def _quantize(w, block: int | None, mode: str, scale_dtype=np.float32):
+    """``w [in, out]`` -> ``(q [in, out], scale [out] | [in // block, out] scale_dtype)``
+    (float32, or float16 as GGUF Q8_0 stores them: ``q`` then rounds against the float16
+    scale, so that ``q * scale`` is as close to ``w`` as that scale allows).
 
     numpy in, numpy out (host-side loading); jax in, jax out (inside a jitted init)."""
     xp = np if isinstance(w, np.ndarray) else jnp
@@ -80,12 +86,13 @@ def _quantize(w, block: int | None, mode: str):
     # times the float32 reciprocal, not "/ qmax": XLA rewrites a division by a constant so,
     # and a host load (numpy) must give the device init's (jax) scales bit for bit
     scale = xp.max(xp.abs(groups), axis=1) * np.float32(1.0 / _QMAX[mode])  # [G, out]
+    scale = scale.astype(scale_dtype).astype(np.float32)  # the scale as it is kept
     safe = xp.where(scale == 0, np.float32(1), scale)[:, None, :]
     scaled = xp.clip(groups / safe, -_QMAX[mode], _QMAX[mode])
     if mode == "int8":
         scaled = xp.round(scaled)
     q = scaled.astype(_QDTYPE[mode]).reshape(n_in, n_out)
-    scale = scale.astype(np.float32)
+    scale = scale.astype(scale_dtype)
     return q, (scale[0] if block is None else scale)
 
 
@@ -108,9 +115,12 @@ def quantize_fp8(w, block: int | None = None):
     return _quantize(w, block, "fp8")
 
 
-def quantize(w, mode: str, block: int | None = None):
-    """``quantize_int8`` or ``quantize_fp8`` by ``mode`` ("int8" / "fp8")."""
-    return _quantize(w, block, check_quantization(mode))
+def quantize(w, mode: str, block: int | None = None, scale_dtype=np.float32):
+    """``quantize_int8`` or ``quantize_fp8`` by ``mode`` ("int8" / "fp8"), with scales in
+    ``scale_dtype`` (float32, or float16: GGUF Q8_0's)."""
+    if np.dtype(scale_dtype) not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be float32 or float16, got {scale_dtype!r}")
+    return _quantize(w, block, check_quantization(mode), np.dtype(scale_dtype))
 
 
 def dequantize(q, scale, dtype=jnp.float32):
@@ -303,29 +313,38 @@ def _q4_on_xla(x, packed, scale, offset, dtype, out_major: bool) -> jax.Array:
 class LayerQuant(NamedTuple):
     """How one layer is quantized (``quantize_model``'s ``blocks`` values): ``mode``
     (``QUANTIZATION_MODES``), ``block`` (inputs per scale; None: per output channel; "q4":
-    32), ``scale_dtype`` ("q4"'s scales and offsets: float16, or float32)."""
+    32), ``scale_dtype`` (float16 or float32; None: the mode's default, float16 for "q4"'s
+    scales and offsets, float32 for int8 / fp8 scales; int8 blocks of a GGUF are float16,
+    as Q8_0 stores them)."""
 
     mode: str
     block: int | None = None
-    scale_dtype: str = "float16"
+    scale_dtype: str | None = None
+
+
+def _default_scale_dtype(mode: str) -> str:
+    return "float16" if mode == "q4" else "float32"
 
 
 def quantize_layer(w, quant: LayerQuant) -> tuple:
     """``w [in, out]`` -> ``(q, scale)`` (int8 / fp8) or ``(packed, scale, offset)`` (q4)."""
+    scale_dtype = np.dtype(quant.scale_dtype or _default_scale_dtype(quant.mode))
     if quant.mode == "q4":
-        return quantize_q4(w, np.dtype(quant.scale_dtype))
-    return quantize(w, quant.mode, quant.block)
+        return quantize_q4(w, scale_dtype)
+    return quantize(w, quant.mode, quant.block, scale_dtype)
 
 
 def _layer_quant(mode: str, block: int | None, n_in: int, scale_dtype=None) -> LayerQuant:
     """The layout of a layer with ``n_in`` inputs: "q4" always blocks of 32 (ValueError when
-    they do not divide), int8 / fp8 per block of ``block`` where it divides, else per output
-    channel."""
+    they do not divide), int8 / fp8 per block of ``block`` where it divides (scales in
+    ``scale_dtype``), else per output channel (float32 scales)."""
     if mode == "q4":
         if n_in % Q4_BLOCK:
             raise ValueError(f"q4 needs a multiple of {Q4_BLOCK} inputs, a layer has {n_in}")
         return LayerQuant("q4", Q4_BLOCK, scale_dtype or "float16")
-    return LayerQuant(mode, block if block is not None and n_in % block == 0 else None)
+    if block is None or n_in % block:
+        return LayerQuant(mode, None, "float32")
+    return LayerQuant(mode, block, scale_dtype or "float32")
 
 
 class QuantizedLinear(nnx.Module):

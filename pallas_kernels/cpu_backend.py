@@ -50,6 +50,8 @@ SOURCES = tuple(
     pathlib.Path(__file__).parent / "cpu_kernels" / n
     for n in ("paged_attention.cc", "kv_write.cc", "quantized_matmul.cc", "q4_matmul.cc")
 )
+#: Headers the sources include (part of the build's cache key).
+HEADERS = (pathlib.Path(__file__).parent / "cpu_kernels" / "kernel_common.h",)
 TARGET = "jaxkv_paged_attention_cpu"
 WRITE_TARGET = "jaxkv_write_kv_cpu"
 ZERO_TARGET = "jaxkv_zero_pages_cpu"
@@ -68,7 +70,8 @@ QTYPES = {jnp.dtype(jnp.int8): 0, jnp.dtype(jnp.float8_e4m3fn): 1}
 QMATMUL_MAX_ROWS = 64
 #: Inputs per block of ``q4_matmul`` (one scale and one offset each; GGUF Q4_0 / Q4_1's block).
 Q4_BLOCK = 32
-#: Scale / offset dtypes ``q4_matmul`` reads as stored (others are converted to f32 first).
+#: Scale / offset dtypes ``q4_matmul`` and ``quantized_matmul`` read as stored (others are
+#: converted to f32 first).
 Q4_PARAM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))
 #: Flags of every build, then the first of ARCH_FLAGS the compiler accepts: -march=native (GCC,
 #: Clang on x86), -mcpu=native (AArch64 compilers that reject -march=native), none (portable,
@@ -170,7 +173,7 @@ def _build() -> tuple[str | None, str | None]:
     key = hashlib.sha256(
         "\n".join(
             [
-                *(src.read_text() for src in SOURCES),
+                *(src.read_text() for src in (*SOURCES, *HEADERS)),
                 cxx,
                 *version,
                 repr(_flag_candidates()),
@@ -306,7 +309,7 @@ def zero_pages(
 def quantized_matmul(
     x,  # [M, K], M <= QMATMUL_MAX_ROWS
     q,  # [K, N] int8 | float8_e4m3fn; [N, K] when out_major
-    scale,  # [N] | [K // block, N] f32; [N] | [N, K // block] when out_major
+    scale,  # [N] | [K // block, N] f32 | f16; [N] | [N, K // block] when out_major
     *,
     out_major: bool = False,
 ):
@@ -325,7 +328,7 @@ def quantized_matmul(
     return call(
         x.astype(jnp.float32),
         q,
-        scale.astype(jnp.float32),
+        scale if jnp.dtype(scale.dtype) in Q4_PARAM_DTYPES else scale.astype(jnp.float32),
         block=np.int64(block),
         qtype=np.int32(QTYPES[jnp.dtype(q.dtype)]),
         out_major=bool(out_major),

@@ -19,16 +19,14 @@
 // ~10-20 GFLOP/s after gathering every page into a buffer, and its prefill tiles compute whole
 // causal squares; numbers in benchmarks/RESULTS.md.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "kernel_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -367,6 +365,18 @@ struct Scratch {
       : krows(kChunk * d_n), vrows(kChunk * d_n), kt(static_cast<size_t>(d_n) * kChunk),
         q(static_cast<size_t>(kTileRows) * group * d_n), acc(q.size()),
         m(kTileRows * group), l(kTileRows * group) {}
+
+  // This thread's buffers for these sizes, kept between calls.
+  static Scratch& of_thread(int d_n, int group) {
+    thread_local std::unique_ptr<Scratch> scratch;
+    thread_local int sizes[2] = {-1, -1};
+    if (!scratch || sizes[0] != d_n || sizes[1] != group) {
+      scratch = std::make_unique<Scratch>(d_n, group);
+      sizes[0] = d_n;
+      sizes[1] = group;
+    }
+    return *scratch;
+  }
 };
 
 // The item's query vectors (row i, head g) -> index i * G + g; keys [lo, hi) of the whole tile.
@@ -486,32 +496,19 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
   }
 }
 
-// Items cut into `parts` contiguous ranges of about equal cost; the caller and up to `helpers`
-// pool tasks take parts from a counter until none is left. The state is shared so that a task
-// the pool starts late (after the caller returned) finds no part and touches nothing else.
+// Items cut into `parts` contiguous ranges of about equal cost (ParallelFor runs them).
 struct Work {
   Problem p;
   std::vector<Item> items;
   std::vector<int64_t> cost;   // [items + 1] prefix sums of the items' costs
   int parts = 1;
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-  std::mutex mu;
-  std::condition_variable all_done;
 
-  void run_parts() {
-    std::unique_ptr<Scratch> scratch;   // allocated once this thread has a part
+  void run_part(int w) const {
+    Scratch& scratch = Scratch::of_thread(p.head_size, p.q_heads / p.kv_heads);
     const int64_t n = static_cast<int64_t>(items.size());
-    for (int w; (w = next.fetch_add(1)) < parts;) {
-      if (!scratch) scratch = std::make_unique<Scratch>(p.head_size, p.q_heads / p.kv_heads);
-      const int64_t c0 = cost[n] * w / parts, c1 = cost[n] * (w + 1) / parts;
-      const int64_t first = std::lower_bound(cost.begin(), cost.end() - 1, c0) - cost.begin();
-      for (int64_t i = first; i < n && cost[i] < c1; ++i) run_item(p, items[i], *scratch);
-      if (done.fetch_add(1) + 1 == parts) {
-        std::lock_guard<std::mutex> lock(mu);
-        all_done.notify_all();
-      }
-    }
+    const int64_t c0 = cost[n] * w / parts, c1 = cost[n] * (w + 1) / parts;
+    const int64_t first = std::lower_bound(cost.begin(), cost.end() - 1, c0) - cost.begin();
+    for (int64_t i = first; i < n && cost[i] < c1; ++i) run_item(p, items[i], scratch);
   }
 };
 
@@ -592,18 +589,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int64_t n = static_cast<int64_t>(work->items.size());
   if (n == 0) return ffi::Error::Success();
 
-  // XLA's intra-op pool runs the helpers (no threads started per call); ~2k key-rows per part
-  // at least, up to 4 parts per thread so that uneven parts even out.
-  const int64_t pool_threads = pool.num_threads();
-  const int threads = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(num_threads, pool_threads > 0 ? pool_threads + 1 : 1)));
+  // ~512 key-rows per part at least (the helpers are awake during a step: a decode row's few
+  // KV heads are worth splitting), up to 4 parts per thread so that uneven parts even out.
+  const int threads = jaxkv_cpu::Threads(pool, num_threads);
   work->parts = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>({n, 4 * threads, work->cost[n] / 2048})));
-  const int helpers = std::min(threads, work->parts) - 1;
-  for (int t = 0; t < helpers; ++t) pool.Schedule([work] { work->run_parts(); });
-  work->run_parts();
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->all_done.wait(lock, [&] { return work->done.load() == work->parts; });
+      1, std::min<int64_t>({n, 4 * threads, work->cost[n] / 512})));
+  const Work& shared = *work;
+  jaxkv_cpu::ParallelFor(pool, threads, work->parts, [&shared](int w) { shared.run_part(w); });
   return ffi::Error::Success();
 }
 

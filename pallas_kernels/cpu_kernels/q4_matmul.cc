@@ -35,12 +35,9 @@
 // integer steps of HalfToFloat, each a large share of a decode step's time here. Other
 // machines take the portable vector code.
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -48,6 +45,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kernel_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -63,16 +61,13 @@ constexpr int64_t kMaxRows = 64;       // rows of x the kernel accepts
 constexpr int64_t kGroup = 4;          // rows of x sharing one widening of the nibbles
 constexpr int64_t kPacked = 4;         // packed rows (8 inputs) per accumulation pass
 
-// 16 lanes: the bytes of one block (out-major) or of 16 columns of a packed row (input-major).
-typedef uint8_t VBytes __attribute__((vector_size(kHalf)));
-typedef uint16_t VShorts __attribute__((vector_size(2 * kHalf)));
-typedef int32_t VInts __attribute__((vector_size(4 * kHalf)));
-typedef float VFloats __attribute__((vector_size(4 * kHalf)));
-
-// 16 floats at p (unaligned). Out-parameters, not return values: a 64-byte vector returned by
-// value changes the ABI with the build's vector extensions (a -Wpsabi note).
-inline void Load(VFloats& v, const float* p) { std::memcpy(&v, p, sizeof(v)); }
-inline void Store(float* p, const VFloats& v) { std::memcpy(p, &v, sizeof(v)); }
+using jaxkv_cpu::Load;
+using jaxkv_cpu::Store;
+using jaxkv_cpu::VBytes;
+using jaxkv_cpu::VFloats;
+using jaxkv_cpu::VInts;
+using jaxkv_cpu::VShorts;
+static_assert(jaxkv_cpu::kLanes == kHalf, "one vector: the 16 bytes of a block");
 
 // The 16 bytes at p as floats: lo[j] = p[j] & 15, hi[j] = p[j] >> 4.
 inline void Nibbles(const uint8_t* p, VFloats& lo, VFloats& hi) {
@@ -102,43 +97,8 @@ inline void Nibbles(const uint8_t* p, VFloats& lo, VFloats& hi) {
 #endif
 }
 
-// IEEE half bits -> float, branch-free so the loops that call it vectorize: a normal number
-// moves its exponent and mantissa into a float's fields and rebiases the exponent (+112); a
-// subnormal (exponent 0) is its mantissa times 2^-24, computed as a float product; exponent 31
-// (infinity, NaN) becomes exponent 255 with the mantissa kept.
-inline float HalfToFloat(uint16_t h) {
-  const uint32_t mag = h & 0x7fffu;
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = mag >> 10;
-  const float normal = __builtin_bit_cast(float, (mag << 13) + (112u << 23));
-  const float subnormal = static_cast<float>(mag) * (1.0f / 16777216.0f);
-  const uint32_t special = (mag << 13) | 0x7f800000u;
-  const uint32_t bits = exponent == 0    ? __builtin_bit_cast(uint32_t, subnormal)
-                        : exponent == 31 ? special
-                                         : __builtin_bit_cast(uint32_t, normal);
-  return __builtin_bit_cast(float, bits | sign);
-}
-
-// A scale or offset array as stored: f32, or f16 bits.
-struct Params {
-  const void* data;
-  bool half;
-};
-
-// Values [at, at + count) of a as floats: a pointer into a (f32), or converted into buf (f16).
-inline const float* Floats(const Params& a, int64_t at, int64_t count, float* __restrict__ buf) {
-  if (!a.half) return static_cast<const float*>(a.data) + at;
-  const uint16_t* __restrict__ h = static_cast<const uint16_t*>(a.data) + at;
-  int64_t j = 0;
-#if defined(__F16C__)
-  for (; j + 8 <= count; j += 8) {
-    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j));
-    _mm256_storeu_ps(buf + j, _mm256_cvtph_ps(bits));
-  }
-#endif
-  for (; j < count; ++j) buf[j] = HalfToFloat(h[j]);
-  return buf;
-}
+using jaxkv_cpu::Floats;
+using jaxkv_cpu::Params;
 
 struct Problem {
   const float* x;       // [M, K]
@@ -297,34 +257,23 @@ void RunOutputs(const Problem& p, int64_t n0, int64_t nc, float* __restrict__ sb
 struct Work {
   Problem p;
   std::vector<float> xsum;  // p.xsum's storage
-  int64_t cols = kMinCols;  // columns of a range
-  int64_t chunks = 0;       // column ranges
+  int64_t cols = jaxkv_cpu::kLanes;  // columns of a range
+  int64_t chunks = 0;                // column ranges
   int parts = 1;
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-  std::mutex mu;
-  std::condition_variable all_done;
 
-  void RunParts() {
-    std::vector<float> scratch;  // allocated once this thread has a part
-    for (int w; (w = next.fetch_add(1)) < parts;) {
-      const int64_t params = p.out_major ? p.nb : cols;  // sbuf, obuf floats each
-      const int64_t body = p.out_major ? 0 : 2 * p.m * cols;  // acc, part
-      if (scratch.empty()) scratch.resize(body + 2 * params);
-      float* sbuf = scratch.data() + body;
-      float* obuf = sbuf + params;
-      const int64_t c0 = chunks * w / parts, c1 = chunks * (w + 1) / parts;
-      for (int64_t c = c0; c < c1; ++c) {
-        const int64_t n0 = c * cols, nc = std::min<int64_t>(cols, p.n - n0);
-        if (p.out_major) {
-          RunOutputs(p, n0, nc, sbuf, obuf);
-        } else {
-          RunColumns(p, n0, nc, scratch.data(), scratch.data() + p.m * cols, sbuf, obuf);
-        }
-      }
-      if (done.fetch_add(1) + 1 == parts) {
-        std::lock_guard<std::mutex> lock(mu);
-        all_done.notify_all();
+  void RunPart(int w) const {
+    const int64_t params = p.out_major ? p.nb : cols;       // sbuf, obuf floats each
+    const int64_t body = p.out_major ? 0 : 2 * p.m * cols;  // acc, part
+    std::vector<float> scratch(body + 2 * params);
+    float* sbuf = scratch.data() + body;
+    float* obuf = sbuf + params;
+    const int64_t c0 = chunks * w / parts, c1 = chunks * (w + 1) / parts;
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * cols, nc = std::min<int64_t>(cols, p.n - n0);
+      if (p.out_major) {
+        RunOutputs(p, n0, nc, sbuf, obuf);
+      } else {
+        RunColumns(p, n0, nc, scratch.data(), scratch.data() + p.m * cols, sbuf, obuf);
       }
     }
   }
@@ -383,11 +332,9 @@ ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
     std::fill(y->typed_data(), y->typed_data() + m * n, 0.0f);
     return ffi::Error::Success();
   }
-  // XLA's intra-op pool runs the helpers. Ranges: as wide as the partial sums allow, but at
-  // least one per thread; about 128k weights (64 KiB of nibbles) a part at least.
-  const int64_t pool_threads = pool.num_threads();
-  const int threads = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(num_threads, pool_threads > 0 ? pool_threads + 1 : 1)));
+  // Ranges: as wide as the partial sums allow, but at least one per thread; about 128k
+  // weights (64 KiB of nibbles) a part at least.
+  const int threads = jaxkv_cpu::Threads(pool, num_threads);
   const int64_t per_thread = (n + threads - 1) / threads;
   const int64_t cols = std::clamp<int64_t>(
       out_major ? per_thread : std::min(kAccFloats / m, per_thread), kMinCols, kMaxCols);
@@ -395,11 +342,8 @@ ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   work->chunks = (n + work->cols - 1) / work->cols;
   work->parts = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>({work->chunks, static_cast<int64_t>(threads), k * n / 131072})));
-  const int helpers = std::min(threads, work->parts) - 1;
-  for (int t = 0; t < helpers; ++t) pool.Schedule([work] { work->RunParts(); });
-  work->RunParts();
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->all_done.wait(lock, [&] { return work->done.load() == work->parts; });
+  const Work& shared = *work;
+  jaxkv_cpu::ParallelFor(pool, threads, work->parts, [&shared](int w) { shared.RunPart(w); });
   return ffi::Error::Success();
 }
 

@@ -2,9 +2,10 @@
 // kernel as stored.
 //
 // y [M, N] f32 = x [M, K] f32 @ (q [K, N] * scale), q int8 or float8_e4m3fn (as its bytes),
-// scale [N] f32 (one per output column; block = 0) or [K / block, N] f32 (one per block of
-// `block` inputs and column, GGUF Q8_0's layout with block 32). With out_major, q is [N, K]
-// and block scales [N, K / block] (the LM head's vocabulary-major layout): y = x @ (q * s)^T.
+// scale [N] (one per output column; block = 0) or [K / block, N] (one per block of `block`
+// inputs and column, GGUF Q8_0's layout with block 32), f32 or f16 (Q8_0's, read as stored).
+// With out_major, q is [N, K] and block scales [N, K / block] (the LM head's vocabulary-major
+// layout): y = x @ (q * s)^T.
 //
 // Why it exists: XLA:CPU does not fuse the int8 -> f32 convert into its dot, so a weight-only
 // quantized linear first writes the whole kernel as f32 (4 bytes a parameter) and then reads it
@@ -12,37 +13,58 @@
 // once and widened in registers, for the few rows of a decode step (the caller routes larger
 // row counts to XLA's GEMM).
 //
-// Work: column ranges split over XLA's intra-op pool; per range, for each input k, the range's
-// weights of row k (contiguous bytes, so the hardware prefetcher streams them; narrow ranges
-// would put every row on another 4 KiB page and stall on memory latency) are widened once and
-// accumulated into every row's partial sums (a per-thread buffer of about 64 KiB); per-block
-// scales are applied as each block of inputs ends.
+// Input-major work: the inputs (rows of q) split into contiguous ranges, one per thread, so
+// each thread streams one contiguous run of memory (the hardware prefetcher keeps up; a split
+// by columns has every thread jump between rows, measured 2-3x slower on SmolLM2's 576-wide
+// kernels); each range's partial sums of all columns go to their own buffer, added up at the
+// end. Within a range, 8 rows of q at a time are widened in registers (16 columns at a time)
+// and multiply-added into every row of x's partial sums, so a partial sum is loaded and stored
+// once per 8 multiply-adds; per-block scales multiply a block's sums as the block ends. Columns
+// go in chunks whose partial sums stay in the L1 / L2 caches (all of them for one row of x).
+// Out-major work: outputs split over the threads (each output's K weights are contiguous);
+// per output, 16 lanes of partial sums per row of x, reduced once.
+//
+// The widening uses x86's byte -> int32 instructions where the build has AVX2 or AVX-512
+// (GCC 12 auto-vectorizes int8 -> float poorly: measured half the speed), else portable vector
+// extensions.
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "kernel_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMinCols = 64;       // narrowest column range
-constexpr int64_t kMaxCols = 4096;     // widest column range
-constexpr int64_t kAccFloats = 16384;  // rows x columns of a range's partial sums (64 KiB)
+using jaxkv_cpu::Floats;
+using jaxkv_cpu::kLanes;
+using jaxkv_cpu::Load;
+using jaxkv_cpu::Store;
+using jaxkv_cpu::VFloats;
+using jaxkv_cpu::VInts;
+using jaxkv_cpu::VUInts;
+
+constexpr int64_t kAccFloats = 16384;  // rows x columns of a chunk's partial sums (64 KiB)
 constexpr int64_t kMaxRows = 64;       // rows of x the kernel accepts
+constexpr int64_t kRowsPerPass = 8;    // rows of q widened together
+constexpr int64_t kGroup = 4;          // rows of x sharing one widening
+constexpr int64_t kMinWork = 32768;    // weights a part gets at least
+constexpr int64_t kPartsPerThread = 4;  // parts a thread takes on average (dynamically)
 constexpr int32_t kInt8 = 0, kFp8 = 1;
 
 // float8_e4m3fn bits -> float: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities,
-// 0x7f / 0xff are NaN. Branch-free integer work, so the loops that call it vectorize: a normal
-// number moves its exponent and mantissa into a float's fields and rebiases the exponent
-// (+120); a subnormal (exponent 0) is its mantissa times 2^-9, computed as a float product (no
-// float subnormal is formed, so flush-to-zero modes change nothing).
+// 0x7f / 0xff are NaN. A normal number moves its exponent and mantissa into a float's fields
+// and rebiases the exponent (+120); a subnormal (exponent 0) is its mantissa times 2^-9,
+// computed as a float product (no float subnormal is formed, so flush-to-zero modes change
+// nothing).
 inline float Fp8ToFloat(uint8_t b) {
   const uint32_t mag = b & 0x7fu;
   const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
@@ -53,176 +75,315 @@ inline float Fp8ToFloat(uint8_t b) {
   return __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, mag == 0x7fu ? nan : v) | sign);
 }
 
+template <int32_t QT>
+inline float Scalar(uint8_t b) {
+  if constexpr (QT == kInt8) {
+    return static_cast<float>(static_cast<int8_t>(b));
+  } else {
+    return Fp8ToFloat(b);
+  }
+}
+
+// The kLanes bytes at p widened to floats (int8 values, or float8_e4m3fn's as Fp8ToFloat).
+template <int32_t QT>
+inline void Widen(const uint8_t* p, VFloats& w) {
+  if constexpr (QT == kInt8) {
+#if defined(__AVX512F__)
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    std::memcpy(&w, &f, sizeof(w));
+#elif defined(__AVX2__)
+    __m256 f[2];
+    for (int h = 0; h < 2; ++h) {
+      f[h] = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h))));
+    }
+    std::memcpy(&w, f, sizeof(w));
+#else  // in two steps: GCC widens bytes to int32 in one step byte by byte
+    jaxkv_cpu::VSBytes b;
+    std::memcpy(&b, p, sizeof(b));
+    w = __builtin_convertvector(
+        __builtin_convertvector(__builtin_convertvector(b, jaxkv_cpu::VSShorts), VInts), VFloats);
+#endif
+  } else {
+    VUInts v;
+#if defined(__AVX512F__)
+    const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    std::memcpy(&v, &u, sizeof(v));
+#elif defined(__AVX2__)
+    __m256i u[2];
+    for (int h = 0; h < 2; ++h) {
+      u[h] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h)));
+    }
+    std::memcpy(&v, u, sizeof(v));
+#else
+    jaxkv_cpu::VBytes b;
+    std::memcpy(&b, p, sizeof(b));
+    v = __builtin_convertvector(__builtin_convertvector(b, jaxkv_cpu::VShorts), VUInts);
+#endif
+    // Fp8ToFloat on every lane, selects as masks (a comparison gives all-ones lanes).
+    const VUInts mag = v & 0x7fu;
+    const VUInts sign = (v & 0x80u) << 24;
+    const VUInts normal = (mag << 20) + (120u << 23);
+    const VFloats sub_f = __builtin_convertvector((VInts)mag, VFloats) * (1.0f / 512.0f);
+    const VUInts sub = (VUInts)sub_f;
+    const VUInts is_sub = (VUInts)((mag >> 3) == 0u);
+    const VUInts is_nan = (VUInts)(mag == 0x7fu);
+    VUInts bits = (sub & is_sub) | (normal & ~is_sub);
+    bits = (0x7fc00000u & is_nan) | (bits & ~is_nan);
+    w = (VFloats)(bits | sign);
+  }
+}
+
 struct Problem {
   const float* x;    // [M, K]
   const uint8_t* q;  // [K, N] (input-major), or [N, K] when out_major
-  const float* s;    // [N] or [K / block, N]; [N] or [N, K / block] when out_major
-  float* y;          // [M, N]
+  jaxkv_cpu::Params s;  // [N] or [K / block, N]; [N] or [N, K / block] when out_major
   int64_t m, k, n, block;
-  int32_t qtype;
-  bool out_major;
 };
 
-// Widens nc weights of one row of q into w.
-inline void Widen(const Problem& p, const uint8_t* __restrict__ row, int64_t nc,
-                  float* __restrict__ w) {
-  if (p.qtype == kInt8) {
-    const int8_t* __restrict__ r = reinterpret_cast<const int8_t*>(row);
-#pragma omp simd
-    for (int64_t j = 0; j < nc; ++j) w[j] = static_cast<float>(r[j]);
-  } else {
-#pragma omp simd
-    for (int64_t j = 0; j < nc; ++j) w[j] = Fp8ToFloat(row[j]);
+template <int R>
+using Rows = std::integral_constant<int, R>;
+
+// Calls f(Rows<R>(), i) for the groups of rows [i, i + R) of m, R <= kGroup (R a compile-time
+// constant, so the loops over a group's rows unroll).
+template <typename F>
+inline void ForGroups(int64_t m, F&& f) {
+  for (int64_t i = 0; i < m; i += kGroup) {
+    switch (std::min(kGroup, m - i)) {
+      case 1: f(Rows<1>(), i); break;
+      case 2: f(Rows<2>(), i); break;
+      case 3: f(Rows<3>(), i); break;
+      default: f(Rows<4>(), i);
+    }
+  }
+}
+
+// d_i[j] += sum_{t < T} x_i[t] q_t[j] for R rows of x (d_i = d + i * ds, x_i = x + i * xs) and
+// T rows of q (q_t = q + t * qs), j < nc: each weight widened once for all R rows.
+template <int32_t QT, int R, int T>
+void AccumulateRows(float* __restrict__ d, int64_t ds, const uint8_t* __restrict__ q, int64_t qs,
+                    const float* __restrict__ x, int64_t xs, int64_t nc) {
+  float xv[R][T];
+  for (int i = 0; i < R; ++i) {
+    for (int t = 0; t < T; ++t) xv[i][t] = x[i * xs + t];
+  }
+  int64_t j = 0;
+  for (; j + kLanes <= nc; j += kLanes) {
+    VFloats w[T];
+    for (int t = 0; t < T; ++t) Widen<QT>(q + t * qs + j, w[t]);
+    for (int i = 0; i < R; ++i) {
+      VFloats di;
+      Load(di, d + i * ds + j);
+      for (int t = 0; t < T; ++t) di += xv[i][t] * w[t];
+      Store(d + i * ds + j, di);
+    }
+  }
+  for (; j < nc; ++j) {
+    float w[T];
+    for (int t = 0; t < T; ++t) w[t] = Scalar<QT>(q[t * qs + j]);
+    for (int i = 0; i < R; ++i) {
+      float total = d[i * ds + j];
+      for (int t = 0; t < T; ++t) total += xv[i][t] * w[t];
+      d[i * ds + j] = total;
+    }
+  }
+}
+
+// dst [m, nc] += x[:, k0 : k1] @ q[k0 : k1, c0 : c0 + nc] (unscaled).
+template <int32_t QT>
+void AccumulateRange(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t nc,
+                     float* __restrict__ dst) {
+  int64_t kk = k0;
+  for (; kk + kRowsPerPass <= k1; kk += kRowsPerPass) {
+    const uint8_t* q = p.q + kk * p.n + c0;
+    ForGroups(p.m, [&](auto rows, int64_t i) {
+      AccumulateRows<QT, decltype(rows)::value, kRowsPerPass>(dst + i * nc, nc, q, p.n,
+                                                              p.x + i * p.k + kk, p.k, nc);
+    });
+  }
+  for (; kk < k1; ++kk) {
+    const uint8_t* q = p.q + kk * p.n + c0;
+    ForGroups(p.m, [&](auto rows, int64_t i) {
+      AccumulateRows<QT, decltype(rows)::value, 1>(dst + i * nc, nc, q, p.n, p.x + i * p.k + kk,
+                                                   p.k, nc);
+    });
   }
 }
 
-// dst[i] += x[i, k0 : k0 + kRows] . w[0 : kRows] for every row i: kRows inputs at a time, so
-// each partial sum is loaded and stored once per kRows multiply-adds.
-constexpr int64_t kRows = 4;
-
-// d += x0 w0 + x1 w1 + x2 w2 + x3 w3 over n floats (restrict parameters: GCC vectorizes this
-// only when it knows the arrays apart).
-inline void Accumulate4(float* __restrict__ d, const float* __restrict__ w0,
-                        const float* __restrict__ w1, const float* __restrict__ w2,
-                        const float* __restrict__ w3, float x0, float x1, float x2, float x3,
-                        int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) d[j] += x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j];
-}
-
-// d += x0 q0 + x1 q1 + x2 q2 + x3 q3 over n int8 weights, widened in registers: for one or two
-// rows of x cheaper than storing the widened rows and reading them back (measured, 4096 x 4096:
-// 0.90 against 1.6 ms for one row); from about four rows on, widening once wins.
-inline void Accumulate4Int8(float* __restrict__ d, const int8_t* __restrict__ q0,
-                            const int8_t* __restrict__ q1, const int8_t* __restrict__ q2,
-                            const int8_t* __restrict__ q3, float x0, float x1, float x2, float x3,
-                            int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    d[j] += x0 * static_cast<float>(q0[j]) + x1 * static_cast<float>(q1[j]) +
-            x2 * static_cast<float>(q2[j]) + x3 * static_cast<float>(q3[j]);
-  }
-}
-
-// d += x w over n floats.
-inline void Accumulate1(float* __restrict__ d, const float* __restrict__ w, float x, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) d[j] += x * w[j];
-}
-
-// d += a * b over n floats.
-inline void AccumulateProduct(float* __restrict__ d, const float* __restrict__ a,
-                              const float* __restrict__ b, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) d[j] += a[j] * b[j];
-}
-
-// Columns [n0, n0 + nc) of y; acc and part hold m * nc floats, w kRows * nc.
-void RunColumns(const Problem& p, int64_t n0, int64_t nc, float* __restrict__ acc,
-                float* __restrict__ part, float* __restrict__ w) {
-  const int64_t group = p.block > 0 ? p.block : p.k;
-  std::fill(acc, acc + p.m * nc, 0.0f);
-  for (int64_t g0 = 0; g0 < p.k; g0 += group) {
-    float* __restrict__ dst = p.block > 0 ? part : acc;
-    if (p.block > 0) std::fill(part, part + p.m * nc, 0.0f);
-    const int64_t g1 = g0 + group;
-    int64_t kk = g0;
-    for (; kk + kRows <= g1; kk += kRows) {
-      if (p.qtype == kInt8 && p.m <= 2) {  // widened in registers for each row of x
-        const int8_t* q0 = reinterpret_cast<const int8_t*>(p.q) + kk * p.n + n0;
-        for (int64_t i = 0; i < p.m; ++i) {
-          const float* xi = p.x + i * p.k + kk;
-          Accumulate4Int8(dst + i * nc, q0, q0 + p.n, q0 + 2 * p.n, q0 + 3 * p.n, xi[0], xi[1],
-                          xi[2], xi[3], nc);
-        }
-        continue;
-      }
-      for (int64_t r = 0; r < kRows; ++r) Widen(p, p.q + (kk + r) * p.n + n0, nc, w + r * nc);
-      for (int64_t i = 0; i < p.m; ++i) {
-        const float* xi = p.x + i * p.k + kk;
-        Accumulate4(dst + i * nc, w, w + nc, w + 2 * nc, w + 3 * nc, xi[0], xi[1], xi[2], xi[3],
-                    nc);
-      }
-    }
-    for (; kk < g1; ++kk) {  // the inputs left over (fewer than kRows)
-      Widen(p, p.q + kk * p.n + n0, nc, w);
-      for (int64_t i = 0; i < p.m; ++i) Accumulate1(dst + i * nc, w, p.x[i * p.k + kk], nc);
-    }
-    if (p.block > 0) {
-      const float* __restrict__ sg = p.s + (g0 / p.block) * p.n + n0;
-      for (int64_t i = 0; i < p.m; ++i) AccumulateProduct(acc + i * nc, part + i * nc, sg, nc);
-    }
-  }
-  for (int64_t i = 0; i < p.m; ++i) {
-    float* __restrict__ out = p.y + i * p.n + n0;
-    const float* __restrict__ a = acc + i * nc;
-    if (p.block > 0) {
-      std::memcpy(out, a, nc * sizeof(float));
+// out [m, N] (row stride N), columns [c0, c1) = x[:, k0 : k1] @ (q * s)[k0 : k1, c0 : c1]
+// (unscaled per output column: block 0). Scratch: acc and part, m * chunk floats each, sbuf
+// chunk floats (a block's f16 scales as floats).
+template <int32_t QT>
+void InputMajorTask(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_t c1,
+                    int64_t chunk, float* __restrict__ out, float* __restrict__ acc,
+                    float* __restrict__ part, float* __restrict__ sbuf) {
+  for (int64_t cc = c0; cc < c1; cc += chunk) {
+    const int64_t nc = std::min(chunk, c1 - cc);
+    std::fill(acc, acc + p.m * nc, 0.0f);
+    if (p.block == 0) {
+      AccumulateRange<QT>(p, k0, k1, cc, nc, acc);
     } else {
+      for (int64_t g0 = k0; g0 < k1; g0 += p.block) {
+        std::fill(part, part + p.m * nc, 0.0f);
+        AccumulateRange<QT>(p, g0, g0 + p.block, cc, nc, part);
+        const float* __restrict__ s = Floats(p.s, (g0 / p.block) * p.n + cc, nc, sbuf);
+        for (int64_t i = 0; i < p.m; ++i) {
+          float* __restrict__ a = acc + i * nc;
+          const float* __restrict__ pi = part + i * nc;
 #pragma omp simd
-      for (int64_t j = 0; j < nc; ++j) out[j] = a[j] * p.s[n0 + j];
+          for (int64_t j = 0; j < nc; ++j) a[j] += pi[j] * s[j];
+        }
+      }
     }
+    for (int64_t i = 0; i < p.m; ++i) std::memcpy(out + i * p.n + cc, acc + i * nc, nc * 4);
   }
 }
 
-// Outputs [n0, n0 + nc) of y for an out-major q (each output's K weights contiguous: the LM
-// head's vocabulary rows, GGUF's own layout): per output, its row widened once (w holds K
-// floats), then one dot product per row of x, per-block scales applied per block.
-void RunOutputs(const Problem& p, int64_t n0, int64_t nc, float* __restrict__ w) {
+// y[i0 + i, n] for R rows of x and the out-major output n (its K weights contiguous): 16 lanes
+// of partial sums per row, the block's scale applied as each block ends (block a multiple of
+// kLanes, or 0: per output, scaled once at the end). s: the output's scales as floats.
+template <int32_t QT, int R>
+void OutputDot(const Problem& p, int64_t i0, int64_t n, const float* __restrict__ s,
+               float* __restrict__ y) {
+  const uint8_t* __restrict__ row = p.q + n * p.k;
+  const float* __restrict__ x = p.x + i0 * p.k;
+  VFloats lanes[R] = {};
+  if (p.block == 0) {
+    for (int64_t j = 0; j < p.k; j += kLanes) {
+      VFloats w;
+      Widen<QT>(row + j, w);
+      for (int i = 0; i < R; ++i) {
+        VFloats xi;
+        Load(xi, x + i * p.k + j);
+        lanes[i] += xi * w;
+      }
+    }
+  } else {
+    const int64_t groups = p.k / p.block;
+    for (int64_t g = 0; g < groups; ++g) {
+      VFloats part[R] = {};
+      for (int64_t j = g * p.block; j < (g + 1) * p.block; j += kLanes) {
+        VFloats w;
+        Widen<QT>(row + j, w);
+        for (int i = 0; i < R; ++i) {
+          VFloats xi;
+          Load(xi, x + i * p.k + j);
+          part[i] += xi * w;
+        }
+      }
+      for (int i = 0; i < R; ++i) lanes[i] += s[g] * part[i];
+    }
+  }
+  const float scale = p.block == 0 ? s[0] : 1.0f;
+  for (int i = 0; i < R; ++i) {
+    float total = 0.0f;
+    for (int64_t j = 0; j < kLanes; ++j) total += lanes[i][j];
+    y[(i0 + i) * p.n + n] = total * scale;
+  }
+}
+
+// y[i, n] for every row i of x, an out-major output whose block (or K, per output) is not a
+// multiple of kLanes: one weight at a time.
+template <int32_t QT>
+void OutputDotScalar(const Problem& p, int64_t n, const float* __restrict__ s,
+                     float* __restrict__ y) {
   const int64_t group = p.block > 0 ? p.block : p.k;
   const int64_t groups = p.k / group;
-  for (int64_t n = n0; n < n0 + nc; ++n) {
-    Widen(p, p.q + n * p.k, p.k, w);
+  const uint8_t* __restrict__ row = p.q + n * p.k;
+  for (int64_t i = 0; i < p.m; ++i) {
+    const float* __restrict__ xi = p.x + i * p.k;
+    float total = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      float dot = 0.0f;
+      for (int64_t j = g * group; j < (g + 1) * group; ++j) dot += xi[j] * Scalar<QT>(row[j]);
+      total += p.block > 0 ? dot * s[g] : dot;
+    }
+    y[i * p.n + n] = p.block > 0 ? total : total * s[0];
+  }
+}
+
+// Outputs [n0, n1). Scratch: sbuf, K / block floats (an output's f16 scales as floats).
+template <int32_t QT>
+void OutputRange(const Problem& p, int64_t n0, int64_t n1, float* __restrict__ sbuf,
+                 float* __restrict__ y) {
+  const bool vector = (p.block > 0 ? p.block : p.k) % kLanes == 0;
+  const int64_t groups = p.block > 0 ? p.k / p.block : 1;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* s = Floats(p.s, n * groups, groups, sbuf);
+    if (!vector) {
+      OutputDotScalar<QT>(p, n, s, y);
+      continue;
+    }
+    ForGroups(p.m, [&](auto rows, int64_t i) {
+      OutputDot<QT, decltype(rows)::value>(p, i, n, s, y);
+    });
+  }
+}
+
+// Scratch floats of the calling thread, kept between calls (a fresh allocation of this size
+// would map and fault in new pages on every call); one buffer per Slot.
+template <int Slot>
+float* ThreadScratch(int64_t floats) {
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < floats) scratch.resize(floats);
+  return scratch.data();
+}
+
+template <int32_t QT>
+void Run(ffi::ThreadPool& pool, int threads, const Problem& p, bool out_major, float* y) {
+  const int want = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(threads * kPartsPerThread, p.k * p.n / kMinWork)));
+  if (out_major) {
+    const int parts = static_cast<int>(std::min<int64_t>(want, p.n));
+    jaxkv_cpu::ParallelFor(pool, threads, parts, [&](int w) {
+      float* sbuf = ThreadScratch<1>(p.block > 0 ? p.k / p.block : 1);
+      OutputRange<QT>(p, p.n * w / parts, p.n * (w + 1) / parts, sbuf, y);
+    });
+    return;
+  }
+  // Input ranges (whole blocks; rows of kRowsPerPass per output column) x column ranges.
+  const int64_t unit = p.block > 0 ? p.block : kRowsPerPass;
+  const int64_t units = (p.k + unit - 1) / unit;
+  const int kparts = static_cast<int>(std::min<int64_t>(want, units));
+  const int cparts = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>((want + kparts - 1) / kparts, p.n / 64)));
+  const int64_t chunk =
+      std::max<int64_t>(kLanes, kAccFloats / p.m / kLanes * kLanes);
+  // Range 0 writes y; range r > 0 its own [m, N] buffer, added to y at the end.
+  float* partials = kparts > 1 ? ThreadScratch<0>((kparts - 1) * p.m * p.n) : nullptr;
+  jaxkv_cpu::ParallelFor(pool, threads, kparts * cparts, [&](int w) {
+    const int kp = w / cparts, cp = w % cparts;
+    const int64_t k0 = std::min(p.k, units * kp / kparts * unit);
+    const int64_t k1 = std::min(p.k, units * (kp + 1) / kparts * unit);
+    const int64_t c0 = p.n * cp / cparts / kLanes * kLanes;
+    const int64_t c1 = cp + 1 == cparts ? p.n : p.n * (cp + 1) / cparts / kLanes * kLanes;
+    const int64_t width = std::min(chunk, c1 - c0);
+    float* scratch = ThreadScratch<1>((2 * p.m + 1) * width);
+    float* out = kp == 0 ? y : partials + (kp - 1) * p.m * p.n;
+    InputMajorTask<QT>(p, k0, k1, c0, c1, width, out, scratch, scratch + p.m * width,
+                       scratch + 2 * p.m * width);
+  });
+  if (kparts > 1 || p.block == 0) {
+    const float* __restrict__ s =
+        p.block == 0 ? Floats(p.s, 0, p.n, ThreadScratch<1>(p.n)) : nullptr;
     for (int64_t i = 0; i < p.m; ++i) {
-      const float* __restrict__ xi = p.x + i * p.k;
-      float total = 0.0f;
-      for (int64_t g = 0; g < groups; ++g) {
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t j = g * group; j < (g + 1) * group; ++j) dot += xi[j] * w[j];
-        total += p.block > 0 ? dot * p.s[n * groups + g] : dot;
+      float* __restrict__ yi = y + i * p.n;
+      for (int r = 1; r < kparts; ++r) {
+        const float* __restrict__ src = partials + ((r - 1) * p.m + i) * p.n;
+#pragma omp simd
+        for (int64_t j = 0; j < p.n; ++j) yi[j] += src[j];
       }
-      p.y[i * p.n + n] = p.block > 0 ? total : total * p.s[n];
+      if (p.block == 0) {
+#pragma omp simd
+        for (int64_t j = 0; j < p.n; ++j) yi[j] *= s[j];
+      }
     }
   }
 }
 
-struct Work {
-  Problem p;
-  int64_t cols = kMinCols;  // columns of a range
-  int64_t chunks = 0;       // column ranges
-  int parts = 1;
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-  std::mutex mu;
-  std::condition_variable all_done;
-
-  void RunParts() {
-    std::vector<float> scratch;  // allocated once this thread has a part
-    for (int w; (w = next.fetch_add(1)) < parts;) {
-      if (scratch.empty()) scratch.resize(p.out_major ? p.k : (2 * p.m + kRows) * cols);
-      float* acc = scratch.data();
-      float* part = acc + p.m * cols;
-      float* wrow = part + p.m * cols;
-      const int64_t c0 = chunks * w / parts, c1 = chunks * (w + 1) / parts;
-      for (int64_t c = c0; c < c1; ++c) {
-        const int64_t n0 = c * cols;
-        if (p.out_major) {
-          RunOutputs(p, n0, std::min<int64_t>(cols, p.n - n0), acc);
-        } else {
-          RunColumns(p, n0, std::min<int64_t>(cols, p.n - n0), acc, part, wrow);
-        }
-      }
-      if (done.fetch_add(1) + 1 == parts) {
-        std::lock_guard<std::mutex> lock(mu);
-        all_done.notify_all();
-      }
-    }
-  }
-};
-
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
-                               ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y,
+                               ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y,
                                int64_t block, int32_t qtype, bool out_major, int32_t num_threads) {
   const auto xd = x.dimensions();
   const auto qd = q.dimensions();
@@ -235,32 +396,29 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
       (block > 0 && k % block == 0 && sd.size() == 2 &&
        sd[out_major ? 1 : 0] == k / block && sd[out_major ? 0 : 1] == n);
   if (!ranks_ok || xd[1] != k || xd[0] > kMaxRows || ffi::ByteWidth(q.element_type()) != 1 ||
-      (qtype != kInt8 && qtype != kFp8) || !scale_ok) {
+      (qtype != kInt8 && qtype != kFp8) || !scale_ok ||
+      (scale.element_type() != ffi::DataType::F32 && scale.element_type() != ffi::DataType::F16)) {
     return ffi::Error::InvalidArgument(
         "jaxkv quantized matmul: x [M <= 64, K] f32, q [K, N] (or [N, K] out-major) of 1-byte "
-        "elements, scale [N] (block 0) or [K / block, N] (or [N, K / block]) f32 expected");
+        "elements, scale [N] (block 0) or [K / block, N] (or [N, K / block]) f32 or f16 "
+        "expected");
   }
-  auto work = std::make_shared<Work>();
-  work->p = Problem{x.typed_data(), static_cast<const uint8_t*>(q.untyped_data()),
-                    scale.typed_data(), y->typed_data(), xd[0], k, n, block, qtype, out_major};
-  if (xd[0] == 0 || n == 0) return ffi::Error::Success();
-  // XLA's intra-op pool runs the helpers. Ranges: as wide as the partial sums allow, but at
-  // least one per thread; about 64k weights a part at least.
-  const int64_t pool_threads = pool.num_threads();
-  const int threads = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(num_threads, pool_threads > 0 ? pool_threads + 1 : 1)));
-  const int64_t per_thread = (n + threads - 1) / threads;
-  const int64_t cols = std::clamp<int64_t>(
-      out_major ? per_thread : std::min(kAccFloats / xd[0], per_thread), kMinCols, kMaxCols);
-  work->cols = (cols + kMinCols - 1) / kMinCols * kMinCols;
-  work->chunks = (n + work->cols - 1) / work->cols;
-  work->parts = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>({work->chunks, static_cast<int64_t>(threads), k * n / 65536})));
-  const int helpers = std::min(threads, work->parts) - 1;
-  for (int t = 0; t < helpers; ++t) pool.Schedule([work] { work->RunParts(); });
-  work->RunParts();
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->all_done.wait(lock, [&] { return work->done.load() == work->parts; });
+  const Problem p{x.typed_data(), static_cast<const uint8_t*>(q.untyped_data()),
+                  jaxkv_cpu::Params{scale.untyped_data(),
+                                    scale.element_type() == ffi::DataType::F16},
+                  xd[0], k, n, block};
+  float* out = y->typed_data();
+  if (p.m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {  // no inputs: y = 0
+    std::fill(out, out + p.m * n, 0.0f);
+    return ffi::Error::Success();
+  }
+  const int threads = jaxkv_cpu::Threads(pool, num_threads);
+  if (qtype == kInt8) {
+    Run<kInt8>(pool, threads, p, out_major, out);
+  } else {
+    Run<kFp8>(pool, threads, p, out_major, out);
+  }
   return ffi::Error::Success();
 }
 
@@ -271,7 +429,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvQuantizedMatmulCpu, QuantizedMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::AnyBuffer>()         // q [K, N] | [N, K] int8 | fp8
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [N] | [K / b, N] | [N, K / b]
+                                  .Arg<ffi::AnyBuffer>()  // scale [N] | [K/b, N] | [N, K/b]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("block")
                                   .Attr<int32_t>("qtype")

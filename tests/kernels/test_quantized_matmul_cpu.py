@@ -24,10 +24,10 @@ def _kernel():
         pytest.skip(f"CPU kernels unavailable: {cpu_backend.build_error()}")
 
 
-def _case(rows, n_in, n_out, mode, block, seed=0):
+def _case(rows, n_in, n_out, mode, block, seed=0, scale_dtype=np.float32):
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n_in, n_out)).astype(np.float32)
-    q, scale = quantize(w, mode, block)
+    q, scale = quantize(w, mode, block, scale_dtype)
     x = rng.standard_normal((rows, n_in)).astype(np.float32)
     want = x.astype(np.float64) @ np.asarray(dequantize(q, scale, np.float32), np.float64)
     return x, q, scale, want
@@ -43,6 +43,9 @@ def _case(rows, n_in, n_out, mode, block, seed=0):
         (8, 64, 200, 32),
         (64, 96, 65, None),  # the most rows the kernel takes
         (5, 256, 4097, 32),  # more columns than the widest range
+        (3, 64, 4099, 32),  # two blocks for many threads: column ranges too, a ragged last one
+        (2, 40, 4096, None),  # per channel: input ranges of 8 rows, one of them short
+        (1, 4, 300, 2),  # blocks smaller than a pass of 8 rows
     ],
 )
 def test_kernel_equals_numpy_on_the_dequantized_weights(rows, n_in, n_out, block, mode):
@@ -53,11 +56,40 @@ def test_kernel_equals_numpy_on_the_dequantized_weights(rows, n_in, n_out, block
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
-@pytest.mark.parametrize("rows,n_in,n_out,block", [(1, 576, 4099, 32), (7, 96, 130, None)])
+@pytest.mark.parametrize(
+    "rows,n_in,n_out,block",
+    [
+        (1, 576, 4099, 32),
+        (7, 96, 130, None),
+        (5, 96, 70, 24),  # blocks not a multiple of 16 inputs: one weight at a time
+        (3, 70, 50, None),  # inputs not a multiple of 16, per channel
+    ],
+)
 def test_out_major_kernel_equals_numpy(rows, n_in, n_out, block, mode):
     """The LM head's layout: q [out, in] with scales [out] or [out, in // block]."""
     x, q, scale, want = _case(rows, n_in, n_out, mode, block, seed=1)
     got = np.asarray(cpu_backend.quantized_matmul(x, q.T.copy(), scale.T.copy(), out_major=True))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.parametrize(
+    "rows,n_in,n_out,block,out_major",
+    [
+        (1, 576, 1536, 32, False),  # GGUF Q8_0's form: blocks of 32, float16 scales
+        (3, 64, 4099, 32, False),
+        (2, 96, 130, None, False),
+        (1, 576, 4099, 32, True),  # the LM head's layout
+        (5, 96, 70, 24, True),
+        (3, 70, 50, None, True),
+    ],
+)
+def test_float16_scales_are_read_as_stored(rows, n_in, n_out, block, out_major, mode):
+    x, q, scale, want = _case(rows, n_in, n_out, mode, block, seed=2, scale_dtype=np.float16)
+    assert scale.dtype == np.float16
+    if out_major:
+        q, scale = q.T.copy(), scale.T.copy()
+    got = np.asarray(cpu_backend.quantized_matmul(x, q, scale, out_major=out_major))
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
@@ -103,3 +135,22 @@ def test_model_matmul_equals_xla_path(block):
     x3 = x.reshape(2, 3, 128)
     got = np.asarray(jax.jit(lambda x, q, s: quantized_matmul(x, q, s, jnp.float32))(x3, q, scale))
     np.testing.assert_allclose(got.reshape(6, 96), want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_concurrent_calls_from_several_threads_are_each_right():
+    """Calls that overlap (other devices' steps, XLA's concurrent thunks) share the kernels'
+    helper threads: one call holds them, the others run on XLA's pool; every result is right."""
+    import concurrent.futures
+
+    cases = [_case(1 + i % 3, 576, 1536, "int8", 32 if i % 2 else None, seed=i) for i in range(4)]
+    fn = jax.jit(cpu_backend.quantized_matmul)
+
+    def run(case):
+        x, q, scale, want = case
+        for _ in range(25):
+            got = np.asarray(fn(x, q, scale))
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+        return True
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(run, cases))
