@@ -129,6 +129,7 @@ def gpu_step_report(
     block_size: int = 16,
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
+    quantized_layout: tuple[dict, int | None] = ({}, None),
 ) -> str:
     """What the forward of a decode step of ``max_num_seqs`` rows and of a full mixed step
     would take on the GPU ``target``: each one's temp memory and KV aliasing, and each Triton
@@ -147,6 +148,7 @@ def gpu_step_report(
         block_size=block_size,
         kv_cache_dtype=kv_cache_dtype,
         quantization=quantization,
+        quantized_layout=quantized_layout,
     )
     cache_dtype = model_config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     runner, dev = engine.runner, aot_device(target)

@@ -219,12 +219,14 @@ def abstract_engine_for_plan(
     block_size: int = 16,
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
+    quantized_layout: tuple[dict, int | None] = ({}, None),
 ):
     """``(plan, engine, weight_bytes)`` for a deviceless step report (``jaxkv plan --gpu /
     --tpu``): the model's KV plan for the budget, an engine on the Pallas backend with the
     model's weights abstract (nothing the size of the model is allocated; quantized as
-    ``quantization`` says) and a tiny real cache (the reports compile with the plan's block
-    count), and the weights' bytes."""
+    ``quantization`` says, each layer as ``quantized_layout`` = ``(blocks, block)`` of
+    ``jaxkv.models.registry.gguf_layout`` says: a GGUF's own layout) and a tiny real cache
+    (the reports compile with the plan's block count), and the weights' bytes."""
     import jax  # lazy: jax only for the reports
     from flax import nnx
 
@@ -240,7 +242,17 @@ def abstract_engine_for_plan(
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
     )
-    model = nnx.eval_shape(lambda: build_model(model_config, seed=0, quantization=quantization))
+    blocks, block = quantized_layout
+    if blocks:
+        from jaxkv.models.quant import quantize_model
+
+        model = nnx.eval_shape(
+            lambda: quantize_model(
+                build_model(model_config, seed=0), quantization, block, blocks=blocks
+            )
+        )
+    else:
+        model = nnx.eval_shape(lambda: build_model(model_config, seed=0, quantization=quantization))
     weight_bytes = sum(
         x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
     )

@@ -223,6 +223,7 @@ def tpu_step_report(
     block_size: int = 16,
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
+    quantized_layout: tuple[dict, int | None] = ({}, None),
 ) -> str:
     """What the forward of a decode step of ``max_num_seqs`` rows and of a full mixed step
     would take on a TPU ``generation``: temp memory, KV aliasing, and each Mosaic kernel's
@@ -248,6 +249,7 @@ def tpu_step_report(
         block_size=block_size,
         kv_cache_dtype=kv_cache_dtype,
         quantization=quantization,
+        quantized_layout=quantized_layout,
     )
     cache_dtype = model_config.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     runner, dev = engine.runner, aot_device(generation)

@@ -104,6 +104,33 @@ def resolve_quantization(
     return _resolve(checkpoint_quantization(name_or_path), quantization)
 
 
+def gguf_layout(
+    name_or_path: str | os.PathLike, quantization: str | None
+) -> tuple[dict, int | None]:
+    """``(layout, block)``: how ``load_model(name_or_path, quantization=quantization)`` lays
+    out a GGUF checkpoint's layers (``quantize_model``'s ``blocks`` and ``block``: int8 in
+    Q8_0's form; "q4" keeping Q4_K's float32 scales and the Q8_0 / wider tensors' int8
+    blocks), read from the file's tensor table without its data; ``({}, None)`` for other
+    checkpoints, for modes that lay out no GGUF tensor as stored, and for SmolLM2 / Gemma 3
+    when their GGUF is not on this machine (nothing is downloaded)."""
+    name = os.fspath(name_or_path)
+    if quantization not in ("int8", "q4"):
+        return {}, None
+    try:
+        if name == SMOLLM2_NAME:
+            path = smollm2_gguf_path(download=False)
+        elif name == GEMMA3_NAME:
+            path = gemma3_gguf_path(download=False)
+        else:
+            path = Path(name).expanduser()
+            if not (path.is_file() and path.suffix == ".gguf"):
+                return {}, None
+    except RuntimeError:
+        return {}, None
+    with GGUFTensors(path) as source:
+        return source.quantized_layout(quantization), _gguf_block(quantization)
+
+
 def load_model_config(
     name_or_path: str | os.PathLike,
     *,

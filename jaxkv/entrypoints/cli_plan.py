@@ -99,7 +99,7 @@ def cmd_plan(args) -> int:
         from jaxkv.tpu_aot import prepare_environment as prepare_tpu
 
         prepare_tpu()
-    from jaxkv.models.registry import resolve_quantization
+    from jaxkv.models.registry import gguf_layout, resolve_quantization
     from jaxkv.plan import build_plan, format_plan, layer_infos, plan_model_config
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -109,6 +109,7 @@ def cmd_plan(args) -> int:
         config = plan_model_config(engine_args.model, dtype=engine_args.dtype)
         # an fp8 checkpoint's own fp8 weights when --quantization is not given
         quantization = resolve_quantization(engine_args.model, engine_args.quantization)
+        layout = gguf_layout(engine_args.model, quantization)  # a GGUF's layers as stored
         if sizes["max_model_len"] > config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={sizes['max_model_len']} exceeds the model's "
@@ -147,7 +148,11 @@ def cmd_plan(args) -> int:
 
         reports.append(
             lambda: gpu_aot.gpu_step_report(
-                config, target=args.gpu, quantization=quantization, **sizes
+                config,
+                target=args.gpu,
+                quantization=quantization,
+                quantized_layout=layout,
+                **sizes,
             )
         )
     if args.tpu is not None:
@@ -155,7 +160,11 @@ def cmd_plan(args) -> int:
 
         reports.append(
             lambda: tpu_aot.tpu_step_report(
-                config, generation=args.tpu, quantization=quantization, **sizes
+                config,
+                generation=args.tpu,
+                quantization=quantization,
+                quantized_layout=layout,
+                **sizes,
             )
         )
     for report in reports:

@@ -177,10 +177,11 @@ class GGUFTensors(CheckpointTensors):
     def read_q8_0(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
         """Tensor ``name`` as its Q8_0 blocks, not dequantized, or None when it is not Q8_0.
 
-        Returns ``(q [rows, cols] int8, scale [rows, cols / 32] float32)`` in HF layout
-        (llama q/k rows unpermuted like ``read``'s): ``q * scale`` repeated over each block of
-        32 columns equals ``read(name)`` bit for bit (gguf's dequantization is the same
-        float32 product of the int8 value and the float16 scale).
+        Returns ``(q [rows, cols] int8, scale [rows, cols / 32] float16)`` in HF layout
+        (llama q/k rows unpermuted like ``read``'s), the scales as stored: ``q * scale`` in
+        float32, repeated over each block of 32 columns, equals ``read(name)`` bit for bit
+        (gguf's dequantization is the same float32 product of the int8 value and the float16
+        scale).
         """
         tensor = self._tensors[name]
         if tensor.tensor_type != GGMLQuantizationType.Q8_0:
@@ -188,7 +189,7 @@ class GGUFTensors(CheckpointTensors):
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         block, type_size = gguf.GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]  # 32, 34 bytes
         raw = np.asarray(tensor.data).view(np.uint8).reshape(-1, type_size)  # [blocks, 34]
-        scale = raw[:, :2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+        scale = raw[:, :2].copy().view(np.float16)  # [blocks, 1]
         q = raw[:, 2:].view(np.int8)  # [blocks, 32]
         q = q.reshape(shape)
         scale = scale.reshape(*shape[:-1], shape[-1] // block)
@@ -240,20 +241,26 @@ class GGUFTensors(CheckpointTensors):
     def quantized_layout(self, mode: str | None) -> dict[str, LayerQuant]:
         """HF weight name -> ``LayerQuant`` of the layers ``quantize_model(model, mode)``
         should lay out other than its default for ``mode`` (``"lm_head.weight"`` for a tied
-        head made from the embedding). For "q4": a Q4_K tensor's scales are float32; a Q8_0
-        tensor, and one of another format over 4 bits (Q5_*, Q6_K), stays int8 in blocks of
-        32 (its Q8_0 blocks as stored), so no weight is re-quantized below the file's own
-        width. Other modes: empty."""
-        if mode != "q4":
+        head made from the embedding; names of tensors no layer quantizes are harmless).
+        "int8": every layer in Q8_0's form, blocks of 32 with float16 scales (Q8_0 tensors
+        kept as stored). "q4": a Q4_K tensor's scales are float32; a Q8_0 tensor, and one of
+        another format over 4 bits (Q5_*, Q6_K), stays in Q8_0's form, so no weight is
+        re-quantized below the file's own width. Other modes: empty."""
+        if mode not in ("int8", "q4"):
             return {}
+        q8_0 = LayerQuant("int8", GGUF_BLOCK, "float16")
         tied = "lm_head.weight" not in self._tensors
         layout = {}
         for name, tensor in self._tensors.items():
             qtype = tensor.tensor_type
-            if qtype == GGMLQuantizationType.Q4_K:
+            if mode == "int8":
+                if len(tensor.shape) != 2:
+                    continue
+                quant = q8_0
+            elif qtype == GGMLQuantizationType.Q4_K:
                 quant = LayerQuant("q4", Q4_BLOCK, "float32")
             elif qtype == GGMLQuantizationType.Q8_0 or qtype in WIDER_THAN_Q4:
-                quant = LayerQuant("int8", GGUF_BLOCK)
+                quant = q8_0
             else:
                 continue
             layout[name] = quant

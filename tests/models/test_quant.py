@@ -23,8 +23,9 @@ from jaxkv.models.quant import (
     dequantize,
     quantize_fp8,
     quantize_int8,
+    quantize_model,
 )
-from jaxkv.models.registry import load_model
+from jaxkv.models.registry import gguf_layout, load_model
 from jaxkv.models.sharding import DEFAULT_TP_RULES, TP_AXIS, partition_spec
 
 Q = gguf.GGMLQuantizationType
@@ -163,10 +164,13 @@ def test_gguf_q8_0_blocks_are_kept_bit_exactly(tmp_path, tied):
 
     with GGUFTensors(tmp_path / "q.gguf") as source:
         for name in q8:
-            q, scale = source.read_q8_0(name)  # [out, in] int8, [out, in / 32] float32
+            q, scale = source.read_q8_0(name)  # [out, in] int8, [out, in / 32] float16
             assert q.dtype == np.int8 and scale.shape == (q.shape[0], q.shape[1] // 32)
+            assert scale.dtype == np.float16  # as stored
             want = source.read(name)  # gguf's own dequantization (q/k rows unpermuted)
-            np.testing.assert_array_equal(np.repeat(scale, 32, axis=1) * q, want, name)
+            np.testing.assert_array_equal(
+                np.repeat(scale.astype(np.float32), 32, axis=1) * q, want, name
+            )
             np.testing.assert_array_equal(dequantize(q.T, scale.T).T, want, name)
         assert source.read_q8_0("model.layers.1.mlp.down_proj.weight") is None
 
@@ -178,6 +182,21 @@ def test_gguf_q8_0_blocks_are_kept_bit_exactly(tmp_path, tied):
     np.testing.assert_array_equal(np.asarray(attn.q_proj.kernel[...]), q.T)
     np.testing.assert_array_equal(np.asarray(attn.q_proj.block_scale[...]), scale.T)
     assert isinstance(loaded.lm_head, QuantizedLMHead) and loaded.lm_head.block == 32
+    # every layer in Q8_0's form: float16 scales, 34 bytes per 32 weights (re-quantized too)
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(loaded))
+    scales = [x for p, x in leaves if "block_scale" in jax.tree_util.keystr(p)]
+    assert len(scales) == sum(n.endswith("proj.weight") for n in tensors) + 1  # + the head
+    assert {np.dtype(x.dtype) for x in scales} == {np.dtype(np.float16)}
+    # jaxkv plan sees the same layout and bytes as the load (gguf_layout, no data read)
+    blocks, block = gguf_layout(tmp_path / "q.gguf", "int8")
+    planned = nnx.eval_shape(
+        lambda: quantize_model(build_model(config, seed=0), "int8", block, blocks=blocks)
+    )
+    nbytes = [
+        sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(nnx.state(m)))
+        for m in (planned, loaded)
+    ]
+    assert nbytes[0] == nbytes[1]
     # Q8_0 tensors dequantize to the float load's values bit for bit (the tied head too)
     float_sd, quant_sd = hf_state_dict(floats), hf_state_dict(loaded)
     for name in q8:
