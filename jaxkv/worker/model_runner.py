@@ -67,6 +67,7 @@ from jaxkv.worker.step_programs import (
     dispatch_heads,
     forward_dims,
     forward_program,
+    state_leaves,
 )
 
 #: Entries (a long prompt's history, an allow-list, ...) one sampling-state update carries.
@@ -132,6 +133,7 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         if mesh is not None:  # tensor parallel: weights split by models.sharding's rules
             self.state = shard_state(self.state, mesh, getattr(model, "tp_partition_rules", None))
+        self._leaves_of, self._state_leaves = None, ()  # state_leaves(self.state), cached
         self.mesh = mesh
         self.placement = HostPlacement(mesh)  # host inputs / results, one process or SPMD
         self.buffers = self._new_buffers()
@@ -293,8 +295,16 @@ class ModelRunner:
         x = plan.forward
         batch_sync.stage_block_changes(self, x, zero_ids)  # what does not fit goes first
         T = plan.num_tokens
+        if self._leaves_of is not self.state:  # the weights as forward[T] takes them
+            self._leaves_of, self._state_leaves = self.state, state_leaves(self.state)
         self.buffers, self.tables, hidden, selected, self.last_sampled, tokens = self._run(
-            FORWARD, T, self.state, self.buffers, self.tables, self.last_sampled, self._to_device(x)
+            FORWARD,
+            T,
+            self._state_leaves,
+            self.buffers,
+            self.tables,
+            self.last_sampled,
+            self._to_device(x),
         )
         if hooks is not None:  # saves read the buffers the step returned
             hooks.after_dispatch()
