@@ -57,7 +57,7 @@ constexpr int64_t kMaxRows = 64;       // rows of x the kernel accepts
 constexpr int64_t kRowsPerPass = 8;    // rows of q widened together
 constexpr int64_t kGroup = 4;          // rows of x sharing one widening
 constexpr int64_t kMinWork = 32768;    // weights a part gets at least
-constexpr int64_t kPartsPerThread = 4;  // parts a thread takes on average (dynamically)
+constexpr int64_t kPrefetchOutputs = 4;  // out-major: outputs read ahead
 constexpr int32_t kInt8 = 0, kFp8 = 1;
 
 // float8_e4m3fn bits -> float: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities,
@@ -170,6 +170,9 @@ void AccumulateRows(float* __restrict__ d, int64_t ds, const uint8_t* __restrict
   }
   int64_t j = 0;
   for (; j + kLanes <= nc; j += kLanes) {
+    if (T > 1 && j % 64 == 0) {  // the next pass's rows, one cache line each
+      for (int t = 0; t < T; ++t) __builtin_prefetch(q + (T + t) * qs + j);
+    }
     VFloats w[T];
     for (int t = 0; t < T; ++t) Widen<QT>(q + t * qs + j, w[t]);
     for (int i = 0; i < R; ++i) {
@@ -310,6 +313,10 @@ void OutputRange(const Problem& p, int64_t n0, int64_t n1, float* __restrict__ s
   const bool vector = (p.block > 0 ? p.block : p.k) % kLanes == 0;
   const int64_t groups = p.block > 0 ? p.k / p.block : 1;
   for (int64_t n = n0; n < n1; ++n) {
+    if (n + kPrefetchOutputs < n1) {  // an output a few ahead, one cache line at a time
+      const uint8_t* ahead = p.q + (n + kPrefetchOutputs) * p.k;
+      for (int64_t c = 0; c < p.k; c += 64) __builtin_prefetch(ahead + c);
+    }
     const float* s = Floats(p.s, n * groups, groups, sbuf);
     if (!vector) {
       OutputDotScalar<QT>(p, n, s, y);
@@ -333,7 +340,7 @@ float* ThreadScratch(int64_t floats) {
 template <int32_t QT>
 void Run(ffi::ThreadPool& pool, int threads, const Problem& p, bool out_major, float* y) {
   const int want = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(threads * kPartsPerThread, p.k * p.n / kMinWork)));
+      std::max<int64_t>(1, std::min<int64_t>(threads, p.k * p.n / kMinWork)));
   if (out_major) {
     const int parts = static_cast<int>(std::min<int64_t>(want, p.n));
     jaxkv_cpu::ParallelFor(pool, threads, parts, [&](int w) {
