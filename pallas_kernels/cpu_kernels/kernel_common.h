@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #if defined(__F16C__)
@@ -35,6 +36,25 @@ typedef int16_t VSShorts __attribute__((vector_size(2 * kLanes)));
 typedef int32_t VInts __attribute__((vector_size(4 * kLanes)));
 typedef uint32_t VUInts __attribute__((vector_size(4 * kLanes)));
 typedef float VFloats __attribute__((vector_size(4 * kLanes)));
+
+constexpr int64_t kGroup = 4;  // rows of x a matmul kernel handles together (one widening)
+
+template <int R>
+using Rows = std::integral_constant<int, R>;
+
+// Calls f(Rows<R>(), i) for the groups of rows [i, i + R) of m, R <= kGroup (R a compile-time
+// constant, so the loops over a group's rows unroll).
+template <typename F>
+inline void ForGroups(int64_t m, F&& f) {
+  for (int64_t i = 0; i < m; i += kGroup) {
+    switch (std::min(kGroup, m - i)) {
+      case 1: f(Rows<1>(), i); break;
+      case 2: f(Rows<2>(), i); break;
+      case 3: f(Rows<3>(), i); break;
+      default: f(Rows<4>(), i);
+    }
+  }
+}
 
 // kLanes floats at p (unaligned). Out-parameters, not return values: a 64-byte vector returned
 // by value changes the ABI with the build's vector extensions (a -Wpsabi note).

@@ -52,13 +52,13 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxkv_cpu::ForGroups;
 constexpr int64_t kBlock = 32;         // inputs per block (one scale and offset)
 constexpr int64_t kHalf = kBlock / 2;  // packed bytes (rows, input-major) per block
 constexpr int64_t kMinCols = 64;       // narrowest column range
 constexpr int64_t kMaxCols = 4096;     // widest column range
 constexpr int64_t kAccFloats = 16384;  // rows x columns of a range's partial sums (64 KiB)
 constexpr int64_t kMaxRows = 64;       // rows of x the kernel accepts
-constexpr int64_t kGroup = 4;          // rows of x sharing one widening of the nibbles
 constexpr int64_t kPacked = 4;         // packed rows (8 inputs) per accumulation pass
 
 using jaxkv_cpu::Load;
@@ -112,23 +112,6 @@ struct Problem {
 
 inline float Low(uint8_t b) { return static_cast<float>(b & 15u); }
 inline float High(uint8_t b) { return static_cast<float>(b >> 4); }
-
-template <int R>
-using Rows = std::integral_constant<int, R>;
-
-// Calls f(Rows<R>(), i) for the groups of rows [i, i + R) of m, R <= kGroup (R a compile-time
-// constant, so the loops over a group's rows unroll).
-template <typename F>
-inline void ForGroups(int64_t m, F&& f) {
-  for (int64_t i = 0; i < m; i += kGroup) {
-    switch (std::min(kGroup, m - i)) {
-      case 1: f(Rows<1>(), i); break;
-      case 2: f(Rows<2>(), i); break;
-      case 3: f(Rows<3>(), i); break;
-      default: f(Rows<4>(), i);
-    }
-  }
-}
 
 // d_i += sum_t xl_i[t] low(r_t) + xh_i[t] high(r_t) over n columns, t < 4, for R rows of x
 // (d_i = d + i * d_stride, xl_i = x + i * x_stride, xh_i = xl_i + 16): eight inputs against

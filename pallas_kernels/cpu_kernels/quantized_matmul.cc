@@ -44,6 +44,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxkv_cpu::ForGroups;
 using jaxkv_cpu::Floats;
 using jaxkv_cpu::kLanes;
 using jaxkv_cpu::Load;
@@ -55,7 +56,6 @@ using jaxkv_cpu::VUInts;
 constexpr int64_t kAccFloats = 16384;  // rows x columns of a chunk's partial sums (64 KiB)
 constexpr int64_t kMaxRows = 64;       // rows of x the kernel accepts
 constexpr int64_t kRowsPerPass = 8;    // rows of q widened together
-constexpr int64_t kGroup = 4;          // rows of x sharing one widening
 constexpr int64_t kMinWork = 32768;    // weights a part gets at least
 constexpr int64_t kPrefetchOutputs = 4;  // out-major: outputs read ahead
 constexpr int32_t kInt8 = 0, kFp8 = 1;
@@ -141,23 +141,6 @@ struct Problem {
   jaxkv_cpu::Params s;  // [N] or [K / block, N]; [N] or [N, K / block] when out_major
   int64_t m, k, n, block;
 };
-
-template <int R>
-using Rows = std::integral_constant<int, R>;
-
-// Calls f(Rows<R>(), i) for the groups of rows [i, i + R) of m, R <= kGroup (R a compile-time
-// constant, so the loops over a group's rows unroll).
-template <typename F>
-inline void ForGroups(int64_t m, F&& f) {
-  for (int64_t i = 0; i < m; i += kGroup) {
-    switch (std::min(kGroup, m - i)) {
-      case 1: f(Rows<1>(), i); break;
-      case 2: f(Rows<2>(), i); break;
-      case 3: f(Rows<3>(), i); break;
-      default: f(Rows<4>(), i);
-    }
-  }
-}
 
 // d_i[j] += sum_{t < T} x_i[t] q_t[j] for R rows of x (d_i = d + i * ds, x_i = x + i * xs) and
 // T rows of q (q_t = q + t * qs), j < nc: each weight widened once for all R rows.
