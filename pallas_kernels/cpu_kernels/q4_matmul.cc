@@ -21,12 +21,12 @@
 // enters y as acc * scale + xsum * offset, xsum the block's sum of x (computed once per call).
 // Per weight: a widening shared by the group, one multiply-add per row of x.
 //
-// Work: column ranges (outputs for out_major) split over XLA's intra-op pool, as in
-// quantized_matmul.cc. Input-major, per range: the 16 packed rows of a block are contiguous
-// runs of the range's bytes, read in order (the hardware prefetcher streams them), 4 packed
-// rows (8 inputs) at a time into every row's partial sums, so each partial sum is loaded and
-// stored once per 8 multiply-adds. Out-major, per output: its K / 2 bytes a block at a time,
-// 16 lanes of partial sums per row of x, reduced once per output.
+// Work (kernel_common.h's helper threads), as in quantized_matmul.cc: input-major, ranges of
+// the input blocks, one per thread, so each thread streams contiguous memory (partial sums
+// added at the end); within a range, 4 packed rows (8 inputs) at a time into every row's
+// partial sums, so each partial sum is loaded and stored once per 8 multiply-adds, the next 4
+// rows prefetched. Out-major: ranges of outputs; per output, its K / 2 bytes a block at a
+// time, 16 lanes of partial sums per row of x, reduced once per output.
 //
 // The widening is written with vectors of 16 lanes (GCC / Clang vector extensions) and x86's
 // byte -> int32 widening (vpmovzxbd) where the build has AVX2 or AVX-512, f16 scales with
@@ -129,8 +129,12 @@ void Accumulate4Q4(float* __restrict__ d, int64_t d_stride, const uint8_t* __res
       h[i][t] = x[i * x_stride + kHalf + t];
     }
   }
+  const int64_t stride = r1 - r0;  // packed rows apart
   int64_t j = 0;
   for (; j + kHalf <= n; j += kHalf) {
+    if (j % 64 == 0) {  // the next pass's packed rows, one cache line each
+      for (int t = 0; t < kPacked; ++t) __builtin_prefetch(r0 + (kPacked + t) * stride + j);
+    }
     VFloats lo[kPacked], hi[kPacked];
     Nibbles(r0 + j, lo[0], hi[0]);
     Nibbles(r1 + j, lo[1], hi[1]);
@@ -154,12 +158,14 @@ void Accumulate4Q4(float* __restrict__ d, int64_t d_stride, const uint8_t* __res
   }
 }
 
-// Columns [n0, n0 + nc) of y, input-major. Scratch: acc and part m * nc floats, sbuf and obuf
-// nc each (the block's f16 scales and offsets as floats).
-void RunColumns(const Problem& p, int64_t n0, int64_t nc, float* __restrict__ acc,
-                float* __restrict__ part, float* __restrict__ sbuf, float* __restrict__ obuf) {
+// Columns [n0, n0 + nc) of out [M, N] (y, or a partial sum's buffer) over the blocks [b0, b1)
+// of the inputs, input-major. Scratch: acc and part m * nc floats, sbuf and obuf nc each (the
+// block's f16 scales and offsets as floats).
+void RunColumns(const Problem& p, int64_t b0, int64_t b1, int64_t n0, int64_t nc,
+                float* __restrict__ out, float* __restrict__ acc, float* __restrict__ part,
+                float* __restrict__ sbuf, float* __restrict__ obuf) {
   std::fill(acc, acc + p.m * nc, 0.0f);
-  for (int64_t b = 0; b < p.nb; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     std::fill(part, part + p.m * nc, 0.0f);
     const uint8_t* rows = p.q + b * kHalf * p.n + n0;  // packed row 16 b, this range
     for (int64_t j = 0; j < kHalf; j += kPacked) {
@@ -180,7 +186,7 @@ void RunColumns(const Problem& p, int64_t n0, int64_t nc, float* __restrict__ ac
       for (int64_t j = 0; j < nc; ++j) a[j] += pi[j] * s[j] + xs * o[j];
     }
   }
-  for (int64_t i = 0; i < p.m; ++i) std::memcpy(p.y + i * p.n + n0, acc + i * nc, nc * 4);
+  for (int64_t i = 0; i < p.m; ++i) std::memcpy(out + i * p.n + n0, acc + i * nc, nc * 4);
 }
 
 // lanes[i] += scale * (x_lo lo + x_hi hi) for R rows of x over one block of an out-major
@@ -237,12 +243,17 @@ void RunOutputs(const Problem& p, int64_t n0, int64_t nc, float* __restrict__ sb
   }
 }
 
+// Parts: kparts ranges of the input blocks (input-major; each thread streams contiguous
+// memory, as in quantized_matmul.cc) x cparts ranges of the column chunks. Range 0 of the
+// inputs writes y, range r > 0 partials[r - 1] ([M, N] each), added to y at the end.
 struct Work {
   Problem p;
   std::vector<float> xsum;  // p.xsum's storage
-  int64_t cols = jaxkv_cpu::kLanes;  // columns of a range
-  int64_t chunks = 0;                // column ranges
-  int parts = 1;
+  std::vector<float> partials;  // [kparts - 1, M, N]
+  float* partial = nullptr;     // partials.data()
+  int64_t cols = jaxkv_cpu::kLanes;  // columns of a chunk
+  int64_t chunks = 0;                // column chunks
+  int kparts = 1, cparts = 1;
 
   void RunPart(int w) const {
     const int64_t params = p.out_major ? p.nb : cols;       // sbuf, obuf floats each
@@ -250,13 +261,17 @@ struct Work {
     std::vector<float> scratch(body + 2 * params);
     float* sbuf = scratch.data() + body;
     float* obuf = sbuf + params;
-    const int64_t c0 = chunks * w / parts, c1 = chunks * (w + 1) / parts;
+    const int kp = w / cparts, cp = w % cparts;
+    const int64_t b0 = p.nb * kp / kparts, b1 = p.nb * (kp + 1) / kparts;
+    float* out = kp == 0 ? p.y : partial + (kp - 1) * p.m * p.n;
+    const int64_t c0 = chunks * cp / cparts, c1 = chunks * (cp + 1) / cparts;
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = c * cols, nc = std::min<int64_t>(cols, p.n - n0);
       if (p.out_major) {
         RunOutputs(p, n0, nc, sbuf, obuf);
       } else {
-        RunColumns(p, n0, nc, scratch.data(), scratch.data() + p.m * cols, sbuf, obuf);
+        RunColumns(p, b0, b1, n0, nc, out, scratch.data(), scratch.data() + p.m * cols, sbuf,
+                   obuf);
       }
     }
   }
@@ -315,18 +330,32 @@ ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
     std::fill(y->typed_data(), y->typed_data() + m * n, 0.0f);
     return ffi::Error::Success();
   }
-  // Ranges: as wide as the partial sums allow, but at least one per thread; about 128k
-  // weights (64 KiB of nibbles) a part at least.
+  // About 128k weights (64 KiB of nibbles) a part at least, one part per thread. Out-major:
+  // ranges of outputs. Input-major: ranges of the input blocks first (contiguous memory per
+  // thread), then of column chunks as wide as the partial sums allow.
   const int threads = jaxkv_cpu::Threads(pool, num_threads);
-  const int64_t per_thread = (n + threads - 1) / threads;
+  const int want = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(threads, k * n / 131072)));
   const int64_t cols = std::clamp<int64_t>(
-      out_major ? per_thread : std::min(kAccFloats / m, per_thread), kMinCols, kMaxCols);
+      out_major ? (n + want - 1) / want : std::min(kAccFloats / m, n), kMinCols, kMaxCols);
   work->cols = (cols + kMinCols - 1) / kMinCols * kMinCols;
   work->chunks = (n + work->cols - 1) / work->cols;
-  work->parts = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>({work->chunks, static_cast<int64_t>(threads), k * n / 131072})));
+  work->kparts = out_major ? 1 : static_cast<int>(std::min<int64_t>(want, nb));
+  work->cparts = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(work->chunks, (want + work->kparts - 1) / work->kparts)));
+  if (work->kparts > 1) {
+    work->partials.resize((work->kparts - 1) * m * n);
+    work->partial = work->partials.data();
+  }
   const Work& shared = *work;
-  jaxkv_cpu::ParallelFor(pool, threads, work->parts, [&shared](int w) { shared.RunPart(w); });
+  jaxkv_cpu::ParallelFor(pool, threads, work->kparts * work->cparts,
+                         [&shared](int w) { shared.RunPart(w); });
+  float* out = y->typed_data();
+  for (int r = 1; r < work->kparts; ++r) {
+    const float* __restrict__ src = work->partials.data() + (r - 1) * m * n;
+#pragma omp simd
+    for (int64_t j = 0; j < m * n; ++j) out[j] += src[j];
+  }
   return ffi::Error::Success();
 }
 
