@@ -528,8 +528,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
         "jaxkv paged attention: q [T, Hq, D], kv [N, 2, Hkv, bs, D'], seq_lens [S], "
         "query_start_loc [S + 1], tables [S, B], num_seqs [] expected");
   }
-  auto work = std::make_shared<Work>();
-  Problem& p = work->p;
+  Work work;  // ParallelFor returns when every part is done: it can live here
+  Problem& p = work.p;
   p.q_heads = static_cast<int>(qd[1]);
   p.head_size = static_cast<int>(qd[2]);
   p.num_blocks = kd[0];
@@ -565,7 +565,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int32_t* lens = seq_lens.typed_data();
   const int64_t n_seq = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, num_seq_rows);
   int64_t covered = 0;   // rows [0, covered) belong to items
-  work->cost.push_back(0);
+  work.cost.push_back(0);
   for (int64_t s = 0; s < n_seq; ++s) {
     const int64_t r0 = std::clamp<int64_t>(qsl[s], covered, num_tokens);
     const int64_t r1 = std::clamp<int64_t>(qsl[s + 1], r0, num_tokens);
@@ -576,26 +576,25 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       // Rows at negative positions (seq_lens < q_len, bad input) find no keys and give zeros.
       const int64_t pos0 = first_pos + (r - r0);
       for (int h = 0; h < p.kv_heads; ++h) {
-        work->items.push_back(Item{static_cast<int32_t>(s), static_cast<int32_t>(r), nq,
+        work.items.push_back(Item{static_cast<int32_t>(s), static_cast<int32_t>(r), nq,
                                    static_cast<int32_t>(pos0), h});
         const int64_t keys = std::min<int64_t>(pos0 + nq, p.width * p.block_size) -
                              key_lo(p, static_cast<int>(pos0));
-        work->cost.push_back(work->cost.back() + 8 + std::max<int64_t>(keys, 0) * nq);
+        work.cost.push_back(work.cost.back() + 8 + std::max<int64_t>(keys, 0) * nq);
       }
     }
     covered = r1;
   }
   std::fill(p.out + covered * row_floats, p.out + num_tokens * row_floats, 0.0f);
-  const int64_t n = static_cast<int64_t>(work->items.size());
+  const int64_t n = static_cast<int64_t>(work.items.size());
   if (n == 0) return ffi::Error::Success();
 
   // ~512 key-rows per part at least (the helpers are awake during a step: a decode row's few
   // KV heads are worth splitting), up to 4 parts per thread so that uneven parts even out.
   const int threads = jaxkv_cpu::Threads(pool, num_threads);
-  work->parts = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>({n, 4 * threads, work->cost[n] / 512})));
-  const Work& shared = *work;
-  jaxkv_cpu::ParallelFor(pool, threads, work->parts, [&shared](int w) { shared.run_part(w); });
+  work.parts = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>({n, 4 * threads, work.cost[n] / 512})));
+  jaxkv_cpu::ParallelFor(pool, threads, work.parts, [&work](int w) { work.run_part(w); });
   return ffi::Error::Success();
 }
 

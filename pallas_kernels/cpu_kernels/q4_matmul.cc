@@ -300,25 +300,25 @@ ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
         "jaxkv q4 matmul: x [M <= 64, K] f32 (K a multiple of 32), packed [K / 2, N] uint8, "
         "scale and offset [K / 32, N] f32 or f16 (out-major: [N, K / 2], [N, K / 32]) expected");
   }
-  auto work = std::make_shared<Work>();
+  Work work;  // ParallelFor returns when every part is done: it can live here
   const int64_t m = xd[0];
   {  // block sums of x, for the offsets
-    work->xsum.resize(m * nb);
+    work.xsum.resize(m * nb);
     for (int64_t i = 0; i < m; ++i) {
       for (int64_t b = 0; b < nb; ++b) {
         const float* __restrict__ xb = x.typed_data() + i * k + b * kBlock;
         float total = 0.0f;
 #pragma omp simd reduction(+ : total)
         for (int64_t j = 0; j < kBlock; ++j) total += xb[j];
-        work->xsum[i * nb + b] = total;
+        work.xsum[i * nb + b] = total;
       }
     }
   }
-  work->p = Problem{x.typed_data(),
+  work.p = Problem{x.typed_data(),
                     packed.typed_data(),
                     Params{scale.untyped_data(), scale.element_type() == ffi::DataType::F16},
                     Params{offset.untyped_data(), offset.element_type() == ffi::DataType::F16},
-                    work->xsum.data(),
+                    work.xsum.data(),
                     y->typed_data(),
                     m,
                     k,
@@ -338,21 +338,20 @@ ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
       std::max<int64_t>(1, std::min<int64_t>(threads, k * n / 131072)));
   const int64_t cols = std::clamp<int64_t>(
       out_major ? (n + want - 1) / want : std::min(kAccFloats / m, n), kMinCols, kMaxCols);
-  work->cols = (cols + kMinCols - 1) / kMinCols * kMinCols;
-  work->chunks = (n + work->cols - 1) / work->cols;
-  work->kparts = out_major ? 1 : static_cast<int>(std::min<int64_t>(want, nb));
-  work->cparts = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(work->chunks, (want + work->kparts - 1) / work->kparts)));
-  if (work->kparts > 1) {
-    work->partials.resize((work->kparts - 1) * m * n);
-    work->partial = work->partials.data();
+  work.cols = (cols + kMinCols - 1) / kMinCols * kMinCols;
+  work.chunks = (n + work.cols - 1) / work.cols;
+  work.kparts = out_major ? 1 : static_cast<int>(std::min<int64_t>(want, nb));
+  work.cparts = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(work.chunks, (want + work.kparts - 1) / work.kparts)));
+  if (work.kparts > 1) {
+    work.partials.resize((work.kparts - 1) * m * n);
+    work.partial = work.partials.data();
   }
-  const Work& shared = *work;
-  jaxkv_cpu::ParallelFor(pool, threads, work->kparts * work->cparts,
-                         [&shared](int w) { shared.RunPart(w); });
+  jaxkv_cpu::ParallelFor(pool, threads, work.kparts * work.cparts,
+                         [&work](int w) { work.RunPart(w); });
   float* out = y->typed_data();
-  for (int r = 1; r < work->kparts; ++r) {
-    const float* __restrict__ src = work->partials.data() + (r - 1) * m * n;
+  for (int r = 1; r < work.kparts; ++r) {
+    const float* __restrict__ src = work.partials.data() + (r - 1) * m * n;
 #pragma omp simd
     for (int64_t j = 0; j < m * n; ++j) out[j] += src[j];
   }

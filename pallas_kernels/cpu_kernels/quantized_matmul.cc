@@ -226,6 +226,22 @@ void InputMajorTask(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_
   }
 }
 
+// acc[i] += x_i[j0 : j1] * row[j0 : j1] lane by lane for R rows of x (x_i = x + i * x_stride),
+// j1 - j0 a multiple of kLanes: each weight widened once for all rows.
+template <int32_t QT, int R>
+inline void DotLanes(const uint8_t* __restrict__ row, const float* __restrict__ x,
+                     int64_t x_stride, int64_t j0, int64_t j1, VFloats* __restrict__ acc) {
+  for (int64_t j = j0; j < j1; j += kLanes) {
+    VFloats w;
+    Widen<QT>(row + j, w);
+    for (int i = 0; i < R; ++i) {
+      VFloats xi;
+      Load(xi, x + i * x_stride + j);
+      acc[i] += xi * w;
+    }
+  }
+}
+
 // y[i0 + i, n] for R rows of x and the out-major output n (its K weights contiguous): 16 lanes
 // of partial sums per row, the block's scale applied as each block ends (block a multiple of
 // kLanes, or 0: per output, scaled once at the end). s: the output's scales as floats.
@@ -236,28 +252,11 @@ void OutputDot(const Problem& p, int64_t i0, int64_t n, const float* __restrict_
   const float* __restrict__ x = p.x + i0 * p.k;
   VFloats lanes[R] = {};
   if (p.block == 0) {
-    for (int64_t j = 0; j < p.k; j += kLanes) {
-      VFloats w;
-      Widen<QT>(row + j, w);
-      for (int i = 0; i < R; ++i) {
-        VFloats xi;
-        Load(xi, x + i * p.k + j);
-        lanes[i] += xi * w;
-      }
-    }
+    DotLanes<QT, R>(row, x, p.k, 0, p.k, lanes);
   } else {
-    const int64_t groups = p.k / p.block;
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t g = 0; g < p.k / p.block; ++g) {
       VFloats part[R] = {};
-      for (int64_t j = g * p.block; j < (g + 1) * p.block; j += kLanes) {
-        VFloats w;
-        Widen<QT>(row + j, w);
-        for (int i = 0; i < R; ++i) {
-          VFloats xi;
-          Load(xi, x + i * p.k + j);
-          part[i] += xi * w;
-        }
-      }
+      DotLanes<QT, R>(row, x, p.k, g * p.block, (g + 1) * p.block, part);
       for (int i = 0; i < R; ++i) lanes[i] += s[g] * part[i];
     }
   }
