@@ -64,8 +64,15 @@ HANDLERS = {
     QMATMUL_TARGET: "JaxkvQuantizedMatmulCpu",
     Q4_TARGET: "JaxkvQ4MatmulCpu",
 }
-#: Quantized kernel dtypes of ``quantized_matmul`` (its ``qtype`` attribute).
-QTYPES = {jnp.dtype(jnp.int8): 0, jnp.dtype(jnp.float8_e4m3fn): 1}
+#: Kernel dtypes of ``quantized_matmul`` (its ``qtype`` attribute): quantized (with scales),
+#: then float (``FLOAT_QTYPES``: no scales).
+QTYPES = {
+    jnp.dtype(jnp.int8): 0,
+    jnp.dtype(jnp.float8_e4m3fn): 1,
+    jnp.dtype(jnp.bfloat16): 2,
+    jnp.dtype(jnp.float32): 3,
+}
+FLOAT_QTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 #: Most rows of x ``quantized_matmul`` and ``q4_matmul`` take (the C++ kernels' limit).
 QMATMUL_MAX_ROWS = 64
 #: Inputs per block of ``q4_matmul`` (one scale and one offset each; GGUF Q4_0 / Q4_1's block).
@@ -308,20 +315,29 @@ def zero_pages(
 
 def quantized_matmul(
     x,  # [M, K], M <= QMATMUL_MAX_ROWS
-    q,  # [K, N] int8 | float8_e4m3fn; [N, K] when out_major
-    scale,  # [N] | [K // block, N] f32 | f16; [N] | [N, K // block] when out_major
+    q,  # [K, N] int8 | float8_e4m3fn | bfloat16 | float32; [N, K] when out_major
+    scale,  # [N] | [K // block, N] f32 | f16 ([N] | [N, K // block] out-major); None for floats
     *,
     out_major: bool = False,
 ):
-    """The FFI weight-only quantized matmul: ``x @ dequantize(q, scale)`` (``x @ (q * scale)^T``
-    when ``out_major``) as [M, N] f32, reading each weight byte once
-    (``cpu_kernels/quantized_matmul.cc``); block scales' block size follows from the shapes."""
-    if x.ndim != 2 or x.shape[0] > QMATMUL_MAX_ROWS or jnp.dtype(q.dtype) not in QTYPES:
+    """The FFI weight-only matmul: ``x @ dequantize(q, scale)`` (``x @ (q * scale)^T`` when
+    ``out_major``) as [M, N] f32, reading each weight once as stored
+    (``cpu_kernels/quantized_matmul.cc``); block scales' block size follows from the shapes.
+    bfloat16 / float32 ``q`` (``FLOAT_QTYPES``) take no scale: ``x @ q``."""
+    qdtype = jnp.dtype(q.dtype)
+    if x.ndim != 2 or x.shape[0] > QMATMUL_MAX_ROWS or qdtype not in QTYPES:
         raise ValueError(
-            f"quantized_matmul takes x [M <= {QMATMUL_MAX_ROWS}, K] and an int8 / fp8 q, got "
-            f"x {x.shape}, q {q.dtype}"
+            f"quantized_matmul takes x [M <= {QMATMUL_MAX_ROWS}, K] and an int8 / fp8 / bf16 / "
+            f"f32 q, got x {x.shape}, q {q.dtype}"
+        )
+    if (scale is None) != (qdtype in FLOAT_QTYPES):
+        raise ValueError(
+            f"quantized_matmul takes a scale with an int8 / fp8 q and none with a float q, got "
+            f"q {q.dtype} and scale {None if scale is None else scale.shape}"
         )
     n_in, n_out = (q.shape[1], q.shape[0]) if out_major else q.shape
+    if scale is None:
+        scale = jnp.zeros((0,), jnp.float32)  # no scales (the kernel's float weights)
     groups = 0 if scale.ndim == 1 else scale.shape[1 if out_major else 0]
     block = 0 if groups == 0 else n_in // groups
     call = _ffi_call(QMATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n_out), jnp.float32))

@@ -5,7 +5,9 @@
 // scale [N] (one per output column; block = 0) or [K / block, N] (one per block of `block`
 // inputs and column, GGUF Q8_0's layout with block 32), f32 or f16 (Q8_0's, read as stored).
 // With out_major, q is [N, K] and block scales [N, K / block] (the LM head's vocabulary-major
-// layout): y = x @ (q * s)^T.
+// layout): y = x @ (q * s)^T. Float weights (bf16, f32) go the same way without scales (an
+// empty scale [0]): y = x @ q, each bf16 widened in registers (XLA:CPU's bf16 dot at a decode
+// step's few rows converts the whole kernel to f32 first, measured 3.7 GB/s).
 //
 // Why it exists: XLA:CPU does not fuse the int8 -> f32 convert into its dot, so a weight-only
 // quantized linear first writes the whole kernel as f32 (4 bytes a parameter) and then reads it
@@ -51,6 +53,7 @@ using jaxkv_cpu::Load;
 using jaxkv_cpu::Store;
 using jaxkv_cpu::VFloats;
 using jaxkv_cpu::VInts;
+using jaxkv_cpu::VShorts;
 using jaxkv_cpu::VUInts;
 
 constexpr int64_t kAccFloats = 16384;  // rows x columns of a chunk's partial sums (64 KiB)
@@ -58,7 +61,14 @@ constexpr int64_t kMaxRows = 64;       // rows of x the kernel accepts
 constexpr int64_t kRowsPerPass = 8;    // rows of q widened together
 constexpr int64_t kMinWork = 32768;    // weights a part gets at least
 constexpr int64_t kPrefetchOutputs = 4;  // out-major: outputs read ahead
-constexpr int32_t kInt8 = 0, kFp8 = 1;
+constexpr int32_t kInt8 = 0, kFp8 = 1, kBf16 = 2, kF32 = 3;
+
+// The stored element of each kernel type: a byte (int8, float8_e4m3fn), bfloat16's bits, float.
+template <int32_t QT>
+using Elem = std::conditional_t<QT == kBf16, uint16_t, std::conditional_t<QT == kF32, float, uint8_t>>;
+// Elements of one 64-byte cache line.
+template <int32_t QT>
+constexpr int64_t kLineElems = 64 / sizeof(Elem<QT>);
 
 // float8_e4m3fn bits -> float: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities,
 // 0x7f / 0xff are NaN. A normal number moves its exponent and mantissa into a float's fields
@@ -76,18 +86,42 @@ inline float Fp8ToFloat(uint8_t b) {
 }
 
 template <int32_t QT>
-inline float Scalar(uint8_t b) {
+inline float Scalar(Elem<QT> b) {
   if constexpr (QT == kInt8) {
     return static_cast<float>(static_cast<int8_t>(b));
-  } else {
+  } else if constexpr (QT == kFp8) {
     return Fp8ToFloat(b);
+  } else if constexpr (QT == kBf16) {
+    return __builtin_bit_cast(float, static_cast<uint32_t>(b) << 16);
+  } else {
+    return b;
   }
 }
 
-// The kLanes bytes at p widened to floats (int8 values, or float8_e4m3fn's as Fp8ToFloat).
+// The kLanes elements at p widened to floats (int8 values, float8_e4m3fn's as Fp8ToFloat,
+// bfloat16's as the top half of a float's bits, floats as they are).
 template <int32_t QT>
-inline void Widen(const uint8_t* p, VFloats& w) {
-  if constexpr (QT == kInt8) {
+inline void Widen(const Elem<QT>* p, VFloats& w) {
+  if constexpr (QT == kF32) {
+    Load(w, p);
+  } else if constexpr (QT == kBf16) {
+#if defined(__AVX512F__)
+    const __m512i u = _mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+    std::memcpy(&w, &u, sizeof(w));
+#elif defined(__AVX2__)
+    __m256i u[2];
+    for (int h = 0; h < 2; ++h) {
+      u[h] = _mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * h))), 16);
+    }
+    std::memcpy(&w, u, sizeof(w));
+#else
+    VShorts b;
+    std::memcpy(&b, p, sizeof(b));
+    w = (VFloats)(__builtin_convertvector(b, VUInts) << 16);
+#endif
+  } else if constexpr (QT == kInt8) {
 #if defined(__AVX512F__)
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
@@ -137,15 +171,21 @@ inline void Widen(const uint8_t* p, VFloats& w) {
 
 struct Problem {
   const float* x;    // [M, K]
-  const uint8_t* q;  // [K, N] (input-major), or [N, K] when out_major
+  const void* q;  // [K, N] (input-major), or [N, K] when out_major; Elem<qtype>
   jaxkv_cpu::Params s;  // [N] or [K / block, N]; [N] or [N, K / block] when out_major
   int64_t m, k, n, block;
+  bool scaled;  // false: float weights (bf16, f32), no scales
+
+  template <int32_t QT>
+  const Elem<QT>* weights() const {
+    return static_cast<const Elem<QT>*>(q);
+  }
 };
 
 // d_i[j] += sum_{t < T} x_i[t] q_t[j] for R rows of x (d_i = d + i * ds, x_i = x + i * xs) and
 // T rows of q (q_t = q + t * qs), j < nc: each weight widened once for all R rows.
 template <int32_t QT, int R, int T>
-void AccumulateRows(float* __restrict__ d, int64_t ds, const uint8_t* __restrict__ q, int64_t qs,
+void AccumulateRows(float* __restrict__ d, int64_t ds, const Elem<QT>* __restrict__ q, int64_t qs,
                     const float* __restrict__ x, int64_t xs, int64_t nc) {
   float xv[R][T];
   for (int i = 0; i < R; ++i) {
@@ -153,7 +193,7 @@ void AccumulateRows(float* __restrict__ d, int64_t ds, const uint8_t* __restrict
   }
   int64_t j = 0;
   for (; j + kLanes <= nc; j += kLanes) {
-    if (T > 1 && j % 64 == 0) {  // the next pass's rows, one cache line each
+    if (T > 1 && j % kLineElems<QT> == 0) {  // the next pass's rows, one cache line each
       for (int t = 0; t < T; ++t) __builtin_prefetch(q + (T + t) * qs + j);
     }
     VFloats w[T];
@@ -182,14 +222,14 @@ void AccumulateRange(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64
                      float* __restrict__ dst) {
   int64_t kk = k0;
   for (; kk + kRowsPerPass <= k1; kk += kRowsPerPass) {
-    const uint8_t* q = p.q + kk * p.n + c0;
+    const Elem<QT>* q = p.weights<QT>() + kk * p.n + c0;
     ForGroups(p.m, [&](auto rows, int64_t i) {
       AccumulateRows<QT, decltype(rows)::value, kRowsPerPass>(dst + i * nc, nc, q, p.n,
                                                               p.x + i * p.k + kk, p.k, nc);
     });
   }
   for (; kk < k1; ++kk) {
-    const uint8_t* q = p.q + kk * p.n + c0;
+    const Elem<QT>* q = p.weights<QT>() + kk * p.n + c0;
     ForGroups(p.m, [&](auto rows, int64_t i) {
       AccumulateRows<QT, decltype(rows)::value, 1>(dst + i * nc, nc, q, p.n, p.x + i * p.k + kk,
                                                    p.k, nc);
@@ -229,7 +269,7 @@ void InputMajorTask(const Problem& p, int64_t k0, int64_t k1, int64_t c0, int64_
 // acc[i] += x_i[j0 : j1] * row[j0 : j1] lane by lane for R rows of x (x_i = x + i * x_stride),
 // j1 - j0 a multiple of kLanes: each weight widened once for all rows.
 template <int32_t QT, int R>
-inline void DotLanes(const uint8_t* __restrict__ row, const float* __restrict__ x,
+inline void DotLanes(const Elem<QT>* __restrict__ row, const float* __restrict__ x,
                      int64_t x_stride, int64_t j0, int64_t j1, VFloats* __restrict__ acc) {
   for (int64_t j = j0; j < j1; j += kLanes) {
     VFloats w;
@@ -248,7 +288,7 @@ inline void DotLanes(const uint8_t* __restrict__ row, const float* __restrict__ 
 template <int32_t QT, int R>
 void OutputDot(const Problem& p, int64_t i0, int64_t n, const float* __restrict__ s,
                float* __restrict__ y) {
-  const uint8_t* __restrict__ row = p.q + n * p.k;
+  const Elem<QT>* __restrict__ row = p.weights<QT>() + n * p.k;
   const float* __restrict__ x = p.x + i0 * p.k;
   VFloats lanes[R] = {};
   if (p.block == 0) {
@@ -260,7 +300,7 @@ void OutputDot(const Problem& p, int64_t i0, int64_t n, const float* __restrict_
       for (int i = 0; i < R; ++i) lanes[i] += s[g] * part[i];
     }
   }
-  const float scale = p.block == 0 ? s[0] : 1.0f;
+  const float scale = p.block == 0 && p.scaled ? s[0] : 1.0f;
   for (int i = 0; i < R; ++i) {
     float total = 0.0f;
     for (int64_t j = 0; j < kLanes; ++j) total += lanes[i][j];
@@ -275,7 +315,7 @@ void OutputDotScalar(const Problem& p, int64_t n, const float* __restrict__ s,
                      float* __restrict__ y) {
   const int64_t group = p.block > 0 ? p.block : p.k;
   const int64_t groups = p.k / group;
-  const uint8_t* __restrict__ row = p.q + n * p.k;
+  const Elem<QT>* __restrict__ row = p.weights<QT>() + n * p.k;
   for (int64_t i = 0; i < p.m; ++i) {
     const float* __restrict__ xi = p.x + i * p.k;
     float total = 0.0f;
@@ -284,7 +324,7 @@ void OutputDotScalar(const Problem& p, int64_t n, const float* __restrict__ s,
       for (int64_t j = g * group; j < (g + 1) * group; ++j) dot += xi[j] * Scalar<QT>(row[j]);
       total += p.block > 0 ? dot * s[g] : dot;
     }
-    y[i * p.n + n] = p.block > 0 ? total : total * s[0];
+    y[i * p.n + n] = p.block > 0 || !p.scaled ? total : total * s[0];
   }
 }
 
@@ -296,10 +336,10 @@ void OutputRange(const Problem& p, int64_t n0, int64_t n1, float* __restrict__ s
   const int64_t groups = p.block > 0 ? p.k / p.block : 1;
   for (int64_t n = n0; n < n1; ++n) {
     if (n + kPrefetchOutputs < n1) {  // an output a few ahead, one cache line at a time
-      const uint8_t* ahead = p.q + (n + kPrefetchOutputs) * p.k;
-      for (int64_t c = 0; c < p.k; c += 64) __builtin_prefetch(ahead + c);
+      const Elem<QT>* ahead = p.weights<QT>() + (n + kPrefetchOutputs) * p.k;
+      for (int64_t c = 0; c < p.k; c += kLineElems<QT>) __builtin_prefetch(ahead + c);
     }
-    const float* s = Floats(p.s, n * groups, groups, sbuf);
+    const float* s = p.scaled ? Floats(p.s, n * groups, groups, sbuf) : nullptr;
     if (!vector) {
       OutputDotScalar<QT>(p, n, s, y);
       continue;
@@ -353,9 +393,10 @@ void Run(ffi::ThreadPool& pool, int threads, const Problem& p, bool out_major, f
     InputMajorTask<QT>(p, k0, k1, c0, c1, width, out, scratch, scratch + p.m * width,
                        scratch + 2 * p.m * width);
   });
-  if (kparts > 1 || p.block == 0) {
+  const bool column_scales = p.block == 0 && p.scaled;
+  if (kparts > 1 || column_scales) {
     const float* __restrict__ s =
-        p.block == 0 ? Floats(p.s, 0, p.n, ThreadScratch<1>(p.n)) : nullptr;
+        column_scales ? Floats(p.s, 0, p.n, ThreadScratch<1>(p.n)) : nullptr;
     for (int64_t i = 0; i < p.m; ++i) {
       float* __restrict__ yi = y + i * p.n;
       for (int r = 1; r < kparts; ++r) {
@@ -363,7 +404,7 @@ void Run(ffi::ThreadPool& pool, int threads, const Problem& p, bool out_major, f
 #pragma omp simd
         for (int64_t j = 0; j < p.n; ++j) yi[j] += src[j];
       }
-      if (p.block == 0) {
+      if (column_scales) {
 #pragma omp simd
         for (int64_t j = 0; j < p.n; ++j) yi[j] *= s[j];
       }
@@ -380,22 +421,27 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const bool ranks_ok = xd.size() == 2 && qd.size() == 2;
   const int64_t k = ranks_ok ? qd[out_major ? 1 : 0] : 0;
   const int64_t n = ranks_ok ? qd[out_major ? 0 : 1] : 0;
+  const bool scaled = qtype == kInt8 || qtype == kFp8;
+  const bool type_ok =
+      scaled ? ffi::ByteWidth(q.element_type()) == 1
+             : (qtype == kBf16 && q.element_type() == ffi::DataType::BF16) ||
+                   (qtype == kF32 && q.element_type() == ffi::DataType::F32);
   const bool scale_ok =
-      (block == 0 && sd.size() == 1 && sd[0] == n) ||
-      (block > 0 && k % block == 0 && sd.size() == 2 &&
-       sd[out_major ? 1 : 0] == k / block && sd[out_major ? 0 : 1] == n);
-  if (!ranks_ok || xd[1] != k || xd[0] > kMaxRows || ffi::ByteWidth(q.element_type()) != 1 ||
-      (qtype != kInt8 && qtype != kFp8) || !scale_ok ||
+      !scaled ? block == 0 && sd.size() == 1 && sd[0] == 0
+              : ((block == 0 && sd.size() == 1 && sd[0] == n) ||
+                 (block > 0 && k % block == 0 && sd.size() == 2 &&
+                  sd[out_major ? 1 : 0] == k / block && sd[out_major ? 0 : 1] == n));
+  if (!ranks_ok || xd[1] != k || xd[0] > kMaxRows || !type_ok || !scale_ok ||
       (scale.element_type() != ffi::DataType::F32 && scale.element_type() != ffi::DataType::F16)) {
     return ffi::Error::InvalidArgument(
-        "jaxkv quantized matmul: x [M <= 64, K] f32, q [K, N] (or [N, K] out-major) of 1-byte "
-        "elements, scale [N] (block 0) or [K / block, N] (or [N, K / block]) f32 or f16 "
-        "expected");
+        "jaxkv quantized matmul: x [M <= 64, K] f32, q [K, N] (or [N, K] out-major) int8 / "
+        "fp8 with scale [N] (block 0) or [K / block, N] (or [N, K / block]) f32 or f16, or "
+        "q bf16 / f32 with an empty scale [0] expected");
   }
-  const Problem p{x.typed_data(), static_cast<const uint8_t*>(q.untyped_data()),
+  const Problem p{x.typed_data(), q.untyped_data(),
                   jaxkv_cpu::Params{scale.untyped_data(),
                                     scale.element_type() == ffi::DataType::F16},
-                  xd[0], k, n, block};
+                  xd[0], k, n, block, scaled};
   float* out = y->typed_data();
   if (p.m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) {  // no inputs: y = 0
@@ -403,10 +449,18 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     return ffi::Error::Success();
   }
   const int threads = jaxkv_cpu::Threads(pool, num_threads);
-  if (qtype == kInt8) {
-    Run<kInt8>(pool, threads, p, out_major, out);
-  } else {
-    Run<kFp8>(pool, threads, p, out_major, out);
+  switch (qtype) {
+    case kInt8:
+      Run<kInt8>(pool, threads, p, out_major, out);
+      break;
+    case kFp8:
+      Run<kFp8>(pool, threads, p, out_major, out);
+      break;
+    case kBf16:
+      Run<kBf16>(pool, threads, p, out_major, out);
+      break;
+    default:
+      Run<kF32>(pool, threads, p, out_major, out);
   }
   return ffi::Error::Success();
 }
@@ -417,8 +471,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvQuantizedMatmulCpu, QuantizedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()         // q [K, N] | [N, K] int8 | fp8
-                                  .Arg<ffi::AnyBuffer>()  // scale [N] | [K/b, N] | [N, K/b]
+                                  .Arg<ffi::AnyBuffer>()  // q [K, N] | [N, K] int8 | fp8 | bf16 | f32
+                                  .Arg<ffi::AnyBuffer>()  // scale [N] | [K/b, N] | [N, K/b] | [0]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("block")
                                   .Attr<int32_t>("qtype")

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 from jax import export
 
-from jaxkv.models.quant import CPU_KERNEL_MAX_ROWS, dequantize, quantize, quantized_matmul
+from jaxkv.models.quant import (
+    CPU_FLOAT_KERNEL_MAX_ROWS,
+    CPU_KERNEL_MAX_ROWS,
+    dequantize,
+    quantize,
+    quantized_matmul,
+)
 from jaxkv.pallas_kernels import cpu_backend
 
 TARGET = cpu_backend.QMATMUL_TARGET
@@ -93,6 +99,90 @@ def test_float16_scales_are_read_as_stored(rows, n_in, n_out, block, out_major, 
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(
+    "rows,n_in,n_out,out_major",
+    [
+        (1, 576, 1536, False),  # SmolLM2's up projection
+        (3, 70, 130, False),  # inputs not a multiple of 8, a ragged last column range
+        (5, 256, 4097, False),  # column ranges
+        (2, 40, 4096, False),  # input ranges, one of them short
+        (32, 96, 65, False),  # a decode step's most rows
+        (1, 576, 4099, True),  # the tied LM head's layout [V, hidden]
+        (3, 70, 50, True),  # inputs not a multiple of 16: one weight at a time
+    ],
+)
+def test_float_weights_are_read_as_stored(rows, n_in, n_out, out_major, dtype):
+    """bf16 / f32 kernels without scales: ``x @ w`` on the weights as stored (bf16 widened
+    exactly), against numpy in float64 on the same numbers."""
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((n_in, n_out)), dtype)
+    x = rng.standard_normal((rows, n_in)).astype(np.float32)
+    want = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+    stored = w.T if out_major else w
+    got = np.asarray(
+        jax.jit(cpu_backend.quantized_matmul, static_argnames="out_major")(
+            x, stored, None, out_major=out_major
+        )
+    )
+    assert got.shape == (rows, n_out) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_float_weights_take_no_scale_and_quantized_need_one():
+    x = np.ones((1, 8), np.float32)
+    with pytest.raises(ValueError, match="none with a float q"):
+        cpu_backend.quantized_matmul(x, jnp.ones((8, 4), jnp.bfloat16), np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="a scale with an int8"):
+        cpu_backend.quantized_matmul(x, np.ones((8, 4), np.int8), None)
+
+
+def _lowered_linear(rows, dtype, platform):
+    from flax import nnx
+
+    from jaxkv.models.layers import linear
+
+    layer = linear(64, 96, use_bias=True, param_dtype=dtype, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+    fn = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    x = jax.ShapeDtypeStruct((rows, 64), dtype)
+    unchecked = [export.DisabledSafetyCheck.custom_call(TARGET)]
+    return export.export(fn, platforms=[platform], disabled_checks=unchecked)(
+        state, x
+    ).mlir_module()
+
+
+def test_bf16_linear_takes_the_kernel_for_decode_rows_on_cpu_only():
+    """``layers.linear``'s bf16 kernel at a decode step's few rows: the C++ kernel on the CPU;
+    more rows, f32 kernels and other platforms: XLA's dot."""
+    assert TARGET in _lowered_linear(1, jnp.bfloat16, "cpu")
+    assert TARGET in _lowered_linear(CPU_FLOAT_KERNEL_MAX_ROWS, jnp.bfloat16, "cpu")
+    assert TARGET not in _lowered_linear(CPU_FLOAT_KERNEL_MAX_ROWS + 1, jnp.bfloat16, "cpu")
+    assert TARGET not in _lowered_linear(1, jnp.float32, "cpu")
+    for platform in ("cuda", "tpu"):
+        assert TARGET not in _lowered_linear(1, jnp.bfloat16, platform)
+
+
+@pytest.mark.parametrize("rows", [1, 5, CPU_FLOAT_KERNEL_MAX_ROWS + 3])
+def test_bf16_linear_equals_xla_dot(rows):
+    """A bf16 ``layers.linear`` (with bias) on the kernel or on XLA: the f32 product of the
+    same bf16 numbers, rounded to bf16 once."""
+    from flax import nnx
+
+    from jaxkv.models.layers import linear
+
+    layer = linear(96, 80, use_bias=True, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    layer.bias[...] = jnp.linspace(-1, 1, 80, dtype=jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((rows, 96)), jnp.bfloat16)
+    got = np.asarray(jax.jit(lambda x: layer(x))(x).astype(jnp.float32))
+    w = np.asarray(layer.kernel[...].astype(jnp.float32), np.float64)
+    want = np.asarray(x.astype(jnp.float32), np.float64) @ w + np.asarray(
+        layer.bias[...].astype(jnp.float32)
+    )
+    assert layer(x).dtype == jnp.bfloat16
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
 def test_fp8_table_matches_ml_dtypes_for_every_byte():
     """All 256 float8_e4m3fn encodings (subnormals, +-0, the NaNs) widen as ml_dtypes does."""
     codes = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).reshape(1, 256)
@@ -105,7 +195,7 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="quantized_matmul takes x"):
         cpu_backend.quantized_matmul(np.zeros((65, 64), np.float32), q, scale)
     with pytest.raises(ValueError, match="quantized_matmul takes x"):
-        cpu_backend.quantized_matmul(x, q.astype(np.float32), scale)
+        cpu_backend.quantized_matmul(x, q.astype(np.int16), scale)
 
 
 def _lowered(rows, platform):
