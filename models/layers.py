@@ -156,6 +156,8 @@ def linear(
     std: float | None = None,
 ) -> nnx.Linear:
     """``nnx.Linear`` with kernel ``[in, out]`` ~ N(0, std^2), std = 1/sqrt(in) by default."""
+    from jaxkv.models.quant import weight_dot_general
+
     std = in_features**-0.5 if std is None else std
     return nnx.Linear(
         in_features,
@@ -164,6 +166,7 @@ def linear(
         param_dtype=param_dtype,
         dtype=param_dtype,
         kernel_init=normal_init(std),
+        dot_general=weight_dot_general,  # bf16 decode steps on the CPU: the C++ kernel
         rngs=rngs,
     )
 

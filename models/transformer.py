@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxkv.models.config import KVCacheBinding, LayerKVInfo, ModelConfig, layer_name
 from jaxkv.models.layers import RMSNorm, normal_init
-from jaxkv.models.quant import QuantizedLMHead
+from jaxkv.models.quant import CPU_KERNEL_FLOAT_DTYPES, QuantizedLMHead, float_matmul
 from jaxkv.pallas_kernels import AttentionMetadata
 
 
@@ -140,10 +140,23 @@ class CausalLM(nnx.Module):
                 self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head.weight
             )[...]
             hidden = hidden.astype(w.dtype)
-            if vocab_major:
-                logits = jnp.einsum("vh,rh->vr", w, hidden)
+            f32 = jnp.float32  # summed in f32 and not rounded to w's dtype first
+            if jnp.dtype(w.dtype) in CPU_KERNEL_FLOAT_DTYPES and hidden.size:
+                # a bf16 head: the C++ kernel or XLA's bf16 dot on the CPU (float_matmul)
+                logits = float_matmul(
+                    hidden,
+                    w,
+                    f32,
+                    out_major=True,
+                    default=lambda h, w: jnp.einsum(
+                        "...h,vh->...v", h, w, preferred_element_type=f32
+                    ),
+                )
+                logits = logits.T if vocab_major else logits
+            elif vocab_major:
+                logits = jnp.einsum("vh,rh->vr", w, hidden, preferred_element_type=f32)
             else:
-                logits = jnp.einsum("...h,vh->...v", hidden, w)
+                logits = jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=f32)
         logits = logits.astype(jnp.float32)
         cap = self.config.final_logit_softcapping
         if cap is not None:

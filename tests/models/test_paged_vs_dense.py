@@ -326,3 +326,20 @@ def test_vocab_major_logits_are_the_transpose(name):
     np.testing.assert_allclose(np.asarray(cols), np.asarray(rows).T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="hidden \\[R, hidden\\]"):
         model.compute_logits(h[None], vocab_major=True)
+
+
+@pytest.mark.parametrize("rows", [5, 40])
+def test_bf16_head_sums_in_f32(rows):
+    """A bf16 LM head (on the CPU: the C++ kernel at 5 rows, XLA's bf16 dot at 40): the logits
+    are the f32 sums of the same bf16 numbers, not rounded to bf16, in both orientations."""
+    model = build_model(get_config("tiny-llama", **SMALL, dtype="bfloat16"), seed=2)
+    w = model.lm_head.weight[...]
+    assert w.dtype == jnp.bfloat16
+    h = jax.random.normal(jax.random.PRNGKey(1), (rows, SMALL["hidden_size"]), jnp.bfloat16)
+    want = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T
+    got = np.asarray(model.compute_logits(h))
+    cols = np.asarray(model.compute_logits(h, vocab_major=True))
+    assert got.dtype == np.float32 and cols.shape == (256, rows)
+    tol = 1e-5 * np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    np.testing.assert_allclose(cols, want.T, rtol=0, atol=tol)
