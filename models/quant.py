@@ -44,16 +44,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv.pallas_kernels.quant_formats import Q4_BLOCK, SCALE_DTYPES
+
 #: ``quantization`` values (None: float weights).
 QUANTIZATION_MODES = ("int8", "fp8", "q4")
 
 #: inputs per block of GGUF's Q8_0 (and of the "int8" layout of GGUF checkpoints)
 GGUF_BLOCK = 32
 
-#: inputs per block of the "q4" layout (GGUF Q4_0 / Q4_1's block; Q4_K's sub-block)
-Q4_BLOCK = 32
-#: dtypes a quantized layer's scales (and "q4"'s offsets) may have
-SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 _QMAX = {"int8": 127.0, "fp8": 448.0}  # float8_e4m3fn's largest finite value is 448
 _QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}

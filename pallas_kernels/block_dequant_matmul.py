@@ -36,8 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-#: inputs per block of the "q4" layout
-Q4_BLOCK = 32
+from jaxkv.pallas_kernels.quant_formats import Q4_BLOCK
+
 #: columns per program; N must be a multiple (else the caller uses XLA)
 BLOCK_N = 64
 #: most rows per program (M tiles: 16 rows at least, Triton's smallest dot)

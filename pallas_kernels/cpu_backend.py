@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.pallas_kernels import xla_backend
+from jaxkv.pallas_kernels.quant_formats import Q4_BLOCK, SCALE_DTYPES
 
 #: C++ sources, built into one library; custom-call target -> exported handler symbol.
 SOURCES = tuple(
@@ -75,11 +76,6 @@ QTYPES = {
 FLOAT_QTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 #: Most rows of x ``quantized_matmul`` and ``q4_matmul`` take (the C++ kernels' limit).
 QMATMUL_MAX_ROWS = 64
-#: Inputs per block of ``q4_matmul`` (one scale and one offset each; GGUF Q4_0 / Q4_1's block).
-Q4_BLOCK = 32
-#: Scale / offset dtypes ``q4_matmul`` and ``quantized_matmul`` read as stored (others are
-#: converted to f32 first).
-Q4_PARAM_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))
 #: Flags of every build, then the first of ARCH_FLAGS the compiler accepts: -march=native (GCC,
 #: Clang on x86), -mcpu=native (AArch64 compilers that reject -march=native), none (portable,
 #: slower); then -fopenmp-simd when accepted (it only enables ``#pragma omp simd``).
@@ -344,7 +340,7 @@ def quantized_matmul(
     return call(
         x.astype(jnp.float32),
         q,
-        scale if jnp.dtype(scale.dtype) in Q4_PARAM_DTYPES else scale.astype(jnp.float32),
+        scale if jnp.dtype(scale.dtype) in SCALE_DTYPES else scale.astype(jnp.float32),
         block=np.int64(block),
         qtype=np.int32(QTYPES[jnp.dtype(q.dtype)]),
         out_major=bool(out_major),
@@ -387,7 +383,7 @@ def q4_matmul(
         raise ValueError(f"q4_matmul takes scale and offset {want_params}, got {shapes}")
 
     def params(a):
-        return a if jnp.dtype(a.dtype) in Q4_PARAM_DTYPES else a.astype(jnp.float32)
+        return a if jnp.dtype(a.dtype) in SCALE_DTYPES else a.astype(jnp.float32)
 
     call = _ffi_call(Q4_TARGET, jax.ShapeDtypeStruct((x.shape[0], n_out), jnp.float32))
     return call(
