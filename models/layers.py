@@ -166,7 +166,7 @@ def linear(
         param_dtype=param_dtype,
         dtype=param_dtype,
         kernel_init=normal_init(std),
-        dot_general=weight_dot_general,  # bf16 decode steps on the CPU: the C++ kernel
+        dot_general=weight_dot_general,  # bf16 on the CPU: the C++ kernel or f32-result dots
         rngs=rngs,
     )
 
