@@ -69,6 +69,9 @@ using Elem = std::conditional_t<QT == kBf16, uint16_t, std::conditional_t<QT == 
 // Elements of one 64-byte cache line.
 template <int32_t QT>
 constexpr int64_t kLineElems = 64 / sizeof(Elem<QT>);
+// Whether a kernel type has scales (int8, fp8); float weights (bf16, f32) have none.
+template <int32_t QT>
+constexpr bool kScaled = QT == kInt8 || QT == kFp8;
 
 // float8_e4m3fn bits -> float: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities,
 // 0x7f / 0xff are NaN. A normal number moves its exponent and mantissa into a float's fields
@@ -174,7 +177,6 @@ struct Problem {
   const void* q;  // [K, N] (input-major), or [N, K] when out_major; Elem<qtype>
   jaxkv_cpu::Params s;  // [N] or [K / block, N]; [N] or [N, K / block] when out_major
   int64_t m, k, n, block;
-  bool scaled;  // false: float weights (bf16, f32), no scales
 
   template <int32_t QT>
   const Elem<QT>* weights() const {
@@ -300,7 +302,7 @@ void OutputDot(const Problem& p, int64_t i0, int64_t n, const float* __restrict_
       for (int i = 0; i < R; ++i) lanes[i] += s[g] * part[i];
     }
   }
-  const float scale = p.block == 0 && p.scaled ? s[0] : 1.0f;
+  const float scale = p.block == 0 && kScaled<QT> ? s[0] : 1.0f;
   for (int i = 0; i < R; ++i) {
     float total = 0.0f;
     for (int64_t j = 0; j < kLanes; ++j) total += lanes[i][j];
@@ -324,7 +326,7 @@ void OutputDotScalar(const Problem& p, int64_t n, const float* __restrict__ s,
       for (int64_t j = g * group; j < (g + 1) * group; ++j) dot += xi[j] * Scalar<QT>(row[j]);
       total += p.block > 0 ? dot * s[g] : dot;
     }
-    y[i * p.n + n] = p.block > 0 || !p.scaled ? total : total * s[0];
+    y[i * p.n + n] = p.block > 0 || !kScaled<QT> ? total : total * s[0];
   }
 }
 
@@ -339,7 +341,7 @@ void OutputRange(const Problem& p, int64_t n0, int64_t n1, float* __restrict__ s
       const Elem<QT>* ahead = p.weights<QT>() + (n + kPrefetchOutputs) * p.k;
       for (int64_t c = 0; c < p.k; c += kLineElems<QT>) __builtin_prefetch(ahead + c);
     }
-    const float* s = p.scaled ? Floats(p.s, n * groups, groups, sbuf) : nullptr;
+    const float* s = kScaled<QT> ? Floats(p.s, n * groups, groups, sbuf) : nullptr;
     if (!vector) {
       OutputDotScalar<QT>(p, n, s, y);
       continue;
@@ -393,7 +395,7 @@ void Run(ffi::ThreadPool& pool, int threads, const Problem& p, bool out_major, f
     InputMajorTask<QT>(p, k0, k1, c0, c1, width, out, scratch, scratch + p.m * width,
                        scratch + 2 * p.m * width);
   });
-  const bool column_scales = p.block == 0 && p.scaled;
+  const bool column_scales = p.block == 0 && kScaled<QT>;
   if (kparts > 1 || column_scales) {
     const float* __restrict__ s =
         column_scales ? Floats(p.s, 0, p.n, ThreadScratch<1>(p.n)) : nullptr;
@@ -441,7 +443,7 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const Problem p{x.typed_data(), q.untyped_data(),
                   jaxkv_cpu::Params{scale.untyped_data(),
                                     scale.element_type() == ffi::DataType::F16},
-                  xd[0], k, n, block, scaled};
+                  xd[0], k, n, block};
   float* out = y->typed_data();
   if (p.m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) {  // no inputs: y = 0
