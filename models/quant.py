@@ -322,18 +322,29 @@ def weight_dot_general(
 CPU_FLOAT_KERNEL_MAX_ROWS = 16
 
 
-def float_matmul(x, w, out_dtype, *, out_major: bool = False, default=None) -> jax.Array:
+def float_matmul(
+    x, w, out_dtype, *, out_major: bool = False, transposed: bool = False, default=None
+) -> jax.Array:
     """``x [..., in] @ w [in, out]`` (``w [out, in]`` when ``out_major``) for a float ``w`` of
-    ``CPU_KERNEL_FLOAT_DTYPES``, in ``out_dtype``: on the CPU the C++ kernel (up to
+    ``CPU_KERNEL_FLOAT_DTYPES``, in ``out_dtype``; with ``transposed``, ``[out, R]`` for ``x
+    [R, in]`` (the LM head's vocabulary-major logits). On the CPU the C++ kernel (up to
     ``CPU_FLOAT_KERNEL_MAX_ROWS`` rows) or XLA's dot with f32 results; elsewhere ``default(x,
     w)`` (XLA's dot in ``out_dtype`` when None)."""
     from jaxkv.pallas_kernels import cpu_backend  # builds its C++ only when asked
 
-    contract = (((x.ndim - 1,), (1 if out_major else 0,)), ((), ()))
+    w_in = 1 if out_major else 0
     rows = int(np.prod(x.shape[:-1]))
 
     def on_xla(x, w):
-        y = jax.lax.dot_general(x.astype(w.dtype), w, contract, preferred_element_type=jnp.float32)
+        x = x.astype(w.dtype)
+        if transposed:  # [out, R]: w's output axis first
+            y = jax.lax.dot_general(
+                w, x, (((w_in,), (x.ndim - 1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+        else:
+            y = jax.lax.dot_general(
+                x, w, (((x.ndim - 1,), (w_in,)), ((), ())), preferred_element_type=jnp.float32
+            )
         return y.astype(out_dtype)
 
     def on_cpu(x, w):
@@ -341,7 +352,8 @@ def float_matmul(x, w, out_dtype, *, out_major: bool = False, default=None) -> j
             return on_xla(x, w)
         n_out = w.shape[0] if out_major else w.shape[1]
         y = cpu_backend.quantized_matmul(x.reshape(rows, x.shape[-1]), w, None, out_major=out_major)
-        return y.reshape(*x.shape[:-1], n_out).astype(out_dtype)
+        y = y.T if transposed else y.reshape(*x.shape[:-1], n_out)
+        return y.astype(out_dtype)
 
     return jax.lax.platform_dependent(x, w, cpu=on_cpu, default=default or on_xla)
 

@@ -140,23 +140,19 @@ class CausalLM(nnx.Module):
                 self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head.weight
             )[...]
             hidden = hidden.astype(w.dtype)
-            f32 = jnp.float32  # summed in f32 and not rounded to w's dtype first
+
+            def on_xla(h, w):  # summed in f32 and not rounded to w's dtype first
+                if vocab_major:
+                    return jnp.einsum("vh,rh->vr", w, h, preferred_element_type=jnp.float32)
+                return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
+
             if jnp.dtype(w.dtype) in CPU_KERNEL_FLOAT_DTYPES and hidden.size:
-                # a bf16 head: the C++ kernel or XLA's bf16 dot on the CPU (float_matmul)
+                # a bf16 head: on the CPU the C++ kernel or XLA's bf16 dot (float_matmul)
                 logits = float_matmul(
-                    hidden,
-                    w,
-                    f32,
-                    out_major=True,
-                    default=lambda h, w: jnp.einsum(
-                        "...h,vh->...v", h, w, preferred_element_type=f32
-                    ),
+                    hidden, w, jnp.float32, out_major=True, transposed=vocab_major, default=on_xla
                 )
-                logits = logits.T if vocab_major else logits
-            elif vocab_major:
-                logits = jnp.einsum("vh,rh->vr", w, hidden, preferred_element_type=f32)
             else:
-                logits = jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=f32)
+                logits = on_xla(hidden, w)
         logits = logits.astype(jnp.float32)
         cap = self.config.final_logit_softcapping
         if cap is not None:
