@@ -128,27 +128,32 @@ def test_every_program_compiles(tpu, generation, family):
 @pytest.mark.tpu_aot_full
 def test_llama3_8b_layer_compiles_in_place_with_flat_temp(tpu):
     """One Llama-3-8B-sized layer (hidden 4096, MLP 14336, 32 / 8 heads of 128, vocabulary
-    128256) in bf16 on v6e, weights abstract: a 64-token forward keeps the KV buffers
-    aliased with a 256 MiB cache and a 1 GiB one (abstract buffers), with a small temp (the
-    byte layout needed 9.2 GiB of temp for 256 MiB). Not flat at this size: measured 2.3 MiB
-    (256 MiB cache), 3.2 MiB (512 MiB), 33.8 MiB (1 GiB) for T=64, jax 0.12 + libtpu
-    0.0.50.1; the growth is not a copy of the cache (4% of it) and is not explained yet."""
+    128256) in bf16 on v6e, weights abstract: a 64-token forward keeps the KV buffers aliased
+    with a 256 MiB, a 1 GiB and a 2 GiB cache (abstract buffers), with a small temp (the byte
+    layout needed 9.2 GiB of temp for 256 MiB).
+
+    The temp is flat from 1 GiB on (33.8 MiB at 1, 2 and 4 GiB) but smaller below (2.2 MiB at
+    256 MiB, 2.6 MiB at 512 MiB; jax 0.10.2 + libtpu 0.0.42.1 and jax 0.12 + libtpu 0.0.50.1
+    alike). The step is not a copy of the cache: the 31.3 MiB difference is the f32 logits
+    ``[128256, 64]``, which XLA's memory-space assignment keeps in VMEM (``S(1)`` in the
+    optimized HLO) for the smaller programs and leaves one copy of in HBM for the larger ones
+    (its buffer assignment: the logits and a 9 MiB f32 ``[576, 32, 128]`` are the HBM temp)."""
     from tests.engine.helpers import llama3_8b_layer, llama3_8b_layer_runner
 
     runner = llama3_8b_layer_runner(llama3_8b_layer(), kv_cache_dtype="bfloat16")
     tpu_aot.use_tpu_kv_layout(runner)
     assert runner.kv_layout == "words"
-    blocks = runner.config.num_blocks
-    for T in (64,):  # T=512 alike (9.0 / 35.4 MiB); left out for CI's time
-        small = compile_forward(runner, tpu("v6e"), T).memory_analysis()
-        large = compile_forward(runner, tpu("v6e"), T, num_blocks=4 * blocks).memory_analysis()
-        assert small.alias_size_in_bytes >= sum(b.nbytes for b in runner.buffers), small
-        assert large.alias_size_in_bytes >= 4 * sum(b.nbytes for b in runner.buffers) - (1 << 20), (
-            large
-        )
-        assert small.temp_size_in_bytes < 16 << 20, (T, small.temp_size_in_bytes)
-        assert large.temp_size_in_bytes < 64 << 20, (T, large.temp_size_in_bytes)
-        print(
-            f"llama3-8b layer v6e T={T}: temp {small.temp_size_in_bytes / 2**20:.1f} MiB (256 MiB cache), "
-            f"{large.temp_size_in_bytes / 2**20:.1f} MiB (1 GiB)"
-        )
+    blocks, cache = runner.config.num_blocks, sum(b.nbytes for b in runner.buffers)
+    T, vocab = 64, runner.model_config.vocab_size
+    temps = []
+    for mult in (1, 4, 8):
+        ma = compile_forward(runner, tpu("v6e"), T, num_blocks=mult * blocks).memory_analysis()
+        assert ma.alias_size_in_bytes >= mult * cache - (1 << 20), (mult, ma)
+        temps.append(ma.temp_size_in_bytes)
+    print(
+        f"llama3-8b layer v6e T={T}: temp MiB at 256 MiB / 1 GiB / 2 GiB of cache: "
+        + " / ".join(f"{t / 2**20:.1f}" for t in temps)
+    )
+    assert temps[0] < 16 << 20, temps
+    assert temps[1] == temps[2], temps  # flat: 2x the cache, the same temp
+    assert temps[1] - temps[0] <= vocab * T * 4 + (4 << 20), temps  # at most the logits moved
