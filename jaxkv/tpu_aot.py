@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 
@@ -41,9 +42,14 @@ GENERATIONS: dict[str, TpuGeneration] = {
 }
 
 
-def prepare_environment() -> None:
-    """Lets several processes load libtpu (pytest-xdist); call before jax loads its plugins."""
+def prepare_environment(*, mosaic_dump_dir: str | None = None) -> None:
+    """Lets several processes load libtpu (pytest-xdist); with ``mosaic_dump_dir``, has Mosaic
+    write each kernel it compiles there, stage by stage (``--xla_mosaic_dump_to``; read by
+    :func:`mosaic_smem`). Call before jax loads its plugins: libtpu reads its flags once."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if mosaic_dump_dir is not None:
+        flags = os.environ.get("LIBTPU_INIT_ARGS", "")
+        os.environ["LIBTPU_INIT_ARGS"] = f"{flags} --xla_mosaic_dump_to={mosaic_dump_dir}".strip()
 
 
 def install_hint() -> str:
@@ -111,6 +117,39 @@ def mosaic_kernels(compiled) -> list[MosaicKernel]:
         if key not in out or out[key].vmem_bytes < vmem:
             out[key] = MosaicKernel(key, vmem)
     return sorted(out.values(), key=lambda k: k.name)
+
+
+_SMEM_MEMREF = re.compile(
+    r"memref<((?:\d+x)+)(\w+), #tpu\.tiled<\(([\d,]+)\)[^>]*>, #tpu\.memory_space<smem>>"
+)
+
+
+def mosaic_smem(dump_dir: str) -> dict[str, int]:
+    """The SMEM each Mosaic kernel compiled since ``dump_dir`` was emptied takes for its
+    operands, by kernel name: the ``memory_space<smem>`` memrefs of the kernel's signature in
+    its final (LLO) stage, each padded to its tiling. Needs ``prepare_environment(
+    mosaic_dump_dir=dump_dir)`` before libtpu loaded. The compiled HLO does not carry this
+    (its ``used_scoped_memory_configs`` lists VMEM only)."""
+    out: dict[str, int] = {}
+    for name in sorted(os.listdir(dump_dir)):
+        if not name.endswith("post-finalize-llo.txt"):
+            continue
+        with open(os.path.join(dump_dir, name)) as f:
+            for line in f:
+                m = re.match(r"\s*func\.func @(\w+)\((.*)", line)
+                if m is None or m.group(1).startswith("transform_"):
+                    continue
+                total = 0
+                for dims, elem, tile in _SMEM_MEMREF.findall(m.group(2)):
+                    shape = [int(d) for d in dims.rstrip("x").split("x")]
+                    tiles = [int(t) for t in tile.split(",")]
+                    for i, t in enumerate(tiles, start=len(shape) - len(tiles)):
+                        shape[i] = -(-shape[i] // t) * t
+                    width = int(re.sub(r"\D", "", elem) or 32) // 8
+                    total += width * math.prod(shape)
+                out[m.group(1)] = max(out.get(m.group(1), 0), total)
+                break
+    return out
 
 
 def aot_compile(jitted, device, *args, **static_kwargs):
@@ -224,11 +263,15 @@ def tpu_step_report(
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
     quantized_layout: tuple[dict, int | None] = ({}, None),
+    mosaic_dump_dir: str | None = None,
 ) -> str:
     """What the forward of a decode step of ``max_num_seqs`` rows and of a full mixed step
     would take on a TPU ``generation``: temp memory, KV aliasing, and each Mosaic kernel's
-    VMEM against the generation's scoped-VMEM budget; compiled deviceless for the model's
-    config with abstract weights (nothing the size of the model is allocated)."""
+    VMEM against the generation's scoped-VMEM budget (and its SMEM against the core's, from
+    Mosaic's dumps in ``mosaic_dump_dir`` if libtpu writes them there: ``prepare_environment``);
+    compiled deviceless for the model's config with abstract weights (nothing the size of the
+    model is allocated)."""
+    from jaxkv.pallas_kernels.mosaic_backend import SMEM_BYTES
     from jaxkv.plan import abstract_engine_for_plan
     from jaxkv.worker.program_set import FORWARD, ProgramKey
 
@@ -267,9 +310,13 @@ def tpu_step_report(
     )
     S = runner.buckets.seqs[-1]
     for label, T in (("decode", S), ("mixed", runner.buckets.tokens[-1])):
+        if mosaic_dump_dir is not None:
+            for name in os.listdir(mosaic_dump_dir):
+                os.remove(os.path.join(mosaic_dump_dir, name))
         compiled = compile_runner_program(
             runner, dev, ProgramKey(FORWARD, T), num_blocks=plan.num_blocks
         )
+        smem = mosaic_smem(mosaic_dump_dir) if mosaic_dump_dir is not None else {}
         ma = compiled.memory_analysis()
         lines.append(
             f"  {label} step (T={T}, S={S}): temp {ma.temp_size_in_bytes / 2**20:.1f} MiB, "
@@ -277,7 +324,8 @@ def tpu_step_report(
             f"{ma.alias_size_in_bytes / 2**30:.2f} GiB"
         )
         for k in mosaic_kernels(compiled):
-            lines.append(
-                f"    {k.name}: VMEM {k.vmem_bytes} B (scoped limit {gen.scoped_vmem_bytes})"
-            )
+            line = f"    {k.name}: VMEM {k.vmem_bytes} B (scoped limit {gen.scoped_vmem_bytes})"
+            if k.name in smem:
+                line += f", SMEM {smem[k.name]} B (core {SMEM_BYTES})"
+            lines.append(line)
     return "\n".join(lines)

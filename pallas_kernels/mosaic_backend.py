@@ -58,6 +58,12 @@ from jaxkv.pallas_kernels.tiles import (
 LANES = 128
 _MASK = -1e30  # finite "minus infinity": keeps exp(m_prev - m_new) well defined
 
+#: SMEM of a TPU core: 1 MiB on v4, v5e, v5p, v6e and v7x (the TPU compiler's own figure in
+#: its out-of-memory report: "Used 1.00M of 1.00M smem"; jax 0.10.2, libtpu 0.0.42.1).
+SMEM_BYTES = 1 << 20
+#: Left to the rest of the program: XLA's scalars and Mosaic's own (~1.1 KiB measured).
+SMEM_RESERVE = 16 << 10
+
 
 def check_shapes(*, head_size: int, block_size: int) -> None:
     """Raises ValueError for sizes the Mosaic kernel does not support (before tracing)."""
@@ -197,6 +203,30 @@ def _kernel(
     o_ref[...] = acc_ref[...] / jnp.where(l > 0, l, 1.0)
 
 
+def smem_bytes(*, num_tiles: int, table_entries: int) -> int:
+    """The SMEM the attention kernel's scalar operands take: the tile metadata, the block
+    tables and the logit scale, each a 1-D int32 / float32 array that Mosaic lays out in tiles
+    of 128 words (``#tpu.tiled<(128)>``: its lowered kernel, ``tpu_aot.mosaic_smem``)."""
+
+    def words(n: int) -> int:
+        return -(-n // LANES) * LANES
+
+    return 4 * (words(num_tiles * META_COLS) + words(table_entries) + words(1))
+
+
+def check_smem(*, num_tiles: int, num_seqs: int, table_width: int) -> None:
+    """Raises ValueError when the block tables and tile metadata do not fit a TPU core's SMEM,
+    where the kernel scalar-prefetches them (the compiler would fail with RESOURCE_EXHAUSTED)."""
+    need = smem_bytes(num_tiles=num_tiles, table_entries=num_seqs * table_width)
+    if need > SMEM_BYTES - SMEM_RESERVE:
+        raise ValueError(
+            f"the TPU attention kernel keeps the block tables in SMEM: {num_seqs} sequences x "
+            f"{table_width} blocks plus {num_tiles} tiles' metadata need {need} B, more than "
+            f"the {SMEM_BYTES - SMEM_RESERVE} B a TPU core's {SMEM_BYTES >> 20} MiB of SMEM "
+            f"leaves; lower max_num_seqs or max_model_len, or raise block_size"
+        )
+
+
 def attend_tiles(
     logit_scale,  # [1] float32, sm_scale * k_scale (applied in f32 after the dot)
     meta,  # [NT, META_COLS] int32, tiles.META_COLUMNS (tiles.tile_meta)
@@ -216,6 +246,8 @@ def attend_tiles(
     width = tables.shape[1]
     block_size = kv_cache.shape[3]
     check_shapes(head_size=head_size, block_size=block_size)
+    if not interpret:
+        check_smem(num_tiles=nt, num_seqs=tables.shape[0], table_width=width)
     block_k = pages_per_tile * block_size
     word_dtype = None
     buf_shape = (2, block_k, head_size)
@@ -291,9 +323,10 @@ def kernel_memory_estimate(
     """``(VMEM, SMEM)`` bytes one attention kernel of these sizes needs, counted the way
     tpu-inference sizes its kernels: the double-buffered q and output blocks, the K and V
     double buffers, m / l (a lane-padded [M, 128] f32 each) and the f32 accumulator in VMEM;
-    the scalar-prefetched tile metadata and block tables plus the scale in SMEM. Mosaic's own
-    VMEM figure (``jaxkv.tpu_aot.mosaic_kernels``) is the one to trust; this says what the
-    sizes are made of and scales them to shapes not compiled."""
+    the scalar-prefetched tile metadata and block tables plus the scale in SMEM
+    (:func:`smem_bytes`). Mosaic's own VMEM figure (``jaxkv.tpu_aot.mosaic_kernels``) is the
+    one to trust; this says what the sizes are made of and scales them to shapes not
+    compiled."""
     q_item, kv_item = jnp.dtype(q_dtype).itemsize, jnp.dtype(cache_dtype).itemsize
     vmem = (
         2 * rows * head_size * q_item  # q block, double-buffered
@@ -302,5 +335,4 @@ def kernel_memory_estimate(
         + 2 * rows * LANES * 4  # m, l
         + rows * head_size * 4
     )  # acc
-    smem = 4 * (num_tiles * META_COLS + table_entries + 1)
-    return vmem, smem
+    return vmem, smem_bytes(num_tiles=num_tiles, table_entries=table_entries)

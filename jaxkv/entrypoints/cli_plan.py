@@ -5,6 +5,8 @@ and with ``--gpu`` / ``--tpu`` the deviceless step reports. Its engine flags are
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 
 from jaxkv.engine_config import DEFAULT_CPU_KV_CACHE_BYTES, default_max_num_batched_tokens
 from jaxkv.entrypoints.cli_common import error, name_flags
@@ -90,6 +92,23 @@ def plan_sizes(engine_args: EngineArgs) -> dict:
 
 
 def cmd_plan(args) -> int:
+    if args.tpu is None:
+        return _plan(args, mosaic_dump_dir=None)
+    # Mosaic's dumps give each kernel's SMEM (jaxkv.tpu_aot.mosaic_smem); libtpu's flags are
+    # restored after, for whatever else runs in this process (the flags take effect only if
+    # libtpu loads after this point)
+    saved = os.environ.get("LIBTPU_INIT_ARGS")
+    with tempfile.TemporaryDirectory(prefix="jaxkv-mosaic-") as dump_dir:
+        try:
+            return _plan(args, mosaic_dump_dir=dump_dir)
+        finally:
+            if saved is None:
+                os.environ.pop("LIBTPU_INIT_ARGS", None)
+            else:
+                os.environ["LIBTPU_INIT_ARGS"] = saved
+
+
+def _plan(args, *, mosaic_dump_dir: str | None) -> int:
     flags = EngineArgs.flag_names()
     if args.gpu is not None:  # before jax starts its backends (jaxkv.gpu_aot)
         from jaxkv.gpu_aot import prepare_environment
@@ -98,7 +117,7 @@ def cmd_plan(args) -> int:
     if args.tpu is not None:  # several libtpu processes (jaxkv.tpu_aot)
         from jaxkv.tpu_aot import prepare_environment as prepare_tpu
 
-        prepare_tpu()
+        prepare_tpu(mosaic_dump_dir=mosaic_dump_dir)
     from jaxkv.models.registry import gguf_layout, resolve_quantization
     from jaxkv.plan import build_plan, format_plan, layer_infos, plan_model_config
 
@@ -164,6 +183,7 @@ def cmd_plan(args) -> int:
                 generation=args.tpu,
                 quantization=quantization,
                 quantized_layout=layout,
+                mosaic_dump_dir=mosaic_dump_dir,
                 **sizes,
             )
         )

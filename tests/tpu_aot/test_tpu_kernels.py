@@ -107,3 +107,90 @@ def test_attention_kernels_fit_the_tpu(tpu, generation, shape, decode, words):
     # outputs of the 2108-token mixed batch, the same for every cache dtype (up to 131 MiB on
     # jax 0.10.2, 195 MiB on v5p with jax 0.12)
     assert compiled.memory_analysis().temp_size_in_bytes < min(cache_bytes // 2, 256 << 20)
+
+
+SMEM_PROBE = """
+import json, os, sys
+from jaxkv import tpu_aot
+tpu_aot.prepare_environment(mosaic_dump_dir=sys.argv[1])
+from tests.tpu_aot.test_tpu_kernels import compile_attention
+out = {}
+for label in ("decode", "mixed"):
+    for name in os.listdir(sys.argv[1]):
+        os.remove(os.path.join(sys.argv[1], name))
+    compile_attention(tpu_aot.aot_device("v5e"), 32, 8, 128, None, None, "bfloat16", 16,
+                      decode=label == "decode", words=True)
+    out[label] = tpu_aot.mosaic_smem(sys.argv[1])
+print(json.dumps(out))
+"""
+
+
+def test_smem_is_what_mosaic_lays_out(tpu, tmp_path):
+    """The SMEM of the Llama-3-8B-like kernels (64 sequences x 256 blocks of tables) as Mosaic
+    lays it out in the kernel it compiled (its LLO dump, read in a fresh process: libtpu reads
+    the dump flag once) equals ``smem_bytes`` at decode (64 tiles) and holds the tables and
+    scale plus some tiles' metadata in the mixed program's two kernels: 68096 B (decode), 72704
+    B (m64, 208 tiles) on v5e, jax 0.10.2."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tpu("v5e")  # skips (fails in CI) without libtpu
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SMEM_PROBE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=root,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    smem = json.loads(proc.stdout.strip().splitlines()[-1])
+    tables = 64 * (4096 // 16)
+    assert smem["decode"] == {
+        "ragged_paged_attention_mosaic_words_m16_bk128": mosaic_backend.smem_bytes(
+            num_tiles=64, table_entries=tables
+        )
+    }, smem
+    assert set(smem["mixed"]) == {
+        "ragged_paged_attention_mosaic_words_m16_bk128",
+        "ragged_paged_attention_mosaic_words_m64_bk128",
+    }, smem
+    fixed = mosaic_backend.smem_bytes(num_tiles=0, table_entries=tables)
+    for name, used in smem["mixed"].items():
+        tiles = (used - fixed) // (4 * 8)  # the rest is whole 128-word tiles of 16 tiles' meta
+        assert used == mosaic_backend.smem_bytes(num_tiles=tiles, table_entries=tables), name
+        assert used <= mosaic_backend.SMEM_BYTES - mosaic_backend.SMEM_RESERVE
+
+
+def _decode_attention(dev, num_blocks_per_seq: int):
+    """The Llama-3-8B-like decode attention over 64 sequences with block tables this wide."""
+    S, bs, dt = 64, 16, jnp.bfloat16
+    cache = layout.kv_cache_words_shape(1 + 1024, bs, 8, 128, dt)
+    args = (
+        jax.ShapeDtypeStruct((S, 32, 128), dt),
+        jax.ShapeDtypeStruct(cache, jnp.uint32),
+        jax.ShapeDtypeStruct((S,), jnp.int32),
+        jax.ShapeDtypeStruct((S + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((S, num_blocks_per_seq), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    fn = jax.jit(
+        lambda q, c, *r: pallas_attention.paged_attention_words(
+            q, c, *r, dtype=dt, sm_scale=0.1, max_q_len=1
+        )
+    )
+    return tpu_aot.aot_compile(fn, dev, *args)
+
+
+def test_block_tables_beyond_smem_are_refused_by_name(tpu):
+    """The block tables live in the core's 1 MiB of SMEM: 64 x 4016 blocks (0.98 MiB)
+    compile; 64 x 4096 (1 MiB, where the TPU compiler fails with RESOURCE_EXHAUSTED, "Used 1.00M
+    of 1.00M smem" on every generation) is a ValueError naming the sizes and the flags."""
+    dev = tpu("v5e")
+    assert tpu_aot.mosaic_kernels(_decode_attention(dev, 4016))
+    with pytest.raises(ValueError, match=r"64 sequences x 4096 blocks.*max_num_seqs"):
+        _decode_attention(dev, 4096)
