@@ -109,7 +109,7 @@ def test_byte_layout_step_temp_grows_with_the_cache(tpu):
 @pytest.mark.tpu_aot_full
 @pytest.mark.parametrize(
     "generation,family",
-    [("v5e", "tiny-llama"), ("v5e", "tiny-hybrid"), ("v6e", "tiny-llama"), ("v7x", "tiny-llama")],
+    [(g, f) for g in ENGINE_GENERATIONS for f in ("tiny-llama", "tiny-hybrid")],
 )
 def test_every_program_compiles(tpu, generation, family):
     """Every program warm-up compiles (``ModelRunner.program_keys()``), compiled for each
@@ -157,3 +157,30 @@ def test_llama3_8b_layer_compiles_in_place_with_flat_temp(tpu):
     assert temps[0] < 16 << 20, temps
     assert temps[1] == temps[2], temps  # flat: 2x the cache, the same temp
     assert temps[1] - temps[0] <= vocab * T * 4 + (4 << 20), temps  # at most the logits moved
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_aot_full
+def test_llama3_8b_layer_every_program_kind_compiles(tpu):
+    """Each kind of program of the Llama-3-8B-sized layer's engine (64 sequences, 512-token
+    budget, 4k context, 256 MiB cache) compiles for v6e at its largest size, where its temp is
+    largest: the forward keeps the cache aliased. The whole set (38 programs) takes 298 s to
+    compile here (the 7 sampling programs 24-36 s each: the 128256-entry vocabulary's top-k /
+    top-p), so CI compiles one of each kind. Temps measured, jax 0.10.2 + libtpu 0.0.42.1:
+    forward[512] 5.0 MiB, sample[64] 162 MiB, prompt_logprobs[512] 501 MiB (f32 logits and
+    log-probabilities of 512 rows), sampling_update 33 MiB."""
+    from tests.engine.helpers import llama3_8b_layer, llama3_8b_layer_runner
+
+    runner = llama3_8b_layer_runner(llama3_8b_layer(), kv_cache_dtype="bfloat16")
+    tpu_aot.use_tpu_kv_layout(runner)
+    largest = {}
+    for key in runner.program_keys():
+        if key.size >= largest.get(key.kind, key).size:
+            largest[key.kind] = key
+    cache = sum(b.nbytes for b in runner.buffers)
+    for key in largest.values():
+        ma = compile_program(runner, tpu("v6e"), key).memory_analysis()
+        print(f"llama3-8b layer v6e {key}: temp {ma.temp_size_in_bytes / 2**20:.1f} MiB")
+        if key.kind == FORWARD:
+            assert ma.alias_size_in_bytes >= cache, (key, ma)
+        assert ma.temp_size_in_bytes < 1 << 30, (key, ma)
