@@ -120,7 +120,7 @@ def mosaic_kernels(compiled) -> list[MosaicKernel]:
 
 
 _SMEM_MEMREF = re.compile(
-    r"memref<((?:\d+x)+)(\w+), #tpu\.tiled<\(([\d,]+)\)[^>]*>, #tpu\.memory_space<smem>>"
+    r"memref<((?:\d+x)+)(\w+), #tpu\.tiled<\(([\d,]+)\)[^>]*>, #tpu\.memory_space<smem(?:, \w+)?>>"
 )
 
 
