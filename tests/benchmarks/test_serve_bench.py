@@ -141,3 +141,46 @@ def test_one_request_streamed_or_not(serve_bench, stream):
     r = asyncio.run(go())
     assert r["error"] is None and r["output_tokens"] == 3 and r["prompt_tokens"] == 2
     assert len(r["chunks"]) == (3 if stream else 1)
+
+
+def test_median_row_pairs_each_pass_with_its_offline_pass(serve_bench):
+    """vs_offline is the median of the pairs' ratios, not a ratio of medians: a slow offline
+    pass next to a slow served one (a busy moment of a shared machine) cancels."""
+    served = [{"output_tok_per_s": v, "ttft_ms_mean": v} for v in (90.0, 50.0, 95.0)]
+    offline = [{"output_tok_per_s": v} for v in (100.0, 50.0, 100.0)]
+    row = serve_bench.median_row(served, offline)
+    assert row["passes"] == 3 and row["output_tok_per_s"] == 90.0 and row["ttft_ms_mean"] == 90.0
+    assert row["vs_offline_passes"] == [0.9, 0.95, 1.0]
+    assert row["vs_offline"] == 0.95 and row["vs_offline_range"] == "0.900-1.000"
+    assert "vs_offline" not in serve_bench.median_row(served)
+
+
+def test_sse_lines_give_chunks_usage_and_errors(serve_bench):
+    parsed = serve_bench._Stream()
+    for line in (
+        'data: {"choices": [{"text": "a"}]}',
+        "",
+        ": keep-alive",
+        'data: {"choices": [{"text": "b"}]}',
+        'data: {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 5}}',
+        "data: [DONE]",
+    ):
+        parsed.line(line)
+    out = parsed.result(sent=0.0, prompt=[1, 2, 3, 4, 5])
+    assert len(out["chunks"]) == 2 and out["output_tokens"] == 2 and out["prompt_tokens"] == 5
+    assert out["error"] is None
+    failed = serve_bench._Stream()
+    failed.line('data: {"error": {"message": "engine died"}}')
+    assert failed.result(sent=0.0, prompt=[1])["error"] == "engine died"
+
+
+def test_client_auto_prefers_aiohttp(serve_bench, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "aiohttp" else real(n, *a)
+    )
+    assert serve_bench.client_library("auto") == "httpx"
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    assert serve_bench.client_library("httpx") == "httpx"
