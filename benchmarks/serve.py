@@ -397,6 +397,19 @@ def tree_cpu_s(pid: int) -> float | None:
 # ---- offline -------------------------------------------------------------------------------------
 
 
+def throughput_row(rate, requests: int, completed: int, duration: float, out_tokens: int) -> dict:
+    """A pass's row of an in-process system (no HTTP: no latencies)."""
+    return {
+        "request_rate": rate,
+        "requests": requests,
+        "completed": completed,
+        "duration_s": duration,
+        "req_per_s": completed / duration,
+        "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / duration,
+    }
+
+
 def offline_engine(args, prompts, outs):
     """The in-process ``LLM`` with the server's engine flags, warmed by one untimed pass;
     returns it and a function that runs one timed pass and returns its row."""
@@ -411,15 +424,7 @@ def offline_engine(args, prompts, outs):
         res = llm.generate(prompts, params, use_tqdm=False)
         duration = time.perf_counter() - t0
         out_tokens = sum(len(r.outputs[0].token_ids) for r in res)
-        return {
-            "request_rate": "offline",
-            "requests": len(prompts),
-            "completed": len(res),
-            "duration_s": duration,
-            "req_per_s": len(res) / duration,
-            "output_tokens": out_tokens,
-            "output_tok_per_s": out_tokens / duration,
-        }
+        return throughput_row("offline", len(prompts), len(res), duration, out_tokens)
 
     return llm, timed_pass
 
@@ -467,17 +472,9 @@ def run_async_llm(args, prompts, outs, offline_pass=None) -> dict:
     async def timed(tag):
         t0, cpu0 = time.perf_counter(), own_cpu_s()
         counts = await asyncio.gather(*[one(i, tag) for i in range(len(prompts))])
-        duration, out_tokens = time.perf_counter() - t0, sum(counts)
-        return {
-            "request_rate": "inf",
-            "requests": len(prompts),
-            "completed": len(prompts),
-            "duration_s": duration,
-            "req_per_s": len(prompts) / duration,
-            "output_tokens": out_tokens,
-            "output_tok_per_s": out_tokens / duration,
-            "client_cpu_s": own_cpu_s() - cpu0,
-        }
+        duration = time.perf_counter() - t0
+        row = throughput_row("inf", len(prompts), len(prompts), duration, sum(counts))
+        return {**row, "client_cpu_s": own_cpu_s() - cpu0}
 
     loop = asyncio.new_event_loop()
     passes, offline = [], []
