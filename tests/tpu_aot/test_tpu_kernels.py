@@ -19,6 +19,7 @@ import pytest
 import jaxkv.pallas_kernels as pk
 from jaxkv import tpu_aot
 from jaxkv.pallas_kernels import layout, mosaic_backend, pallas_attention
+from jaxkv.pallas_kernels import tiles as tiles_lib
 from tests.tpu_aot.helpers import ALL_GENERATIONS
 
 pytestmark = pytest.mark.tpu_aot
@@ -31,11 +32,15 @@ SHAPES = [
 ]
 
 
-def compile_attention(dev, Hq, Hkv, D, window, soft_cap, cache_dtype, bs, *, decode, words):
+def compile_attention(
+    dev, Hq, Hkv, D, window, soft_cap, cache_dtype, bs, *, decode, words, blocks=None, pages=None
+):
+    """64 sequences of 4k context (``blocks`` per sequence: the block tables' width), decoding
+    or 4 prefill chunks of 512 among 60 decodes, over ``pages`` pages (default: every block)."""
     S, ctx = 64, 4096
     T = S if decode else 4 * 512 + 60
-    blocks = ctx // bs
-    N = 1 + S * blocks
+    blocks = blocks or ctx // bs
+    N = pages or 1 + S * blocks
     dt = layout.resolve_kv_dtype(cache_dtype)
     if words:
         cache = jax.ShapeDtypeStruct(layout.kv_cache_words_shape(N, bs, Hkv, D, dt), jnp.uint32)
@@ -128,8 +133,8 @@ print(json.dumps(out))
 def test_smem_is_what_mosaic_lays_out(tpu, tmp_path):
     """The SMEM of the Llama-3-8B-like kernels (64 sequences x 256 blocks of tables) as Mosaic
     lays it out in the kernel it compiled (its LLO dump, read in a fresh process: libtpu reads
-    the dump flag once) equals ``smem_bytes`` at decode (64 tiles) and holds the tables and
-    scale plus some tiles' metadata in the mixed program's two kernels: 68096 B (decode), 72704
+    the dump flag once) equals ``smem_bytes`` of the tile counts ``choose_tiles`` gives the
+    call, for the decode kernel and the mixed program's two: 68096 B (decode, 64 tiles), 72704
     B (m64, 208 tiles) on v5e, jax 0.10.2."""
     import json
     import os
@@ -149,41 +154,33 @@ def test_smem_is_what_mosaic_lays_out(tpu, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     smem = json.loads(proc.stdout.strip().splitlines()[-1])
-    tables = 64 * (4096 // 16)
-    assert smem["decode"] == {
-        "ragged_paged_attention_mosaic_words_m16_bk128": mosaic_backend.smem_bytes(
-            num_tiles=64, table_entries=tables
+
+    def expected(decode: bool) -> dict:
+        """Each kernel's smem_bytes from the tile sizes the call chooses (choose_tiles)."""
+        cfg = tiles_lib.choose_tiles(
+            "mosaic",
+            num_tokens=64 if decode else 4 * 512 + 60,
+            num_seq_rows=64,
+            max_blocks=4096 // 16,
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_size=128,
+            block_size=16,
+            max_q_len=1 if decode else 512,
+            compute_dtype=jnp.bfloat16,
         )
-    }, smem
-    assert set(smem["mixed"]) == {
-        "ragged_paged_attention_mosaic_words_m16_bk128",
-        "ragged_paged_attention_mosaic_words_m64_bk128",
-    }, smem
-    fixed = mosaic_backend.smem_bytes(num_tiles=0, table_entries=tables)
-    for name, used in smem["mixed"].items():
-        tiles = (used - fixed) // (4 * 8)  # the rest is whole 128-word tiles of 16 tiles' meta
-        assert used == mosaic_backend.smem_bytes(num_tiles=tiles, table_entries=tables), name
+        launches = [cfg.decode] + ([cfg.prefill] if cfg.prefill else [])
+        return {
+            f"ragged_paged_attention_mosaic_words_m{t.rows}_bk{cfg.block_k}": (
+                mosaic_backend.smem_bytes(num_tiles=t.num_tiles, table_entries=64 * cfg.table_width)
+            )
+            for t in launches
+        }
+
+    assert smem["decode"] == expected(True), smem
+    assert smem["mixed"] == expected(False), smem
+    for used in smem["mixed"].values():
         assert used <= mosaic_backend.SMEM_BYTES - mosaic_backend.SMEM_RESERVE
-
-
-def _decode_attention(dev, num_blocks_per_seq: int):
-    """The Llama-3-8B-like decode attention over 64 sequences with block tables this wide."""
-    S, bs, dt = 64, 16, jnp.bfloat16
-    cache = layout.kv_cache_words_shape(1 + 1024, bs, 8, 128, dt)
-    args = (
-        jax.ShapeDtypeStruct((S, 32, 128), dt),
-        jax.ShapeDtypeStruct(cache, jnp.uint32),
-        jax.ShapeDtypeStruct((S,), jnp.int32),
-        jax.ShapeDtypeStruct((S + 1,), jnp.int32),
-        jax.ShapeDtypeStruct((S, num_blocks_per_seq), jnp.int32),
-        jax.ShapeDtypeStruct((), jnp.int32),
-    )
-    fn = jax.jit(
-        lambda q, c, *r: pallas_attention.paged_attention_words(
-            q, c, *r, dtype=dt, sm_scale=0.1, max_q_len=1
-        )
-    )
-    return tpu_aot.aot_compile(fn, dev, *args)
 
 
 def test_block_tables_beyond_smem_are_refused_by_name(tpu):
@@ -191,6 +188,8 @@ def test_block_tables_beyond_smem_are_refused_by_name(tpu):
     compile; 64 x 4096 (1 MiB, where the TPU compiler fails with RESOURCE_EXHAUSTED, "Used 1.00M
     of 1.00M smem" on every generation) is a ValueError naming the sizes and the flags."""
     dev = tpu("v5e")
-    assert tpu_aot.mosaic_kernels(_decode_attention(dev, 4016))
+    llama = dict(decode=True, words=True, pages=1 + 1024)
+    compiled, _, _ = compile_attention(dev, *SHAPES[0][1:], blocks=4016, **llama)
+    assert tpu_aot.mosaic_kernels(compiled)
     with pytest.raises(ValueError, match=r"64 sequences x 4096 blocks.*max_num_seqs"):
-        _decode_attention(dev, 4096)
+        compile_attention(dev, *SHAPES[0][1:], blocks=4096, **llama)
