@@ -446,11 +446,12 @@ def median_row(passes: list[dict], offline: list[dict] | None = None) -> dict:
     return row
 
 
-def run_async_llm(args, prompts, outs, offline_pass=None) -> dict:
+def run_async_llm(args, prompts, outs, offline_pass=None) -> tuple[dict, list[dict]]:
     """The server's engine without HTTP: ``AsyncLLM`` (the same front end and engine-core
     process) in this process, every request at once, streamed as deltas (one untimed pass,
     then ``--passes`` timed ones, each followed by an offline pass when ``offline_pass`` is
-    given): what the process hop costs, apart from HTTP and the client."""
+    given): what the process hop costs, apart from HTTP and the client. Returns its row and
+    the offline passes it ran."""
     from jaxkv import SamplingParams
     from jaxkv.engine.async_llm import AsyncLLM
     from jaxkv.sampling_params import RequestOutputKind
