@@ -19,7 +19,9 @@ compiler (or with ``JAXKV_CPU_KERNELS=0``)
 The same library holds the KV write / page zeroing (``cpu_kernels/kv_write.cc``) and the
 weight-only matmuls of decode steps, used by ``jaxkv.models.quant.quantized_matmul``: int8 /
 fp8 (``cpu_kernels/quantized_matmul.cc``, :func:`quantized_matmul`) and 4-bit blocks of 32
-inputs with a scale and an offset each (``cpu_kernels/q4_matmul.cc``, :func:`q4_matmul`).
+inputs with a scale and an offset each (``cpu_kernels/q4_matmul.cc``, :func:`q4_matmul`); and the
+bf16 matmul on AMX tiles of weights packed at load (``cpu_kernels/amx_matmul.cc``, used through
+``jaxkv.pallas_kernels.amx``).
 
 Supported: f32 / bf16 / f16 caches (typed or as bytes), head_size <= 256, GQA group <= 16,
 block_size <= 256, sliding window, soft-cap, a static k_scale. Anything else (fp8 caches, a
@@ -49,7 +51,13 @@ from jaxkv.pallas_kernels.quant_formats import Q4_BLOCK, SCALE_DTYPES
 #: C++ sources, built into one library; custom-call target -> exported handler symbol.
 SOURCES = tuple(
     pathlib.Path(__file__).parent / "cpu_kernels" / n
-    for n in ("paged_attention.cc", "kv_write.cc", "quantized_matmul.cc", "q4_matmul.cc")
+    for n in (
+        "paged_attention.cc",
+        "kv_write.cc",
+        "quantized_matmul.cc",
+        "q4_matmul.cc",
+        "amx_matmul.cc",
+    )
 )
 #: Headers the sources include (part of the build's cache key).
 HEADERS = (pathlib.Path(__file__).parent / "cpu_kernels" / "kernel_common.h",)
@@ -58,12 +66,14 @@ WRITE_TARGET = "jaxkv_write_kv_cpu"
 ZERO_TARGET = "jaxkv_zero_pages_cpu"
 QMATMUL_TARGET = "jaxkv_quantized_matmul_cpu"
 Q4_TARGET = "jaxkv_q4_matmul_cpu"
+AMX_TARGET = "jaxkv_amx_matmul_cpu"
 HANDLERS = {
     TARGET: "JaxkvPagedAttentionCpu",
     WRITE_TARGET: "JaxkvWriteKvCpu",
     ZERO_TARGET: "JaxkvZeroPagesCpu",
     QMATMUL_TARGET: "JaxkvQuantizedMatmulCpu",
     Q4_TARGET: "JaxkvQ4MatmulCpu",
+    AMX_TARGET: "JaxkvAmxMatmulCpu",
 }
 #: Kernel dtypes of ``quantized_matmul`` (its ``qtype`` attribute): quantized (with scales),
 #: then float (``FLOAT_QTYPES``: no scales).

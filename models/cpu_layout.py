@@ -1,0 +1,106 @@
+"""bf16 linear layers packed for the CPU's AMX tiles, once, when an engine loads its model.
+
+On a CPU with AMX (Intel Sapphire Rapids and later), a one-device engine replaces every
+``nnx.Linear`` with a bf16 kernel by an :class:`AmxLinear` holding the same weights in the tile
+layout of ``jaxkv.pallas_kernels.amx`` (same bytes, zero-padded to blocks of 32), and its
+matmuls run ``cpu_kernels/amx_matmul.cc`` at every row count: a decode step of 64 sequences of
+SmolLM2-135M in ~0.14 ms per 64 x 576 x 1536 product against XLA:CPU's ~0.22 ms, prefill
+products as fast as XLA's or faster (numbers in benchmarks/RESULTS.md). The products equal
+XLA's bf16 dot with f32 results (the same bf16 inputs, f32 sums, one rounding).
+
+Not packed: float32 models, the LM head and the embedding, quantized layers, tensor-parallel
+engines (their kernels are split by ``models.sharding``'s rules on the ``[in, out]`` layout),
+and any engine when ``JAXKV_CPU_AMX=0`` or the machine or build has no AMX.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.models.quant import _get_child, _set_child
+from jaxkv.pallas_kernels import amx
+
+
+class AmxLinear(nnx.Module):
+    """``y = x @ kernel + bias`` in bf16, ``kernel [in, out]`` kept packed
+    (``packed [ceil(out / 32), ceil(in / 32), 2, 16, 32]`` bf16, ``amx.pack``); ``bias [out]``
+    bf16 or None. Computes like ``nnx.Linear(dtype=bfloat16)`` on the CPU: x cast to bf16, f32
+    sums rounded once to bf16, then the bias added."""
+
+    def __init__(self, packed, bias, *, in_features: int, out_features: int):
+        if packed.shape != amx.packed_shape(in_features, out_features):
+            raise ValueError(
+                f"packed {packed.shape} is not the layout of a [{in_features}, {out_features}] "
+                f"kernel ({amx.packed_shape(in_features, out_features)})"
+            )
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.packed = nnx.Param(packed)
+        self.bias = None if bias is None else nnx.Param(bias)
+
+    @classmethod
+    def from_linear(cls, linear: nnx.Linear) -> AmxLinear:
+        w = linear.kernel[...]  # [in, out] bf16
+        bias = None if linear.bias is None else linear.bias[...].astype(jnp.bfloat16)
+        return cls(amx.pack(w), bias, in_features=w.shape[0], out_features=w.shape[1])
+
+    def kernel(self) -> jax.Array:  # [in, out] bf16
+        return amx.unpack(self.packed[...], self.in_features, self.out_features)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out] bf16
+        lead = x.shape[:-1]
+        x2 = x.reshape(int(np.prod(lead)), self.in_features).astype(jnp.bfloat16)
+
+        def on_cpu(x2, packed):
+            return amx.matmul(x2, packed, self.out_features)
+
+        def elsewhere(x2, packed):  # not reached by engines (packing is CPU-only); kept exact
+            w = amx.unpack(packed, self.in_features, self.out_features)
+            return jnp.dot(x2, w, preferred_element_type=jnp.float32)
+
+        y = jax.lax.platform_dependent(x2, self.packed[...], cpu=on_cpu, default=elsewhere)
+        y = y.astype(jnp.bfloat16).reshape(*lead, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+def _packable(node) -> bool:
+    """A bf16 ``nnx.Linear`` whose kernel is a concrete array on the CPU (not an abstract
+    model's shape, which compile-only checks pass, nor a traced value)."""
+    if not isinstance(node, nnx.Linear):
+        return False
+    w = node.kernel.get_value()  # a ShapeDtypeStruct in an abstract model
+    return (
+        isinstance(w, jax.Array)
+        and not isinstance(w, jax.core.Tracer)
+        and w.ndim == 2
+        and jnp.dtype(w.dtype) == jnp.bfloat16
+        and jnp.dtype(node.dtype or w.dtype) == jnp.bfloat16
+        and all(d.platform == "cpu" for d in w.devices())
+    )
+
+
+def pack_for_cpu(model):
+    """``model`` with its bf16 ``nnx.Linear`` layers as :class:`AmxLinear` where this process
+    runs AMX tiles (``amx.available()``), else ``model`` itself. The packed model is a copy
+    (``model``'s own layers are untouched) sharing every other array with it."""
+    if not amx.available():
+        return model
+    paths = [path for path, node in nnx.iter_graph(model) if path and _packable(node)]
+    if not paths:
+        return model
+    model = nnx.merge(*nnx.split(model))
+    for path in paths:
+        parent = model
+        for key in path[:-1]:
+            parent = _get_child(parent, key)
+        _set_child(parent, path[-1], AmxLinear.from_linear(_get_child(parent, path[-1])))
+    return model
+
+
+def packed_linears(model) -> int:
+    """How many layers of ``model`` are :class:`AmxLinear`."""
+    return sum(isinstance(node, AmxLinear) for _, node in nnx.iter_graph(model))

@@ -1,0 +1,91 @@
+"""bf16 matmuls on Intel AMX tiles with weights packed once, at load (``cpu_kernels/amx_matmul.cc``).
+
+A ``[K, N]`` bf16 kernel is stored as ``[ceil(N / 32), ceil(K / 32), 2, 16, 32]`` bf16
+(:func:`pack`): per block of 32 output columns and 32 inputs, the two 16 x 32 tiles TDPBF16PS
+reads, pairs of consecutive inputs side by side ("VNNI" order), zero-padded. :func:`matmul` is
+the FFI call (``x [M, K] @ w -> [M, N]`` f32, any M); :func:`unpack` restores ``[K, N]``.
+
+Used by ``jaxkv.models.cpu_layout`` for every bf16 linear layer of a one-device CPU engine on
+machines with AMX (Sapphire Rapids and later), where XLA:CPU's bf16 dot runs on AVX-512 at
+~300-370 GFLOP/s; ``JAXKV_CPU_AMX=0`` turns it off. :func:`available` says whether this process
+can run the tiles (the C++ library built with AMX-BF16 and Linux granted the tile state).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.pallas_kernels import cpu_backend
+
+#: Rows, columns and inputs of one packed block (two 16-row tiles of each operand).
+BLOCK = 32
+
+
+@functools.cache
+def _library_ready() -> bool:
+    path = cpu_backend._build()[0]
+    return path is not None and ctypes.CDLL(path).JaxkvAmxReady() == 1
+
+
+def available() -> bool:
+    """Whether bf16 linears may run on AMX tiles here: the default platform is CPU, the C++
+    kernels built with AMX-BF16, Linux grants this process the tile state, and
+    ``JAXKV_CPU_AMX`` is not ``0``."""
+    return (
+        os.environ.get("JAXKV_CPU_AMX", "1") != "0"
+        and jax.default_backend() == "cpu"
+        and cpu_backend.available()
+        and _library_ready()
+    )
+
+
+def packed_shape(k: int, n: int) -> tuple[int, int, int, int, int]:
+    """The packed layout's shape for a ``[k, n]`` kernel."""
+    return (-(-n // BLOCK), -(-k // BLOCK), 2, 16, 2 * 16)
+
+
+@jax.jit
+def pack(w) -> jax.Array:
+    """``w [K, N]`` (cast to bf16) in the tile layout ``[NB, KB, 2, 16, 32]``: element
+    ``[j, kb, t, r, 2 c + e]`` is ``w[32 kb + 2 r + e, 32 j + 16 t + c]`` (0 past ``w``)."""
+    k, n = w.shape
+    nb, kb = packed_shape(k, n)[:2]
+    w = jnp.pad(jnp.asarray(w, jnp.bfloat16), ((0, kb * BLOCK - k), (0, nb * BLOCK - n)))
+    w = w.reshape(kb, 16, 2, nb, 2, 16)  # [kb, r, e, j, t, c]
+    return w.transpose(3, 0, 4, 1, 5, 2).reshape(nb, kb, 2, 16, 32)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def unpack(packed, k: int, n: int) -> jax.Array:
+    """The ``[k, n]`` bf16 kernel of :func:`pack`'s layout."""
+    nb, kb = packed.shape[:2]
+    w = packed.reshape(nb, kb, 2, 16, 16, 2).transpose(1, 3, 5, 0, 2, 4)  # [kb, r, e, j, t, c]
+    return w.reshape(kb * BLOCK, nb * BLOCK)[:k, :n]
+
+
+def matmul(
+    x,  # [M, K] (cast to bf16)
+    packed,  # [ceil(N / 32), ceil(K / 32), 2, 16, 32] bf16
+    n: int,
+) -> jax.Array:
+    """``x @ unpack(packed, K, n)`` as ``[M, n]`` f32, on AMX tiles (the FFI call; CPU only)."""
+    if x.ndim != 2 or packed.shape != packed_shape(x.shape[1], n):
+        raise ValueError(
+            f"amx.matmul takes x [M, K] and w packed as {packed_shape(x.shape[-1], n)} for "
+            f"n={n}, got x {x.shape} and w {packed.shape}"
+        )
+    call = cpu_backend._ffi_call(
+        cpu_backend.AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    )
+    return call(
+        x.astype(jnp.bfloat16),
+        packed.astype(jnp.bfloat16),
+        n=np.int64(n),
+        num_threads=np.int32(cpu_backend._num_threads()),
+    )

@@ -1,0 +1,152 @@
+"""bf16 matmuls on AMX tiles with packed weights (``pallas_kernels.amx``,
+``cpu_kernels/amx_matmul.cc``) and the layers that use them (``models.cpu_layout``): the tile
+layout on literal values, products equal to XLA's bf16 dot with f32 results, and an engine whose
+linears run on the tiles producing the tokens of one that does not. The layout tests run
+everywhere; the rest need a CPU with AMX (Sapphire Rapids or later) and skip elsewhere."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxkv.models import cpu_layout
+from jaxkv.models.layers import linear
+from jaxkv.pallas_kernels import amx
+
+needs_amx = pytest.mark.skipif(
+    not amx.available(), reason="no AMX tiles here (CPU, build or JAXKV_CPU_AMX=0)"
+)
+
+
+def _bf16(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+
+def test_pack_puts_pairs_of_inputs_side_by_side_in_tiles():
+    k, n = 64, 40  # two input blocks, two column blocks (the second one ragged)
+    w = jnp.asarray(np.arange(k * n).reshape(k, n) % 251, jnp.bfloat16)  # exact in bf16
+    p = np.asarray(amx.pack(w).astype(jnp.float32))
+    assert p.shape == amx.packed_shape(k, n) == (2, 2, 2, 16, 32)
+    wn = np.asarray(w.astype(jnp.float32))
+    # column block 0, input block 1, tile 1 (columns 16-31), row 3: inputs 32 + 6 and 32 + 7
+    assert list(p[0, 1, 1, 3, :4]) == [wn[38, 16], wn[39, 16], wn[38, 17], wn[39, 17]]
+    # column block 1 holds columns 32-39, then zeros
+    assert list(p[1, 0, 0, 0, :2]) == [wn[0, 32], wn[1, 32]]
+    assert (p[1, :, 0, :, 16:] == 0).all() and (p[1, :, 1] == 0).all()
+
+
+@pytest.mark.parametrize("k,n", [(576, 1536), (100, 70), (1, 1), (33, 65)])
+def test_unpack_restores_the_kernel(k, n):
+    w = _bf16(np.random.default_rng(k), (k, n))
+    assert (amx.unpack(amx.pack(w), k, n) == w).all()
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "m,k,n",
+    [
+        (1, 576, 1536),  # a decode row against SmolLM2's up projection (dot products)
+        (3, 100, 70),  # a few rows, inputs padded, a ragged column block (dot products)
+        (4, 64, 17),  # the most rows of the dot products
+        (64, 1536, 576),  # 64 sequences against its down projection
+        (37, 100, 70),  # ragged rows, inputs (not a multiple of 32: x copied) and columns
+        (160, 64, 96),  # two row groups of 4 blocks: chunks of column blocks
+        (300, 576, 192),  # a prefill chunk, ragged last row block read through the copy
+        (5, 2048, 33),
+    ],
+)
+def test_matmul_equals_xla_bf16_dot_with_f32_results(m, k, n):
+    rng = np.random.default_rng(m + k + n)
+    x, w = _bf16(rng, (m, k)), _bf16(rng, (k, n))
+    got = jax.jit(amx.matmul, static_argnums=2)(x, amx.pack(w), n)
+    want = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    # bf16 products are exact in f32; only the order of the f32 sums differs
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+@needs_amx
+def test_matmul_refuses_a_layout_that_does_not_fit():
+    x = jnp.ones((4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="packed as"):
+        amx.matmul(x, amx.pack(jnp.ones((32, 64), jnp.bfloat16)), 64)
+
+
+@needs_amx
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_amx_linear_equals_the_bf16_linear(use_bias):
+    lin = linear(96, 80, use_bias=use_bias, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    if use_bias:
+        lin.bias[...] = _bf16(np.random.default_rng(1), (80,))
+    packed = cpu_layout.AmxLinear.from_linear(lin)
+    x = _bf16(np.random.default_rng(2), (3, 7, 96))
+    got, want = jax.jit(packed.__call__)(x), jax.jit(lin.__call__)(x)
+    assert got.shape == want.shape == (3, 7, 80) and got.dtype == want.dtype == jnp.bfloat16
+    assert (packed.kernel() == lin.kernel[...]).all()
+    # same bf16 inputs and f32 sums rounded once: at most one bf16 ulp apart (sum order)
+    diff = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
+    assert (diff <= 2.0**-7 * np.abs(np.asarray(want, np.float32)) + 1e-2).all()
+
+
+@needs_amx
+def test_pack_for_cpu_copies_the_model_and_packs_only_bf16_linears():
+    from jaxkv.models.registry import load_model
+
+    model, _, _ = load_model("tiny-llama", dtype="bfloat16")
+    packed = cpu_layout.pack_for_cpu(model)
+    assert packed is not model and cpu_layout.packed_linears(model) == 0
+    n_linear = sum(isinstance(m, nnx.Linear) for _, m in nnx.iter_graph(model))
+    assert cpu_layout.packed_linears(packed) == n_linear > 0
+    f32, _, _ = load_model("tiny-llama", dtype="float32")
+    assert cpu_layout.pack_for_cpu(f32) is f32
+
+
+def test_pack_for_cpu_leaves_models_alone_without_amx(monkeypatch):
+    from jaxkv.models.registry import load_model
+
+    monkeypatch.setenv("JAXKV_CPU_AMX", "0")
+    model, _, _ = load_model("tiny-llama", dtype="bfloat16")
+    assert not amx.available() and cpu_layout.pack_for_cpu(model) is model
+
+
+@needs_amx
+def test_engine_on_amx_tiles_decodes_the_tokens_of_the_xla_engine(monkeypatch):
+    """Greedy tokens equal until a near-tie: the two engines' sums differ in order only, so
+    where they part, the tile engine's token is within 0.05 nats of the XLA engine's best."""
+    from jaxkv import LLM, SamplingParams
+
+    prompts = [[5, 17, 99, 3, 42] * k for k in (1, 3, 9)] + [list(range(100, 170))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
+    kw = dict(dtype="bfloat16", kv_cache_memory_bytes=8 << 20, max_num_seqs=4, max_model_len=256)
+    runs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("JAXKV_CPU_AMX", flag)
+        llm = LLM("tiny-llama", **kw)
+        runner = llm.llm_engine.runner
+        on_tiles = cpu_layout.packed_linears(nnx.merge(runner.graphdef, runner.state))
+        assert (on_tiles > 0) == (flag == "1")
+        runs.append(
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        )
+    equal = 0
+    for tiles, xla in zip(*runs):
+        a, b = tiles.outputs[0], xla.outputs[0]
+        part = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        equal += part is None
+        if part is not None:
+            best = max(lp.logprob for lp in b.logprobs[part].values())
+            assert a.token_ids[part] in b.logprobs[part], (part, a.token_ids, b.token_ids)
+            assert best - b.logprobs[part][a.token_ids[part]].logprob < 0.05
+    assert equal >= len(prompts) // 2
+
+
+@needs_amx
+def test_pack_for_cpu_leaves_abstract_models_alone():
+    from jaxkv.models import build_model, get_config
+
+    cfg = get_config("tiny-llama", dtype="bfloat16")
+    abstract = nnx.eval_shape(lambda: build_model(cfg, seed=0))
+    assert cpu_layout.pack_for_cpu(abstract) is abstract
