@@ -53,15 +53,15 @@ class AmxLinear(nnx.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(int(np.prod(lead)), self.in_features).astype(jnp.bfloat16)
 
-        def on_cpu(x2, packed):
-            return amx.matmul(x2, packed, self.out_features)
+        def on_cpu(x2, packed):  # rounded to bf16 in the kernel
+            return amx.matmul(x2, packed, self.out_features, jnp.bfloat16)
 
         def elsewhere(x2, packed):  # not reached by engines (packing is CPU-only); kept exact
             w = amx.unpack(packed, self.in_features, self.out_features)
-            return jnp.dot(x2, w, preferred_element_type=jnp.float32)
+            return jnp.dot(x2, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
         y = jax.lax.platform_dependent(x2, self.packed[...], cpu=on_cpu, default=elsewhere)
-        y = y.astype(jnp.bfloat16).reshape(*lead, self.out_features)
+        y = y.reshape(*lead, self.out_features)
         if self.bias is not None:
             y = y + self.bias[...]
         return y

@@ -3,7 +3,7 @@
 A ``[K, N]`` bf16 kernel is stored as ``[ceil(N / 32), ceil(K / 32), 2, 16, 32]`` bf16
 (:func:`pack`): per block of 32 output columns and 32 inputs, the two 16 x 32 tiles TDPBF16PS
 reads, pairs of consecutive inputs side by side ("VNNI" order), zero-padded. :func:`matmul` is
-the FFI call (``x [M, K] @ w -> [M, N]`` f32, any M); :func:`unpack` restores ``[K, N]``.
+the FFI call (``x [M, K] @ w -> [M, N]`` f32 or bf16, any M); :func:`unpack` restores ``[K, N]``.
 
 Used by ``jaxkv.models.cpu_layout`` for every bf16 linear layer of a one-device CPU engine on
 machines with AMX (Sapphire Rapids and later), where XLA:CPU's bf16 dot runs on AVX-512 at
@@ -73,15 +73,21 @@ def matmul(
     x,  # [M, K] (cast to bf16)
     packed,  # [ceil(N / 32), ceil(K / 32), 2, 16, 32] bf16
     n: int,
+    out_dtype=jnp.float32,
 ) -> jax.Array:
-    """``x @ unpack(packed, K, n)`` as ``[M, n]`` f32, on AMX tiles (the FFI call; CPU only)."""
+    """``x @ unpack(packed, K, n)`` as ``[M, n]``, summed in f32 on AMX tiles, in ``out_dtype``
+    (float32, or bfloat16 rounded to nearest even in the kernel: half the bytes written); the
+    FFI call, CPU only."""
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"amx.matmul writes float32 or bfloat16, not {out_dtype}")
     if x.ndim != 2 or packed.shape != packed_shape(x.shape[1], n):
         raise ValueError(
             f"amx.matmul takes x [M, K] and w packed as {packed_shape(x.shape[-1], n)} for "
             f"n={n}, got x {x.shape} and w {packed.shape}"
         )
     call = cpu_backend._ffi_call(
-        cpu_backend.AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+        cpu_backend.AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype)
     )
     return call(
         x.astype(jnp.bfloat16),

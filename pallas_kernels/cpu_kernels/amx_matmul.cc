@@ -1,7 +1,7 @@
 // bf16 matmul on Intel AMX tiles, for linear layers whose kernels were packed at load time:
 // an XLA FFI custom call.
 //
-// y [M, N] f32 = x [M, K] bf16 @ w [K, N] bf16, with w given packed as
+// y [M, N] f32 (or rounded to bf16) = x [M, K] bf16 @ w [K, N] bf16, with w given packed as
 // [NB, KB, 2, 16, 32] bf16 (NB = ceil(N / 32), KB = ceil(K / 32), zero-padded): for the 32
 // columns of block j and the 32 inputs of block kb, two 16 x 32 tiles (columns 0-15, 16-31),
 // row r of a tile holding, for each of its 16 columns c, the pair w[32 kb + 2 r][c],
@@ -90,8 +90,24 @@ struct Problem {
   const uint16_t* tail;  // the zero-padded copy of x's rows [tail_row, m): [32, kp] (or all)
   int64_t tail_row;      // first row read from `tail` (a multiple of 32)
   int64_t m, k, n, kp;
-  float* y;              // [m, n]
+  void* y;               // [m, n] f32, or bf16 when `bf16_out`
+  bool bf16_out;
 };
+
+// y[row, c0 : c0 + cols] = v[:cols] (cols <= 32), rounded to bf16 (nearest even) for a bf16 y.
+inline void StoreRow(const float* v, int64_t cols, const Problem& p, int64_t row, int64_t c0) {
+  if (!p.bf16_out) {
+    std::memcpy(static_cast<float*>(p.y) + row * p.n + c0, v, cols * 4);
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(p.y) + row * p.n + c0;
+  for (int64_t c = 0; c < cols; c += 16) {
+    const int64_t w = std::min<int64_t>(16, cols - c);
+    const __mmask16 mask = w == 16 ? 0xffff : static_cast<__mmask16>((1u << w) - 1);
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, v + c));
+    _mm256_mask_storeu_epi16(out + c, mask, (__m256i)b);
+  }
+}
 
 // Rows [r0, r0 + 32) of y, columns [c0, c0 + 32) from column block `pack`; ragged edges go
 // through `ragged` (32 x 32 floats).
@@ -115,8 +131,8 @@ void Block(const Problem& p, int64_t r0, int64_t c0, const uint16_t* __restrict_
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  if (r0 + kBlock <= p.m && c0 + kBlock <= p.n) {
-    float* out = p.y + r0 * p.n + c0;
+  if (!p.bf16_out && r0 + kBlock <= p.m && c0 + kBlock <= p.n) {
+    float* out = static_cast<float*>(p.y) + r0 * p.n + c0;
     _tile_stored(0, out, p.n * 4);
     _tile_stored(1, out + 16, p.n * 4);
     _tile_stored(2, out + 16 * p.n, p.n * 4);
@@ -128,9 +144,7 @@ void Block(const Problem& p, int64_t r0, int64_t c0, const uint16_t* __restrict_
   _tile_stored(2, ragged + 16 * kBlock, kBlock * 4);
   _tile_stored(3, ragged + 16 * kBlock + 16, kBlock * 4);
   const int64_t rows = std::min(kBlock, p.m - r0), cols = std::min(kBlock, p.n - c0);
-  for (int64_t i = 0; i < rows; ++i) {
-    std::memcpy(p.y + (r0 + i) * p.n + c0, ragged + i * kBlock, cols * 4);
-  }
+  for (int64_t i = 0; i < rows; ++i) StoreRow(ragged + i * kBlock, cols, p, r0 + i, c0);
 }
 
 // Rows [i0, i0 + R) of y, columns [c0, c0 + 32), for a few rows of x: AVX512-BF16 dot
@@ -139,7 +153,7 @@ void Block(const Problem& p, int64_t r0, int64_t c0, const uint16_t* __restrict_
 // values (zero-padded). No tile is padded to 16 rows, so one row reads no more than it needs.
 template <int R>
 void FewRows(const uint16_t* __restrict__ x, int64_t kp, const uint16_t* __restrict__ pack,
-             int64_t n, int64_t c0, float* __restrict__ y) {
+             const Problem& p, int64_t row0, int64_t c0) {
   __m512 acc[R][2];
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < kp / kBlock; ++kb) {
@@ -156,12 +170,12 @@ void FewRows(const uint16_t* __restrict__ x, int64_t kp, const uint16_t* __restr
       }
     }
   }
-  const int64_t cols = std::min(kBlock, n - c0);
-  const __mmask16 m0 = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
-  const __mmask16 m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+  const int64_t cols = std::min(kBlock, p.n - c0);
+  alignas(64) float row[kBlock];
   for (int i = 0; i < R; ++i) {
-    _mm512_mask_storeu_ps(y + i * n + c0, m0, acc[i][0]);
-    _mm512_mask_storeu_ps(y + i * n + c0 + 16, m1, acc[i][1]);
+    _mm512_store_ps(row, acc[i][0]);
+    _mm512_store_ps(row + 16, acc[i][1]);
+    StoreRow(row, cols, p, row0 + i, c0);
   }
 }
 
@@ -182,7 +196,7 @@ const uint16_t* PadRows(const uint16_t* x, int64_t row0, int64_t m, int64_t k, i
 }
 
 ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
-                         ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y, int64_t n,
+                         ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::AnyBuffer> y, int64_t n,
                          int32_t num_threads) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
@@ -195,10 +209,16 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
         "bf16 expected");
   }
   const int64_t m = xd[0];
-  float* out = y->typed_data();
+  const auto yd = y->dimensions();
+  const bool bf16_out = y->element_type() == ffi::DataType::BF16;
+  if ((!bf16_out && y->element_type() != ffi::DataType::F32) || yd.size() != 2 || yd[0] != m ||
+      yd[1] != n) {
+    return ffi::Error::InvalidArgument("jaxkv AMX matmul: y [M, N] f32 or bf16 expected");
+  }
+  void* out = y->untyped_data();
   if (m == 0 || n == 0) return ffi::Error::Success();
   if (k == 0) {
-    std::fill(out, out + m * n, 0.0f);
+    std::memset(out, 0, m * n * (bf16_out ? 2 : 4));
     return ffi::Error::Success();
   }
   if (!AmxReady()) {
@@ -212,18 +232,18 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   if (m <= kFewRows) {  // a few rows: dot products off the tiles, column blocks split
     const uint16_t* xp = k == kp ? xs : PadRows(xs, 0, m, k, kp);
     const auto* ws = reinterpret_cast<const uint16_t*>(w.typed_data());
+    const Problem p{xp, ws, nullptr, 0, m, k, n, kp, out, bf16_out};
     const int parts = static_cast<int>(std::min<int64_t>(nb, 4 * threads));
-    jaxkv_cpu::ParallelFor(pool, threads, parts, [=](int part) {
+    jaxkv_cpu::ParallelFor(pool, threads, parts, [&p, nb, kb, kp, m, ws, xp, parts](int part) {
       for (int64_t j = nb * part / parts; j < nb * (part + 1) / parts; ++j) {
         const uint16_t* pack = ws + j * kb * 2 * kTileBf16;
         for (int64_t i = 0; i < m; i += 4) {
           const uint16_t* xi = xp + i * kp;
-          float* yi = out + i * n;
           switch (std::min<int64_t>(4, m - i)) {
-            case 1: FewRows<1>(xi, kp, pack, n, j * kBlock, yi); break;
-            case 2: FewRows<2>(xi, kp, pack, n, j * kBlock, yi); break;
-            case 3: FewRows<3>(xi, kp, pack, n, j * kBlock, yi); break;
-            default: FewRows<4>(xi, kp, pack, n, j * kBlock, yi);
+            case 1: FewRows<1>(xi, kp, pack, p, i, j * kBlock); break;
+            case 2: FewRows<2>(xi, kp, pack, p, i, j * kBlock); break;
+            case 3: FewRows<3>(xi, kp, pack, p, i, j * kBlock); break;
+            default: FewRows<4>(xi, kp, pack, p, i, j * kBlock);
           }
         }
       }
@@ -234,7 +254,7 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   const int64_t tail_row = k == kp ? m / kBlock * kBlock : 0;
   const uint16_t* tail = tail_row < m ? PadRows(xs, tail_row, m, k, kp) : nullptr;
   const Problem p{xs, reinterpret_cast<const uint16_t*>(w.typed_data()), tail, tail_row, m, k,
-                  n, kp, out};
+                  n, kp, out, bf16_out};
   const int64_t row_blocks = (m + kBlock - 1) / kBlock;
   const int64_t groups = (row_blocks + kGroupBlocks - 1) / kGroupBlocks;
   // Column blocks per chunk: one (the finest split) when all rows form one group, else as many
@@ -268,7 +288,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvAmxMatmulCpu, AmxMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w [NB, KB, 2, 16, 32]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [M, N]
+                                  .Ret<ffi::AnyBuffer>()          // y [M, N] f32 | bf16
                                   .Attr<int64_t>("n")
                                   .Attr<int32_t>("num_threads"));
 

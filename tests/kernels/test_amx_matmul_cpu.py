@@ -66,6 +66,10 @@ def test_matmul_equals_xla_bf16_dot_with_f32_results(m, k, n):
     assert got.shape == (m, n) and got.dtype == jnp.float32
     # bf16 products are exact in f32; only the order of the f32 sums differs
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * k**0.5)
+    # bf16 results: the same sums rounded to nearest even (the kernel's own rounding)
+    got16 = jax.jit(amx.matmul, static_argnums=(2, 3))(x, amx.pack(w), n, jnp.bfloat16)
+    assert got16.dtype == jnp.bfloat16
+    assert (got16 == got.astype(jnp.bfloat16)).all()
 
 
 @needs_amx
