@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.models.quant import _get_child, _set_child
+from jaxkv.models.quant import replace_module
 from jaxkv.pallas_kernels import amx
 
 
@@ -94,10 +94,7 @@ def pack_for_cpu(model):
         return model
     model = nnx.merge(*nnx.split(model))
     for path in paths:
-        parent = model
-        for key in path[:-1]:
-            parent = _get_child(parent, key)
-        _set_child(parent, path[-1], AmxLinear.from_linear(_get_child(parent, path[-1])))
+        replace_module(model, path, AmxLinear.from_linear)
     return model
 
 

@@ -195,7 +195,7 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., hidden] -> [..., hidden]
         # As PyTorch's bf16 / f16 ops (HF's MLP): the activation and the product each computed
         # in f32 and rounded once. jnp ops on bf16 round after every primitive (silu: 5 times),
-        # and XLA:CPU spent 14 ms per layer on that chain at 2048 prefill rows (2-4 in f32).
+        # and XLA:CPU spent 14 ms per layer on that chain at 2048 prefill rows ([2048, 1536] alone: 6.8 ms, 2.0 in f32).
         gate, up = self.gate_proj(x), self.up_proj(x)
         act = _ACTIVATIONS[self.act](gate.astype(jnp.float32)).astype(gate.dtype)
         return self.down_proj((act.astype(jnp.float32) * up.astype(jnp.float32)).astype(up.dtype))

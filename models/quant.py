@@ -576,6 +576,14 @@ def _set_child(parent, key, value) -> None:
         setattr(parent, str(key), value)
 
 
+def replace_module(model, path: tuple, make) -> None:
+    """Sets the module at nnx ``path`` of ``model`` to ``make(the module there)``, in place."""
+    parent = model
+    for key in path[:-1]:
+        parent = _get_child(parent, key)
+    _set_child(parent, path[-1], make(_get_child(parent, path[-1])))
+
+
 def quantize_model(model, mode: str | None, block: int | None = None, *, blocks=None):
     """Replaces, in place, every ``nnx.Linear`` of ``model`` by a ``QuantizedLinear`` of its
     kernel, and its LM head (``model.lm_head``, or the tied embedding) by a
@@ -602,12 +610,8 @@ def quantize_model(model, mode: str | None, block: int | None = None, *, blocks=
         path for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Linear) and path
     ]
     for path in linears:
-        parent = model
-        for key in path[:-1]:
-            parent = _get_child(parent, key)
-        child = _get_child(parent, path[-1])
         quant = layout(".".join(str(p) for p in path) + ".weight")
-        _set_child(parent, path[-1], QuantizedLinear.from_linear(child, *quant))
+        replace_module(model, path, lambda child, q=quant: QuantizedLinear.from_linear(child, *q))
     if hasattr(model, "lm_head") and not isinstance(model.lm_head, QuantizedLMHead):
         if model.lm_head is None:
             weight = model.model.embed_tokens.embedding[...]  # [V, hidden]

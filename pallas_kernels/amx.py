@@ -6,9 +6,10 @@ reads, pairs of consecutive inputs side by side ("VNNI" order), zero-padded. :fu
 the FFI call (``x [M, K] @ w -> [M, N]`` f32 or bf16, any M); :func:`unpack` restores ``[K, N]``.
 
 Used by ``jaxkv.models.cpu_layout`` for every bf16 linear layer of a one-device CPU engine on
-machines with AMX (Sapphire Rapids and later), where XLA:CPU's bf16 dot runs on AVX-512 at
-~300-370 GFLOP/s; ``JAXKV_CPU_AMX=0`` turns it off. :func:`available` says whether this process
-can run the tiles (the C++ library built with AMX-BF16 and Linux granted the tile state).
+machines with AMX (Sapphire Rapids and later): 64 x 576 x 1536 in 0.14-0.17 ms against 0.22-0.25
+ms for XLA:CPU's bf16 dot with f32 results. ``JAXKV_CPU_AMX=0`` turns it off. :func:`available`
+says whether this process can run the tiles (the C++ library built with AMX-BF16 and Linux
+granted the tile state).
 """
 
 from __future__ import annotations
