@@ -103,7 +103,7 @@ def compile_runner_program(
     import jax
     import numpy as np
 
-    from jaxkv.worker.step_programs import build_program
+    from jaxkv.worker.step_programs import build_program, portable_model
 
     binding = dataclasses.replace(runner.binding, backend="pallas", interpret=False)
     buffers = runner.buffers
@@ -111,7 +111,9 @@ def compile_runner_program(
         buffers = tuple(
             jax.ShapeDtypeStruct((num_blocks * runner.page_bytes,), np.uint8) for _ in buffers
         )
-    program = build_program(runner, key, binding=binding, buffers=buffers)
+    program = build_program(
+        runner, key, binding=binding, buffers=buffers, model=portable_model(runner)
+    )
     jitted = jax.jit(program.fn, donate_argnums=program.donate_argnums)
     if report:
         return compile_with_report(jitted, device, *program.abstract_args())

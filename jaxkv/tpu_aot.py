@@ -185,7 +185,7 @@ def compile_runner_program(runner, device, key, *, num_blocks: int | None = None
     runner's own (abstract: nothing that size is allocated)."""
     import jax
 
-    from jaxkv.worker.step_programs import build_program
+    from jaxkv.worker.step_programs import build_program, portable_model
 
     binding = dataclasses.replace(runner.binding, backend="pallas", interpret=False)
     buffers = runner.buffers
@@ -194,7 +194,9 @@ def compile_runner_program(runner, device, key, *, num_blocks: int | None = None
             jax.ShapeDtypeStruct((num_blocks * runner.page_bytes // b.dtype.itemsize,), b.dtype)
             for b in buffers
         )
-    program = build_program(runner, key, binding=binding, buffers=buffers)
+    program = build_program(
+        runner, key, binding=binding, buffers=buffers, model=portable_model(runner)
+    )
     jitted = jax.jit(program.fn, donate_argnums=program.donate_argnums)
     return aot_compile(jitted, device, *program.abstract_args())
 
@@ -214,7 +216,7 @@ def compile_tp_forward(runner, devices, num_tokens: int):
 
     from jaxkv.models.sharding import TP_AXIS, model_rules, state_shardings
     from jaxkv.worker.forward import build_forward_fn
-    from jaxkv.worker.step_programs import _packed, forward_dims
+    from jaxkv.worker.step_programs import _packed, forward_dims, portable_model
 
     tp = len(devices)
     if runner.mesh is not None:
@@ -226,17 +228,16 @@ def compile_tp_forward(runner, devices, num_tokens: int):
     mesh = Mesh(np.array(devices), (TP_AXIS,))
     binding = dataclasses.replace(runner.binding, backend="pallas", interpret=False, mesh=mesh)
     dims = forward_dims(runner, num_tokens, greedy=False)
-    fn = build_forward_fn(
-        runner.graphdef, binding=binding, page_bytes=runner.page_bytes // tp, dims=dims
-    )
+    graphdef, state = portable_model(runner)
+    fn = build_forward_fn(graphdef, binding=binding, page_bytes=runner.page_bytes // tp, dims=dims)
 
     def on(x, spec):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
-    rules = model_rules(nnx.merge(runner.graphdef, runner.state))
-    shardings = state_shardings(runner.state, mesh, rules)
+    rules = model_rules(nnx.merge(graphdef, state))
+    shardings = state_shardings(state, mesh, rules)
     state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), runner.state, shardings
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
     )
     buffers = tuple(on(b, PartitionSpec(TP_AXIS)) for b in runner.buffers)  # the same bytes, split
     tables = tuple(on(t, PartitionSpec()) for t in runner.tables)

@@ -28,15 +28,17 @@ class AmxLinear(nnx.Module):
     """``y = x @ kernel + bias`` in bf16, ``kernel [in, out]`` kept packed
     (``packed [ceil(out / 32), ceil(in / 32), 2, 16, 32]`` bf16, ``amx.pack``); ``bias [out]``
     bf16 or None. Computes like ``nnx.Linear(dtype=bfloat16)`` on the CPU: x cast to bf16, f32
-    sums rounded once to bf16, then the bias added."""
+    sums rounded once to bf16, then the bias added. ``linear_def``: the ``nnx.graphdef`` of the
+    layer it was packed from, which :func:`unpack_linears` restores."""
 
-    def __init__(self, packed, bias, *, in_features: int, out_features: int):
+    def __init__(self, packed, bias, *, in_features: int, out_features: int, linear_def):
         if packed.shape != amx.packed_shape(in_features, out_features):
             raise ValueError(
                 f"packed {packed.shape} is not the layout of a [{in_features}, {out_features}] "
                 f"kernel ({amx.packed_shape(in_features, out_features)})"
             )
         self.in_features, self.out_features = int(in_features), int(out_features)
+        self.linear_def = linear_def
         self.packed = nnx.Param(packed)
         self.bias = None if bias is None else nnx.Param(bias)
 
@@ -44,7 +46,13 @@ class AmxLinear(nnx.Module):
     def from_linear(cls, linear: nnx.Linear) -> AmxLinear:
         w = linear.kernel[...]  # [in, out] bf16
         bias = None if linear.bias is None else linear.bias[...].astype(jnp.bfloat16)
-        return cls(amx.pack(w), bias, in_features=w.shape[0], out_features=w.shape[1])
+        return cls(
+            amx.pack(w),
+            bias,
+            in_features=w.shape[0],
+            out_features=w.shape[1],
+            linear_def=nnx.graphdef(linear),
+        )
 
     def kernel(self) -> jax.Array:  # [in, out] bf16
         return amx.unpack(self.packed[...], self.in_features, self.out_features)
@@ -96,6 +104,27 @@ def pack_for_cpu(model):
     for path in paths:
         replace_module(model, path, AmxLinear.from_linear)
     return model
+
+
+def unpack_linears(model):
+    """``model`` with each :class:`AmxLinear` back as the bf16 ``nnx.Linear`` it was packed
+    from (the same values), else ``model`` itself: the portable model that a GPU or TPU
+    compile of a CPU engine's programs (``jaxkv.gpu_aot`` / ``jaxkv.tpu_aot``) compiles, as that
+    platform would load it. A copy, sharing every other array with ``model``."""
+    paths = [path for path, node in nnx.iter_graph(model) if path and isinstance(node, AmxLinear)]
+    if not paths:
+        return model
+    model = nnx.merge(*nnx.split(model))
+    for path in paths:
+        replace_module(model, path, _as_linear)
+    return model
+
+
+def _as_linear(layer: AmxLinear) -> nnx.Linear:
+    weights = {"kernel": nnx.Param(layer.kernel())}
+    if layer.bias is not None:
+        weights["bias"] = nnx.Param(layer.bias[...])
+    return nnx.merge(layer.linear_def, nnx.State(weights))
 
 
 def packed_linears(model) -> int:

@@ -14,6 +14,7 @@ import functools
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxkv.worker import kv_memory
 from jaxkv.worker.block_table import apply_block_table_ops
@@ -118,15 +119,17 @@ def forward_dims(runner, num_tokens: int, *, greedy: bool = True) -> ForwardDims
 
 
 def forward_program(
-    runner, num_tokens: int, *, binding=None, buffers=None, greedy: bool = True
+    runner, num_tokens: int, *, binding=None, buffers=None, greedy: bool = True, model=None
 ) -> Program:
     """``forward[T]`` of ``runner`` (``greedy=False``: without the greedy head, which needs
-    ``runner.head``)."""
+    ``runner.head``). ``model``: a ``(graphdef, state)`` pair instead of the runner's own
+    (:func:`portable_model`)."""
+    graphdef, state = model or (runner.graphdef, runner.state)
     binding = binding or runner.binding
     buffers = abstract(runner.buffers if buffers is None else buffers)
     dims = forward_dims(runner, num_tokens, greedy=greedy)
     fn = build_forward_fn(
-        runner.graphdef,
+        graphdef,
         binding=binding,
         page_bytes=runner.page_bytes,
         dims=dims,
@@ -135,7 +138,7 @@ def forward_program(
     # The weights go in as a flat tuple of arrays (``state_leaves``), not as the nnx.State:
     # flattening a State calls Python for each of its Variables on every call (a few hundred
     # for a small model, ~1 ms of a decode step's dispatch); a tuple flattens in C++.
-    leaves, treedef = jax.tree.flatten(runner.state)
+    leaves, treedef = jax.tree.flatten(state)
 
     def flat_fn(state_leaves, *rest):
         return fn(jax.tree.unflatten(treedef, state_leaves), *rest)
@@ -155,13 +158,26 @@ def state_leaves(state) -> tuple:
     return tuple(jax.tree.leaves(state))
 
 
-def build_program(runner, key: ProgramKey, *, binding=None, buffers=None) -> Program:
+def portable_model(runner) -> tuple:
+    """``(graphdef, state)`` of ``runner``'s model as a GPU or TPU would load it: a CPU
+    engine's AMX-packed linears (``jaxkv.models.cpu_layout``) unpacked again."""
+    from jaxkv.models.cpu_layout import unpack_linears  # lazy: the engine depends on models
+
+    model = nnx.merge(runner.graphdef, runner.state)
+    portable = unpack_linears(model)
+    if portable is model:
+        return runner.graphdef, runner.state
+    return nnx.split(portable)
+
+
+def build_program(runner, key: ProgramKey, *, binding=None, buffers=None, model=None) -> Program:
     """The program ``key`` of ``runner`` (a ``ModelRunner``). ``binding`` / ``buffers``
-    (abstract) replace the runner's own: the deviceless GPU tier compiles the Pallas
-    kernels' variant for KV buffers of a real GPU's size."""
+    (abstract) / ``model`` (``(graphdef, state)``) replace the runner's own: the deviceless
+    GPU tier compiles the Pallas kernels' variant for KV buffers of a real GPU's size, and
+    the model as the GPU would load it (:func:`portable_model`)."""
     kind, size = key.kind, key.size
     if kind == FORWARD:
-        return forward_program(runner, size, binding=binding, buffers=buffers)
+        return forward_program(runner, size, binding=binding, buffers=buffers, model=model)
     binding = binding or runner.binding
     buffers = abstract(runner.buffers if buffers is None else buffers)
     if kind == TABLE_OPS:

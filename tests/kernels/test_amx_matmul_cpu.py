@@ -154,3 +154,29 @@ def test_pack_for_cpu_leaves_abstract_models_alone():
     cfg = get_config("tiny-llama", dtype="bfloat16")
     abstract = nnx.eval_shape(lambda: build_model(cfg, seed=0))
     assert cpu_layout.pack_for_cpu(abstract) is abstract
+
+
+def test_unpack_linears_restores_the_bf16_linears_of_a_packed_model():
+    """What the GPU and TPU compiles of a CPU engine's programs take (``portable_model``):
+    packed by hand here, so it runs without AMX too."""
+    from jaxkv.models.quant import replace_module
+    from jaxkv.models.registry import load_model
+
+    model, _, _ = load_model("tiny-llama", dtype="bfloat16")
+    assert cpu_layout.unpack_linears(model) is model  # nothing packed: nothing to do
+    paths = [p for p, m in nnx.iter_graph(model) if p and isinstance(m, nnx.Linear)]
+    packed = nnx.merge(*nnx.split(model))
+    for path in paths:
+        replace_module(packed, path, cpu_layout.AmxLinear.from_linear)
+    assert cpu_layout.packed_linears(packed) == len(paths) > 0
+    back = cpu_layout.unpack_linears(packed)
+    assert cpu_layout.packed_linears(back) == 0 and cpu_layout.packed_linears(packed) > 0
+    want = dict(nnx.to_flat_state(nnx.state(model)))
+    got = dict(nnx.to_flat_state(nnx.state(back)))
+    assert got.keys() == want.keys()
+    for key, v in want.items():
+        assert (
+            got[key].get_value().dtype == v.get_value().dtype
+            and (got[key].get_value() == v.get_value()).all()
+        ), key
+    assert nnx.graphdef(back) == nnx.graphdef(model)
