@@ -348,6 +348,8 @@ def float_matmul(
         return y.astype(out_dtype)
 
     def on_cpu(x, w):
+        if out_major and _amx_out_major(rows, w):
+            return _amx_out_major_matmul(x, w, out_dtype, transposed)
         if rows > CPU_FLOAT_KERNEL_MAX_ROWS or not cpu_backend.use_cpu_kernels():
             return on_xla(x, w)
         n_out = w.shape[0] if out_major else w.shape[1]
@@ -356,6 +358,35 @@ def float_matmul(
         return y.astype(out_dtype)
 
     return jax.lax.platform_dependent(x, w, cpu=on_cpu, default=default or on_xla)
+
+
+def _amx_out_major(rows: int, w) -> bool:
+    """Whether ``x [rows, in] @ w [out, in]^T`` (the LM head) runs on AMX tiles: more than
+    ``amx``'s few-row count, a bf16 ``w`` whose rows are whole tiles, tiles present."""
+    from jaxkv.pallas_kernels import amx
+
+    return (
+        rows > amx.FEW_ROWS
+        and jnp.dtype(w.dtype) == jnp.bfloat16
+        and w.shape[1] % 32 == 0
+        and amx.available()
+    )
+
+
+def _amx_out_major_matmul(x, w, out_dtype, transposed: bool) -> jax.Array:
+    """``x [..., in] @ w [out, in]^T`` on AMX tiles with the roles swapped: ``w`` (the LM head
+    or tied embedding, read in place) is the tiles' row operand and ``x^T``, packed on each
+    call (``in x rows`` values), the column operand. The result comes vocabulary-major,
+    ``[out, R]`` (``transposed``), as the greedy head takes it; else transposed back. At 64
+    rows of SmolLM2-135M's 49152 x 576 head ~5 ms against XLA's ~11 ms (argmax included)."""
+    from jaxkv.pallas_kernels import amx
+
+    lead, n_in = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, n_in).astype(jnp.bfloat16)  # [R, in]
+    y_t = amx.matmul(w, amx.pack(x2.T), x2.shape[0], jnp.float32)  # [out, R]
+    if transposed:
+        return y_t.astype(out_dtype)
+    return y_t.T.reshape(*lead, w.shape[0]).astype(out_dtype)
 
 
 def _q4_on_xla(x, packed, scale, offset, dtype, out_major: bool) -> jax.Array:

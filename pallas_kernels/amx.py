@@ -26,6 +26,8 @@ from jaxkv.pallas_kernels import cpu_backend
 
 #: Rows, columns and inputs of one packed block (two 16-row tiles of each operand).
 BLOCK = 32
+#: Rows up to which the kernel runs AVX512-BF16 dot products instead of tiles (``kFewRows``).
+FEW_ROWS = 4
 
 
 @functools.cache

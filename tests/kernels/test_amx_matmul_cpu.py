@@ -180,3 +180,25 @@ def test_unpack_linears_restores_the_bf16_linears_of_a_packed_model():
             and (got[key].get_value() == v.get_value()).all()
         ), key
     assert nnx.graphdef(back) == nnx.graphdef(model)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [5, 33, 64])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_lm_head_on_tiles_equals_xla(rows, transposed):
+    """The bf16 LM head above ``amx.FEW_ROWS`` rows: the head ``[V, hidden]`` read in place as
+    the tiles' rows, the hidden states packed per call; f32 logits of XLA's bf16 products."""
+    from jaxkv.models.quant import float_matmul
+
+    rng = np.random.default_rng(rows)
+    w = _bf16(rng, (1000, 96))  # [V, hidden]
+    x = _bf16(rng, (rows, 96))
+    got = jax.jit(
+        lambda x, w: float_matmul(x, w, jnp.float32, out_major=True, transposed=transposed)
+    )(x, w)
+    want = jnp.dot(x, w.T, preferred_element_type=jnp.float32)
+    want = want.T if transposed else want
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+    hlo = jax.jit(lambda x, w: float_matmul(x, w, jnp.float32, out_major=True)).lower(x, w)
+    assert "jaxkv_amx_matmul_cpu" in hlo.as_text()
