@@ -97,13 +97,7 @@ def pack_for_cpu(model):
     (``model``'s own layers are untouched) sharing every other array with it."""
     if not amx.available():
         return model
-    paths = [path for path, node in nnx.iter_graph(model) if path and _packable(node)]
-    if not paths:
-        return model
-    model = nnx.merge(*nnx.split(model))
-    for path in paths:
-        replace_module(model, path, AmxLinear.from_linear)
-    return model
+    return _replaced(model, _packable, AmxLinear.from_linear)
 
 
 def unpack_linears(model):
@@ -111,12 +105,18 @@ def unpack_linears(model):
     from (the same values), else ``model`` itself: the portable model that a GPU or TPU
     compile of a CPU engine's programs (``jaxkv.gpu_aot`` / ``jaxkv.tpu_aot``) compiles, as that
     platform would load it. A copy, sharing every other array with ``model``."""
-    paths = [path for path, node in nnx.iter_graph(model) if path and isinstance(node, AmxLinear)]
+    return _replaced(model, lambda node: isinstance(node, AmxLinear), _as_linear)
+
+
+def _replaced(model, match, make):
+    """A copy of ``model`` (sharing its arrays) with each submodule ``node`` where
+    ``match(node)`` replaced by ``make(node)``; ``model`` itself when none matches."""
+    paths = [path for path, node in nnx.iter_graph(model) if path and match(node)]
     if not paths:
         return model
     model = nnx.merge(*nnx.split(model))
     for path in paths:
-        replace_module(model, path, _as_linear)
+        replace_module(model, path, make)
     return model
 
 
