@@ -8,9 +8,10 @@ SmolLM2-135M in ~0.14 ms per 64 x 576 x 1536 product against XLA:CPU's ~0.22 ms,
 products as fast as XLA's or faster (numbers in benchmarks/RESULTS.md). The products equal
 XLA's bf16 dot with f32 results (the same bf16 inputs, f32 sums, one rounding).
 
-Not packed: float32 models, the LM head and the embedding, quantized layers, tensor-parallel
-engines (their kernels are split by ``models.sharding``'s rules on the ``[in, out]`` layout),
-and any engine when ``JAXKV_CPU_AMX=0`` or the machine or build has no AMX.
+Not packed: float32 models, the LM head and the embedding (a bf16 head runs on the tiles as
+it is stored: ``amx.out_major_matmul``), quantized layers, tensor-parallel engines (their
+kernels are split by ``models.sharding``'s rules on the ``[in, out]`` layout), and any engine
+when ``JAXKV_CPU_AMX=0`` or the machine or build has no AMX.
 """
 
 from __future__ import annotations

@@ -327,10 +327,11 @@ def float_matmul(
 ) -> jax.Array:
     """``x [..., in] @ w [in, out]`` (``w [out, in]`` when ``out_major``) for a float ``w`` of
     ``CPU_KERNEL_FLOAT_DTYPES``, in ``out_dtype``; with ``transposed``, ``[out, R]`` for ``x
-    [R, in]`` (the LM head's vocabulary-major logits). On the CPU the C++ kernel (up to
-    ``CPU_FLOAT_KERNEL_MAX_ROWS`` rows) or XLA's dot with f32 results; elsewhere ``default(x,
-    w)`` (XLA's dot in ``out_dtype`` when None)."""
-    from jaxkv.pallas_kernels import cpu_backend  # builds its C++ only when asked
+    [R, in]`` (the LM head's vocabulary-major logits). On the CPU an out-major bf16 ``w``
+    above ``amx.FEW_ROWS`` rows runs on AMX tiles where present (``amx.out_major_matmul``),
+    else the C++ kernel (up to ``CPU_FLOAT_KERNEL_MAX_ROWS`` rows) or XLA's dot with f32
+    results; elsewhere ``default(x, w)`` (XLA's dot in ``out_dtype`` when None)."""
+    from jaxkv.pallas_kernels import amx, cpu_backend  # build their C++ only when asked
 
     w_in = 1 if out_major else 0
     rows = int(np.prod(x.shape[:-1]))
@@ -348,8 +349,8 @@ def float_matmul(
         return y.astype(out_dtype)
 
     def on_cpu(x, w):
-        if out_major and _amx_out_major(rows, w):
-            return _amx_out_major_matmul(x, w, out_dtype, transposed)
+        if out_major and amx.out_major_applies(rows, w):  # the LM head on AMX tiles
+            return amx.out_major_matmul(x, w, out_dtype, transposed)
         if rows > CPU_FLOAT_KERNEL_MAX_ROWS or not cpu_backend.use_cpu_kernels():
             return on_xla(x, w)
         n_out = w.shape[0] if out_major else w.shape[1]
@@ -358,35 +359,6 @@ def float_matmul(
         return y.astype(out_dtype)
 
     return jax.lax.platform_dependent(x, w, cpu=on_cpu, default=default or on_xla)
-
-
-def _amx_out_major(rows: int, w) -> bool:
-    """Whether ``x [rows, in] @ w [out, in]^T`` (the LM head) runs on AMX tiles: more than
-    ``amx``'s few-row count, a bf16 ``w`` whose rows are whole tiles, tiles present."""
-    from jaxkv.pallas_kernels import amx
-
-    return (
-        rows > amx.FEW_ROWS
-        and jnp.dtype(w.dtype) == jnp.bfloat16
-        and w.shape[1] % 32 == 0
-        and amx.available()
-    )
-
-
-def _amx_out_major_matmul(x, w, out_dtype, transposed: bool) -> jax.Array:
-    """``x [..., in] @ w [out, in]^T`` on AMX tiles with the roles swapped: ``w`` (the LM head
-    or tied embedding, read in place) is the tiles' row operand and ``x^T``, packed on each
-    call (``in x rows`` values), the column operand. The result comes vocabulary-major,
-    ``[out, R]`` (``transposed``), as the greedy head takes it; else transposed back. At 64
-    rows of SmolLM2-135M's 49152 x 576 head ~5 ms against XLA's ~11 ms (argmax included)."""
-    from jaxkv.pallas_kernels import amx
-
-    lead, n_in = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, n_in).astype(jnp.bfloat16)  # [R, in]
-    y_t = amx.matmul(w, amx.pack(x2.T), x2.shape[0], jnp.float32)  # [out, R]
-    if transposed:
-        return y_t.astype(out_dtype)
-    return y_t.T.reshape(*lead, w.shape[0]).astype(out_dtype)
 
 
 def _q4_on_xla(x, packed, scale, offset, dtype, out_major: bool) -> jax.Array:

@@ -147,7 +147,7 @@ class CausalLM(nnx.Module):
                 return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
 
             if jnp.dtype(w.dtype) in CPU_KERNEL_FLOAT_DTYPES and hidden.size:
-                # a bf16 head: on the CPU the C++ kernel or XLA's bf16 dot (float_matmul)
+                # a bf16 head: on the CPU AMX tiles, the C++ kernel or XLA's bf16 dot (float_matmul)
                 logits = float_matmul(
                     hidden, w, jnp.float32, out_major=True, transposed=vocab_major, default=on_xla
                 )

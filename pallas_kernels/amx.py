@@ -98,3 +98,31 @@ def matmul(
         n=np.int64(n),
         num_threads=np.int32(cpu_backend._num_threads()),
     )
+
+
+def out_major_applies(rows: int, w) -> bool:
+    """Whether ``x [rows, in] @ w [out, in]^T`` (an LM head, ``models.quant.float_matmul``)
+    runs on the tiles (:func:`out_major_matmul`): more than :data:`FEW_ROWS` rows, a bf16 ``w``
+    whose rows are whole blocks, tiles present."""
+    return (
+        rows > FEW_ROWS
+        and jnp.dtype(w.dtype) == jnp.bfloat16
+        and w.shape[1] % BLOCK == 0
+        and available()
+    )
+
+
+def out_major_matmul(x, w, out_dtype, transposed: bool) -> jax.Array:
+    """``x [..., in] @ w [out, in]^T`` on the tiles with the roles swapped: ``w`` (an LM head
+    or tied embedding, read in place, no packed copy) is the tiles' row operand and ``x^T``,
+    packed on each call (``in x rows`` values), the column operand. The result comes
+    ``[out, R]`` (``transposed``: vocabulary-major, as the greedy head takes it), else
+    transposed back to ``[..., out]``. SmolLM2-135M's 49152 x 576 head with the greedy argmax:
+    3.15 against 11.14 ms at 16 rows, 9.27 against 11.44 ms at 64 (Intel Xeon VM, 2 cores,
+    2026-12-05)."""
+    lead, n_in = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, n_in).astype(jnp.bfloat16)  # [R, in]
+    y_t = matmul(w, pack(x2.T), x2.shape[0], jnp.float32)  # [out, R]
+    if transposed:
+        return y_t.astype(out_dtype)
+    return y_t.T.reshape(*lead, w.shape[0]).astype(out_dtype)
