@@ -127,3 +127,38 @@ def test_state_bytes():
     # 3 slots, vocab 10, 8 tokens: 10 scalars (4 bytes, bool 1) + key 8 + bias 40 + stop 10 + history 32 + words
     words = 4 * MAX_BAD_WORDS * MAX_BAD_WORD_TOKENS
     assert state_bytes(3, 10, 8) == 3 * (9 * 4 + 1 + 8 + 40 + 10 + 32 + words)
+
+
+def test_an_update_rewrites_only_its_own_slots_rows():
+    """Rows are reset one slot at a time: the other slots keep their rows, and the padding of
+    an update (slot -1) leaves the neutral slot neutral."""
+    state = write_state(
+        [
+            SamplingParams(allowed_token_ids=[1, 2], stop_token_ids=[3]),
+            SamplingParams(stop_token_ids=[5, 6], logit_bias={7: 1.5}),
+        ],
+        num_slots=3,
+    )
+    before = {k: np.asarray(getattr(state, k)) for k in ("bias", "stop_mask")}
+    (update,) = build_updates(
+        [
+            SlotInit(
+                slot=1,
+                params=SamplingParams(allowed_token_ids=[4]),
+                key_data=np.zeros(2, np.uint32),
+                token_ids=[],
+                num_prompt_tokens=0,
+            )
+        ],
+        num_updates=3,
+        num_entries=4,
+    )
+    assert update["slots"].tolist() == [1, -1, -1]
+    state = _apply(state, SamplingStateUpdate(**{k: jnp.asarray(v) for k, v in update.items()}))
+    bias, stop = np.asarray(state.bias), np.asarray(state.stop_mask)
+    np.testing.assert_array_equal(bias[0], before["bias"][0])  # slot 0 untouched
+    np.testing.assert_array_equal(stop[0], before["stop_mask"][0])
+    assert np.isneginf(bias[1]).sum() == V - 1 and bias[1, 4] == 0.0  # slot 1 rewritten
+    assert not stop[1].any()
+    neutral = state.neutral_slot
+    assert not bias[2:].any() and not stop[2:].any() and neutral == 3  # free + neutral slots
