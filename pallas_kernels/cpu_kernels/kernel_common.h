@@ -134,6 +134,9 @@ class Helpers {
 
   int size() const { return static_cast<int>(threads_); }
 
+  // Whether a helper is spinning now (a kernel ran within the last kSpinMicros).
+  bool Awake() const { return spinning_.load(std::memory_order_relaxed) > 0; }
+
   // Runs run() on up to `helpers` helpers (run() takes the job's parts itself and returns when
   // none is left), and returns without running anything when another job holds the helpers.
   // Returns once every helper that joined has left run(): the caller's state may then go.
@@ -174,14 +177,19 @@ class Helpers {
         const auto until =
             std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
         int polls = 0;
+        bool spinning = true;
+        spinning_.fetch_add(1);
         while (spin_generation_.load(std::memory_order_acquire) == seen) {
           Pause();
           if (++polls % 64 == 0 && std::chrono::steady_clock::now() > until) {
+            spinning_.fetch_sub(1);
+            spinning = false;
             std::unique_lock<std::mutex> lock(mu_);
             wake_.wait(lock, [&] { return generation_ != seen; });
             break;
           }
         }
+        if (spinning) spinning_.fetch_sub(1);
       }
       seen = spin_generation_.load(std::memory_order_acquire);
       // Join the job if it still wants helpers; the caller waits for active_ to drain.
@@ -202,14 +210,19 @@ class Helpers {
   std::atomic<const std::function<void()>*> job_{nullptr};
   std::atomic<int> wanted_{0};  // helpers the job still takes
   std::atomic<int> active_{0};  // helpers between joining and leaving a job
+  std::atomic<int> spinning_{0};  // helpers spinning for the next job (not parked)
 };
 
 // Runs task(part) for every part in [0, parts): on the calling thread and on up to threads - 1
 // helpers (Helpers, or XLA's intra-op pool when they are busy), each taking the next part not
-// yet taken; returns when all parts are done. A pool helper that starts after the last part was
+// yet taken; returns when all parts are done. wake = false (the attention kernel) takes the
+// Helpers only while they are awake, i.e. when a matmul kernel ran just before: between XLA's
+// own ops (a float model's matmuls) the helpers' spin after each call would take a core from
+// XLA's threads (tiny-llama f32 steps ran ~8% slower), so there XLA's pool runs the parts. A pool helper that starts after the last part was
 // taken touches only the shared counters (held by shared_ptr), never the task's captures.
 template <typename Task>
-void ParallelFor(xla::ffi::ThreadPool& pool, int threads, int parts, Task task) {
+void ParallelFor(xla::ffi::ThreadPool& pool, int threads, int parts, Task task,
+                 bool wake = true) {
   struct Shared {
     explicit Shared(Task t, int n) : task(std::move(t)), parts(n) {}
     Task task;
@@ -236,7 +249,8 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int threads, int parts, Task task) 
     return;
   }
   const std::function<void()> run = [&shared] { shared->Run(); };
-  if (Helpers::Get(threads - 1)->TryJoin(helpers, [&] { shared->Run(); }, run)) {
+  Helpers* team = Helpers::Get(threads - 1);
+  if ((wake || team->Awake()) && team->TryJoin(helpers, [&] { shared->Run(); }, run)) {
     // Every part was taken; the helpers that joined have left, so the parts are done.
     return;
   }

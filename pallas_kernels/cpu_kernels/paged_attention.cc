@@ -594,7 +594,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int threads = jaxkv_cpu::Threads(pool, num_threads);
   work.parts = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>({n, 4 * threads, work.cost[n] / 512})));
-  jaxkv_cpu::ParallelFor(pool, threads, work.parts, [&work](int w) { work.run_part(w); });
+  // The Helpers only when a matmul kernel woke them (ParallelFor's wake).
+  jaxkv_cpu::ParallelFor(
+      pool, threads, work.parts, [&work](int w) { work.run_part(w); }, /*wake=*/false);
   return ffi::Error::Success();
 }
 
