@@ -1,9 +1,9 @@
 """The step's last phase: its results fetched from the device and turned into a
 ``ModelRunnerOutput`` (sampled and accepted tokens, logprobs, prompt logprobs, pooled vectors).
 
-``ModelRunner.dispatch`` leaves a :class:`StepHandle` with the device arrays the step's
-programs return; ``ModelRunner.collect`` calls :func:`fetch_results` (the one wait for the
-device) and :func:`collect_rows`.
+``ModelRunner.dispatch`` leaves a :class:`StepHandle` with the :class:`StepOutputs` the step's
+programs return (device arrays); ``ModelRunner.collect`` calls :func:`fetch_results` (the one
+wait for the device: the same ``StepOutputs`` of numpy arrays) and :func:`collect_rows`.
 """
 
 from __future__ import annotations
@@ -11,15 +11,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from jaxkv.core import ModelRunnerOutput
 from jaxkv.core.errors import blame
 from jaxkv.worker import prompt_logprobs
-from jaxkv.worker.heads import row_logprobs
+from jaxkv.worker.heads import PromptLogprobs, row_logprobs
 from jaxkv.worker.input_prep import StepPlan
 from jaxkv.worker.pooler import PoolAccumulator
 from jaxkv.worker.program_set import VERIFY
+from jaxkv.worker.sampler import SamplerOutput
 from jaxkv.worker.spec_decode import accepted_tokens
 
 
@@ -45,6 +47,24 @@ class CachedRequestState:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class StepOutputs:
+    """The device -> host boundary of a step: what its programs return, device arrays after
+    ``dispatch`` and numpy arrays after :func:`fetch_results` (a pytree: None fields, which the
+    step's plan did not ask for, hold nothing)."""
+
+    tokens: jax.Array | None = None  # [S] int32 sampled tokens ([P], one a position, with drafts)
+    accepted: jax.Array | None = None  # [P] bool: each draft position accepted (drafts only)
+    logprobs: SamplerOutput | None = None  # when a row asks for logprobs
+    prompt: PromptLogprobs | None = None  # [T, ...] when a row asks for prompt logprobs
+    hidden: jax.Array | None = None  # [T, hidden] the forward's hidden states (pooling rows)
+
+
+jax.tree_util.register_dataclass(
+    StepOutputs, data_fields=[f.name for f in dataclasses.fields(StepOutputs)], meta_fields=[]
+)
+
+
 @dataclasses.dataclass
 class StepHandle:
     """A dispatched step whose results are still on the device (``ModelRunner.collect``)."""
@@ -52,25 +72,16 @@ class StepHandle:
     plan: StepPlan
     states: list[CachedRequestState]  # the step's rows, in row order
     sample_rows: dict[str, int]  # req id -> its row, for rows that sample
-    results: dict  # device arrays to fetch: "tokens", "accepted", ...
+    results: StepOutputs  # device arrays, fetched by ``ModelRunner.collect``
 
     @property
     def req_ids(self) -> list[str]:
         return [s.req_id for s in self.states]
 
 
-def fetch_results(results: dict, to_host: Callable) -> dict:
-    """The step's results on the host (waits for the device): arrays as numpy, the logprob
-    records (``"logprobs"``, ``"prompt"``) as ``{field: numpy}``."""
-    host = {}
-    for name, value in results.items():
-        if name in ("logprobs", "prompt"):
-            host[name] = {
-                f.name: to_host(getattr(value, f.name)) for f in dataclasses.fields(value)
-            }
-        else:
-            host[name] = to_host(value)
-    return host
+def fetch_results(results: StepOutputs, to_host: Callable) -> StepOutputs:
+    """The step's results on the host (waits for the device): each array through ``to_host``."""
+    return jax.tree.map(to_host, results)
 
 
 @dataclasses.dataclass
@@ -85,17 +96,17 @@ class Collected:
 
 
 def collect_rows(
-    handle: StepHandle, results: dict, *, row_of: dict[str, int], propose: Callable | None
+    handle: StepHandle, results: StepOutputs, *, row_of: dict[str, int], propose: Callable | None
 ) -> Collected:
     """Per row of the step: its new tokens (appended to the request's state), logprobs,
     prompt logprobs and pooled vector. ``row_of``: the persistent batch's ``req_id -> row``
     now (a request that left it gets no row); ``propose``: ``state -> drafts`` for the next
     step (speculative decoding; None without it). An error is blamed on the request at hand."""
     plan, states = handle.plan, handle.states
-    accepted = results.get("accepted")  # [P] bool with drafts
+    accepted = results.accepted  # [P] bool with drafts
     start = plan.spec_start if plan.spec_start is not None else np.arange(len(states))
-    want_lp = "logprobs" in results
-    toks = results["tokens"].tolist() if "tokens" in results else []
+    want_lp = results.logprobs is not None
+    toks = results.tokens.tolist() if results.tokens is not None else []
     samples = plan.samples.tolist()
     out_tokens: list[list[int]] = []
     logprobs_out: list | None = [] if want_lp else None
@@ -108,10 +119,10 @@ def collect_rows(
             s = states[i]
             current = s.req_id
             prompt_lp[s.req_id] = prompt_logprobs.collect(
-                s, results["prompt"], int(plan.qsl[i]), int(plan.q_lens[i]), int(plan.computed[i])
+                s, results.prompt, int(plan.qsl[i]), int(plan.q_lens[i]), int(plan.computed[i])
             )
         if plan.pool_rows:
-            hidden = np.asarray(results["hidden"], np.float32)
+            hidden = np.asarray(results.hidden, np.float32)
         for i in plan.pool_rows:
             s = states[i]
             current = s.req_id
@@ -137,7 +148,7 @@ def collect_rows(
                     k = s.sampling_params.logprobs
                     logprobs_out.append(
                         [
-                            row_logprobs(results["logprobs"], int(start[i]) + j, k)
+                            row_logprobs(results.logprobs, int(start[i]) + j, k)
                             for j in range(len(new))
                         ]
                         if k is not None

@@ -318,22 +318,23 @@ def build_prompt_logprobs_fn(head: LogitsHead, *, num_tokens: int, num_logprobs:
 # ---- host side: logprobs of the fetched results -----------------------------------------------
 
 
-def row_logprobs(out: dict, row: int, k: int) -> tuple[list[int], list[float], list[int]]:
-    """A sampled token's TokenLogprobs from the fetched ``SamplerOutput`` arrays: (ids,
+def row_logprobs(out: SamplerOutput, row: int, k: int) -> tuple[list[int], list[float], list[int]]:
+    """A sampled token's TokenLogprobs from the fetched ``SamplerOutput`` (numpy arrays): (ids,
     logprobs, ranks), the sampled token first, then the top k."""
-    ids = out["logprob_token_ids"][row, : k + 1].tolist()
-    lps = out["logprobs"][row, : k + 1].tolist()
-    ranks = [int(out["sampled_rank"][row])] + list(range(1, k + 1))
+    ids = out.logprob_token_ids[row, : k + 1].tolist()
+    lps = out.logprobs[row, : k + 1].tolist()
+    ranks = [int(out.sampled_rank[row])] + list(range(1, k + 1))
     return ids, lps, ranks
 
 
 def prompt_row(
-    out: dict, token: int, target: int, k: int
+    out: PromptLogprobs, token: int, target: int, k: int
 ) -> tuple[list[int], list[float], list[int]]:
-    """TokenLogprobs of one prompt position: its target (the next prompt token), then top k."""
-    ids = [int(target)] + out["topk_ids"][token, :k].tolist()
-    lps = [float(out["logprob"][token])] + out["topk_logprobs"][token, :k].tolist()
-    ranks = [int(out["rank"][token])] + list(range(1, k + 1))
+    """TokenLogprobs of one prompt position (``out``: the fetched ``PromptLogprobs``, numpy
+    arrays): its target (the next prompt token), then top k."""
+    ids = [int(target)] + out.topk_ids[token, :k].tolist()
+    lps = [float(out.logprob[token])] + out.topk_logprobs[token, :k].tolist()
+    ranks = [int(out.rank[token])] + list(range(1, k + 1))
     return ids, lps, ranks
 
 

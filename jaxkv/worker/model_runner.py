@@ -42,6 +42,7 @@ from jaxkv.worker.block_table import BlockTableOpsLayout
 from jaxkv.worker.collect import (
     CachedRequestState,
     StepHandle,
+    StepOutputs,
     append_tokens,
     collect_rows,
     fetch_results,
@@ -323,7 +324,7 @@ class ModelRunner:
         self._in_flight = handle
         return handle
 
-    def _fetch(self, results: dict) -> dict:
+    def _fetch(self, results: StepOutputs) -> StepOutputs:
         """The step's results on the host (waits for the device)."""
         return fetch_results(results, self.placement.to_host)
 

@@ -19,6 +19,7 @@ from flax import nnx
 from jaxkv.worker import kv_memory
 from jaxkv.worker.block_table import apply_block_table_ops
 from jaxkv.worker.buckets import pow2_buckets, token_buckets
+from jaxkv.worker.collect import StepOutputs
 from jaxkv.worker.forward import ForwardDims, build_forward_fn
 from jaxkv.worker.heads import (
     PromptLogprobsInputs,
@@ -253,14 +254,14 @@ def update_spec(runner):
     )[1]
 
 
-def dispatch_heads(runner, plan, hidden, selected, forward_tokens) -> dict:
+def dispatch_heads(runner, plan, hidden, selected, forward_tokens) -> StepOutputs:
     """Starts the head programs a step's ``plan`` needs after its forward (sampling or
     verification, prompt logprobs) on ``hidden`` [T, hidden] and ``selected`` (the rows the
     head reads); returns the device arrays to fetch (``forward_tokens``: the forward's own
     greedy tokens, used when it took them). The runner's sampling state and last sampled
     tokens are replaced as each program returns them."""
-    results: dict = {}
     head = runner.head_params
+    tokens = accepted = logprobs = prompt = None
     if plan.head in (SAMPLE, VERIFY):
         runner.sampling_state, runner.last_sampled, *out = runner._run(
             plan.head,
@@ -271,20 +272,22 @@ def dispatch_heads(runner, plan, hidden, selected, forward_tokens) -> dict:
             runner.last_sampled,
             runner._to_device(plan.head_inputs),
         )
-        results["tokens"] = out[0].sampled_token_ids
-        if plan.want_logprobs:
-            results["logprobs"] = out[0]
-        if plan.head == VERIFY:
-            results["accepted"] = out[1]
+        tokens = out[0].sampled_token_ids
+        logprobs = out[0] if plan.want_logprobs else None
+        accepted = out[1] if plan.head == VERIFY else None
     elif plan.greedy_in_forward:
-        results["tokens"] = forward_tokens
+        tokens = forward_tokens
     elif plan.head:
-        runner.last_sampled, results["tokens"] = runner._run(
+        runner.last_sampled, tokens = runner._run(
             plan.head, plan.head_size, head, selected, runner.last_sampled
         )
     if plan.prompt_targets is not None:
         targets = runner.placement.to_device(plan.prompt_targets)
-        results["prompt"] = runner._run(PROMPT_LOGPROBS, plan.num_tokens, head, hidden, targets)
-    if plan.pool_rows:
-        results["hidden"] = hidden
-    return results
+        prompt = runner._run(PROMPT_LOGPROBS, plan.num_tokens, head, hidden, targets)
+    return StepOutputs(
+        tokens=tokens,
+        accepted=accepted,
+        logprobs=logprobs,
+        prompt=prompt,
+        hidden=hidden if plan.pool_rows else None,
+    )
