@@ -219,9 +219,10 @@ def _reset_rows(state: SamplingState, update: SamplingStateUpdate) -> tuple[jax.
     """``state``'s ``bias`` [R1, V] and ``stop_mask`` [R1, V] with each updated slot's row reset.
 
     One row at a time, in place when ``state`` is donated: a scatter of whole rows would
-    first build its [U, V] updates (two broadcasts of ~8 MB each at 64 slots of a 32k
-    vocabulary, most of a ~25 ms update on a CPU; these writes touch only the slots' rows).
-    Padding slots (-1) rewrite the neutral slot with its own neutral row.
+    first build its [U, V] updates (at 64 slots of a 32k vocabulary ~8 MB for each of the two
+    bias resets and ~2 MB for the stop mask: most of a ~25 ms update on a CPU); these writes
+    touch only the slots' rows. Padding slots (-1) rewrite the neutral slot with its own
+    neutral row.
     """
     num_slots, vocab = state.bias.shape
     slots = jnp.where(update.slots < 0, num_slots - 1, update.slots)  # [U]

@@ -215,11 +215,12 @@ class Helpers {
 
 // Runs task(part) for every part in [0, parts): on the calling thread and on up to threads - 1
 // helpers (Helpers, or XLA's intra-op pool when they are busy), each taking the next part not
-// yet taken; returns when all parts are done. wake = false (the attention kernel) takes the
-// Helpers only while they are awake, i.e. when a matmul kernel ran just before: between XLA's
-// own ops (a float model's matmuls) the helpers' spin after each call would take a core from
-// XLA's threads (tiny-llama f32 steps ran ~8% slower), so there XLA's pool runs the parts. A pool helper that starts after the last part was
-// taken touches only the shared counters (held by shared_ptr), never the task's captures.
+// yet taken; returns when all parts are done. A pool helper that starts after the last part
+// was taken touches only the shared counters (held by shared_ptr), never the task's captures.
+// wake = false (the attention kernel) takes the Helpers only while they are awake, i.e. when a
+// matmul kernel ran just before: between XLA's own ops (a float model's matmuls) the helpers'
+// spin after each call would take a core from XLA's threads (tiny-llama f32 steps ran ~8%
+// slower), so there XLA's pool runs the parts.
 template <typename Task>
 void ParallelFor(xla::ffi::ThreadPool& pool, int threads, int parts, Task task,
                  bool wake = true) {
