@@ -213,17 +213,24 @@ class Helpers {
   std::atomic<int> spinning_{0};  // helpers spinning for the next job (not parked)
 };
 
+// Who runs a ParallelFor's parts besides the calling thread.
+enum class Team {
+  kHelpers,         // the Helpers (XLA's pool when another job holds them)
+  kHelpersIfAwake,  // the Helpers only while they spin (a matmul kernel ran just before)
+  kPool,            // XLA's intra-op pool
+};
+
 // Runs task(part) for every part in [0, parts): on the calling thread and on up to threads - 1
-// helpers (Helpers, or XLA's intra-op pool when they are busy), each taking the next part not
-// yet taken; returns when all parts are done. A pool helper that starts after the last part
-// was taken touches only the shared counters (held by shared_ptr), never the task's captures.
-// wake = false (the attention kernel) takes the Helpers only while they are awake, i.e. when a
-// matmul kernel ran just before: between XLA's own ops (a float model's matmuls) the helpers'
-// spin after each call would take a core from XLA's threads (tiny-llama f32 steps ran ~8%
-// slower), so there XLA's pool runs the parts.
+// helpers (Helpers or XLA's intra-op pool, as `team` says), each taking the next part not yet
+// taken; returns when all parts are done. A pool helper that starts after the last part was
+// taken touches only the shared counters (held by shared_ptr), never the task's captures.
+// kHelpersIfAwake (the attention kernel): between XLA's own ops (a float model's matmuls) the
+// helpers' spin after each call would take a core from XLA's threads (tiny-llama f32 steps
+// ran ~8% slower), so there XLA's pool runs the parts. kPool: jobs of milliseconds, for which
+// waking a parked pool thread costs nothing and a spinning helper would compete with XLA's.
 template <typename Task>
 void ParallelFor(xla::ffi::ThreadPool& pool, int threads, int parts, Task task,
-                 bool wake = true) {
+                 Team team_kind = Team::kHelpers) {
   struct Shared {
     explicit Shared(Task t, int n) : task(std::move(t)), parts(n) {}
     Task task;
@@ -251,7 +258,9 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int threads, int parts, Task task,
   }
   const std::function<void()> run = [&shared] { shared->Run(); };
   Helpers* team = Helpers::Get(threads - 1);
-  if ((wake || team->Awake()) && team->TryJoin(helpers, [&] { shared->Run(); }, run)) {
+  const bool helpers_join = team_kind == Team::kHelpers ||
+                            (team_kind == Team::kHelpersIfAwake && team->Awake());
+  if (helpers_join && team->TryJoin(helpers, [&] { shared->Run(); }, run)) {
     // Every part was taken; the helpers that joined have left, so the parts are done.
     return;
   }

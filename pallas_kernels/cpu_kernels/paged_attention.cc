@@ -594,9 +594,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int threads = jaxkv_cpu::Threads(pool, num_threads);
   work.parts = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>({n, 4 * threads, work.cost[n] / 512})));
-  // The Helpers only when a matmul kernel woke them (ParallelFor's wake).
+  // The Helpers only when a matmul kernel woke them (Team::kHelpersIfAwake).
   jaxkv_cpu::ParallelFor(
-      pool, threads, work.parts, [&work](int w) { work.run_part(w); }, /*wake=*/false);
+      pool, threads, work.parts, [&work](int w) { work.run_part(w); },
+      jaxkv_cpu::Team::kHelpersIfAwake);
   return ffi::Error::Success();
 }
 
