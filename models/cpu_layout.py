@@ -1,17 +1,19 @@
-"""bf16 linear layers packed for the CPU's AMX tiles, once, when an engine loads its model.
+"""bf16 linear layers packed for the CPU's bf16 instructions, once, when an engine loads its model.
 
-On a CPU with AMX (Intel Sapphire Rapids and later), a one-device engine replaces every
-``nnx.Linear`` with a bf16 kernel by an :class:`AmxLinear` holding the same weights in the tile
-layout of ``jaxkv.pallas_kernels.amx`` (same bytes, zero-padded to blocks of 32), and its
-matmuls run ``cpu_kernels/amx_matmul.cc`` at every row count: a decode step of 64 sequences of
-SmolLM2-135M in ~0.14 ms per 64 x 576 x 1536 product against XLA:CPU's ~0.22 ms, prefill
-products as fast as XLA's or faster (numbers in benchmarks/RESULTS.md). The products equal
-XLA's bf16 dot with f32 results (the same bf16 inputs, f32 sums, one rounding).
+On a CPU with AMX (Intel Sapphire Rapids and later) or AVX512-BF16 (AMD Zen 4 and later, Intel
+Cooper Lake), a one-device engine replaces every ``nnx.Linear`` with a bf16 kernel by an
+:class:`AmxLinear` holding the same weights in the layout of ``jaxkv.pallas_kernels.amx`` (same
+bytes, zero-padded to blocks of 32), and its matmuls run ``cpu_kernels/amx_matmul.cc`` at every
+row count: AMX tiles, or AVX512-BF16 dot products where there are no tiles (and for a few rows).
+A 64 x 576 x 1536 product of a decode step of 64 sequences of SmolLM2-135M: ~0.14 ms on the
+tiles against XLA:CPU's ~0.22 ms (Intel Xeon), 0.26 against 0.38 ms on the dot products (AMD
+EPYC); prefill products as fast as XLA's or faster (numbers in benchmarks/RESULTS.md). The
+products equal XLA's bf16 dot with f32 results (the same bf16 inputs, f32 sums, one rounding).
 
-Not packed: float32 models, the LM head and the embedding (a bf16 head runs on the tiles as
-it is stored: ``amx.out_major_matmul``), quantized layers, tensor-parallel engines (their
-kernels are split by ``models.sharding``'s rules on the ``[in, out]`` layout), and any engine
-when ``JAXKV_CPU_AMX=0`` or the machine or build has no AMX.
+Not packed: float32 models, the LM head and the embedding (a bf16 head runs on the same
+kernel as it is stored: ``amx.out_major_matmul``), quantized layers, tensor-parallel engines
+(their kernels are split by ``models.sharding``'s rules on the ``[in, out]`` layout), and any
+engine when ``JAXKV_CPU_AMX=0`` or the machine or build has neither AMX nor AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def _packable(node) -> bool:
 
 def pack_for_cpu(model):
     """``model`` with its bf16 ``nnx.Linear`` layers as :class:`AmxLinear` where this process
-    runs AMX tiles (``amx.available()``), else ``model`` itself. The packed model is a copy
+    runs the packed kernel (``amx.available()``: AMX tiles or AVX512-BF16), else ``model``
+    itself. The packed model is a copy
     (``model``'s own layers are untouched) sharing every other array with it."""
     if not amx.available():
         return model

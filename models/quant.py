@@ -328,7 +328,8 @@ def float_matmul(
     """``x [..., in] @ w [in, out]`` (``w [out, in]`` when ``out_major``) for a float ``w`` of
     ``CPU_KERNEL_FLOAT_DTYPES``, in ``out_dtype``; with ``transposed``, ``[out, R]`` for ``x
     [R, in]`` (the LM head's vocabulary-major logits). On the CPU an out-major bf16 ``w``
-    above ``amx.FEW_ROWS`` rows runs on AMX tiles where present (``amx.out_major_matmul``),
+    above ``amx.FEW_ROWS`` rows runs on the packed kernel where present (``amx.out_major_matmul``:
+    AMX tiles or AVX512-BF16),
     else the C++ kernel (up to ``CPU_FLOAT_KERNEL_MAX_ROWS`` rows) or XLA's dot with f32
     results; elsewhere ``default(x, w)`` (XLA's dot in ``out_dtype`` when None)."""
     from jaxkv.pallas_kernels import amx, cpu_backend  # build their C++ only when asked
@@ -349,7 +350,7 @@ def float_matmul(
         return y.astype(out_dtype)
 
     def on_cpu(x, w):
-        if out_major and amx.out_major_applies(rows, w):  # the LM head on AMX tiles
+        if out_major and amx.out_major_applies(rows, w):  # the LM head on the packed kernel
             return amx.out_major_matmul(x, w, out_dtype, transposed)
         if rows > CPU_FLOAT_KERNEL_MAX_ROWS or not cpu_backend.use_cpu_kernels():
             return on_xla(x, w)

@@ -1,15 +1,19 @@
-"""bf16 matmuls on Intel AMX tiles with weights packed once, at load (``cpu_kernels/amx_matmul.cc``).
+"""bf16 matmuls with weights packed once, at load (``cpu_kernels/amx_matmul.cc``): Intel AMX
+tiles, or AVX512-BF16 dot products on CPUs without AMX.
 
 A ``[K, N]`` bf16 kernel is stored as ``[ceil(N / 32), ceil(K / 32), 2, 16, 32]`` bf16
 (:func:`pack`): per block of 32 output columns and 32 inputs, the two 16 x 32 tiles TDPBF16PS
-reads, pairs of consecutive inputs side by side ("VNNI" order), zero-padded. :func:`matmul` is
-the FFI call (``x [M, K] @ w -> [M, N]`` f32 or bf16, any M); :func:`unpack` restores ``[K, N]``.
+reads, pairs of consecutive inputs side by side ("VNNI" order), zero-padded; each tile row is
+also the 16 columns' input pairs that one VDPBF16PS takes. :func:`matmul` is the FFI call
+(``x [M, K] @ w -> [M, N]`` f32 or bf16, any M); :func:`unpack` restores ``[K, N]``.
 
 Used by ``jaxkv.models.cpu_layout`` for every bf16 linear layer of a one-device CPU engine on
-machines with AMX (Sapphire Rapids and later): 64 x 576 x 1536 in 0.14-0.17 ms against 0.22-0.25
-ms for XLA:CPU's bf16 dot with f32 results. ``JAXKV_CPU_AMX=0`` turns it off. :func:`available`
-says whether this process can run the tiles (the C++ library built with AMX-BF16 and Linux
-granted the tile state).
+machines with AMX (Sapphire Rapids and later) or AVX512-BF16 (AMD Zen 4 and later, Intel
+Cooper Lake). 64 x 576 x 1536: Intel Xeon, tiles 0.14-0.17 ms against 0.22-0.25 ms for
+XLA:CPU's bf16 dot with f32 results; AMD EPYC (Zen 4), dot products 0.26 against 0.38 ms
+(numbers in benchmarks/RESULTS.md). ``JAXKV_CPU_AMX=0`` turns it off. :func:`available` says
+whether this process can run it (the C++ library built with AVX512-BF16 and, for the tiles,
+AMX-BF16 with the tile state granted by Linux).
 """
 
 from __future__ import annotations
@@ -26,20 +30,24 @@ from jaxkv.pallas_kernels import cpu_backend
 
 #: Rows, columns and inputs of one packed block (two 16-row tiles of each operand).
 BLOCK = 32
-#: Rows up to which the kernel runs AVX512-BF16 dot products instead of tiles (``kFewRows``).
+#: Rows up to which the kernel runs AVX512-BF16 dot products on AMX machines (``kFewRows``);
+#: without AMX it runs them at every row count.
 FEW_ROWS = 4
 
 
 @functools.cache
 def _library_ready() -> bool:
     path = cpu_backend._build()[0]
-    return path is not None and ctypes.CDLL(path).JaxkvAmxReady() == 1
+    if path is None:
+        return False
+    lib = ctypes.CDLL(path)
+    return lib.JaxkvAmxReady() == 1 or lib.JaxkvBf16DotReady() == 1
 
 
 def available() -> bool:
-    """Whether bf16 linears may run on AMX tiles here: the default platform is CPU, the C++
-    kernels built with AMX-BF16, Linux grants this process the tile state, and
-    ``JAXKV_CPU_AMX`` is not ``0``."""
+    """Whether bf16 linears may run packed here: the default platform is CPU, the C++ kernels
+    built with AVX512-BF16 (AMX tiles too where the build has AMX-BF16 and Linux grants this
+    process the tile state), and ``JAXKV_CPU_AMX`` is not ``0``."""
     return (
         os.environ.get("JAXKV_CPU_AMX", "1") != "0"
         and jax.default_backend() == "cpu"
@@ -78,7 +86,8 @@ def matmul(
     n: int,
     out_dtype=jnp.float32,
 ) -> jax.Array:
-    """``x @ unpack(packed, K, n)`` as ``[M, n]``, summed in f32 on AMX tiles, in ``out_dtype``
+    """``x @ unpack(packed, K, n)`` as ``[M, n]``, summed in f32 (AMX tiles or AVX512-BF16 dot
+    products), in ``out_dtype``
     (float32, or bfloat16 rounded to nearest even in the kernel: half the bytes written); the
     FFI call, CPU only."""
     out_dtype = jnp.dtype(out_dtype)
@@ -102,8 +111,8 @@ def matmul(
 
 def out_major_applies(rows: int, w) -> bool:
     """Whether ``x [rows, in] @ w [out, in]^T`` (an LM head, ``models.quant.float_matmul``)
-    runs on the tiles (:func:`out_major_matmul`): more than :data:`FEW_ROWS` rows, a bf16 ``w``
-    whose rows are whole blocks, tiles present."""
+    runs on this kernel (:func:`out_major_matmul`): more than :data:`FEW_ROWS` rows, a bf16
+    ``w`` whose rows are whole blocks, the kernel :func:`available`."""
     return (
         rows > FEW_ROWS
         and jnp.dtype(w.dtype) == jnp.bfloat16
@@ -113,7 +122,7 @@ def out_major_applies(rows: int, w) -> bool:
 
 
 def out_major_matmul(x, w, out_dtype, transposed: bool) -> jax.Array:
-    """``x [..., in] @ w [out, in]^T`` on the tiles with the roles swapped: ``w`` (an LM head
+    """``x [..., in] @ w [out, in]^T`` on this kernel with the roles swapped: ``w`` (an LM head
     or tied embedding, read in place, no packed copy) is the tiles' row operand and ``x^T``,
     packed on each call (``in x rows`` values), the column operand. The result comes
     ``[out, R]`` (``transposed``: vocabulary-major, as the greedy head takes it), else

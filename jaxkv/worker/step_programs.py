@@ -161,7 +161,7 @@ def state_leaves(state) -> tuple:
 
 def portable_model(runner) -> tuple:
     """``(graphdef, state)`` of ``runner``'s model as a GPU or TPU would load it: a CPU
-    engine's AMX-packed linears (``jaxkv.models.cpu_layout``) unpacked again."""
+    engine's packed bf16 linears (``jaxkv.models.cpu_layout``) unpacked again."""
     from jaxkv.models.cpu_layout import unpack_linears  # lazy: the engine depends on models
 
     model = nnx.merge(runner.graphdef, runner.state)

@@ -70,8 +70,9 @@ class Worker:
         """Loads ``config.model`` onto the mesh (``init_device`` first): each parameter is
         created already split, shard by shard (a checkpoint's shards read from the file, a
         random init jitted onto its shardings). A model given to the constructor is kept
-        (the runner places it on the mesh). On one CPU device with AMX, bf16 linear layers are
-        then packed into tiles (``jaxkv.models.cpu_layout``; a copy of a given model's)."""
+        (the runner places it on the mesh). On one CPU device with AMX or AVX512-BF16, bf16
+        linear layers are then packed (``jaxkv.models.cpu_layout``; a copy of a given
+        model's)."""
         if self.model is None:
             from jaxkv.models.registry import load_model  # lazy: the engine depends on models
 
@@ -82,7 +83,7 @@ class Worker:
                 mesh=self.mesh,
                 quantization=getattr(self.config, "quantization", None),
             )
-        if self.mesh is None:  # bf16 linears packed for AMX tiles where the CPU has them
+        if self.mesh is None:  # bf16 linears packed where the CPU has AMX or AVX512-BF16
             from jaxkv.models.cpu_layout import pack_for_cpu
 
             self.model = pack_for_cpu(self.model)

@@ -1,5 +1,5 @@
-// bf16 matmul on Intel AMX tiles, for linear layers whose kernels were packed at load time:
-// an XLA FFI custom call.
+// bf16 matmul of linear layers whose kernels were packed at load time, on Intel AMX tiles or
+// AVX512-BF16 dot products: an XLA FFI custom call.
 //
 // y [M, N] f32 (or rounded to bf16) = x [M, K] bf16 @ w [K, N] bf16, with w given packed as
 // [NB, KB, 2, 16, 32] bf16 (NB = ceil(N / 32), KB = ceil(K / 32), zero-padded): for the 32
@@ -7,7 +7,7 @@
 // row r of a tile holding, for each of its 16 columns c, the pair w[32 kb + 2 r][c],
 // w[32 kb + 2 r + 1][c] side by side: the "VNNI" order TDPBF16PS reads. A column block's
 // tiles for all of K are contiguous (KB x 2 KiB), so a thread streams them in order.
-// (`jaxkv.pallas_kernels.cpu_backend.pack_amx` writes the layout; `unpack_amx` reverses it.)
+// (`jaxkv.pallas_kernels.amx.pack` writes the layout; `amx.unpack` reverses it.)
 //
 // One TDPBF16PS multiplies a 16 x 32 bf16 tile of x by a 32 x 16 tile of w into a 16 x 16 f32
 // tile. Eight tile registers hold a 32 x 32 block of y: four accumulators, two row tiles of x,
@@ -20,15 +20,24 @@
 // x's rows are read in place when K is a multiple of 32; the last, partial block of 32 rows
 // (and every block when K is not) is first copied into zero-padded tiles.
 //
-// Up to 4 rows (a decode step of a few sequences) skip the tiles: AVX512-BF16 dot products
-// (VDPBF16PS) read the same packed tile rows, each a 64-byte vector of 16 columns' input
-// pairs, so a row costs no padding to 16.
+// AVX512-BF16 dot products (VDPBF16PS) read the same packed tile rows, each a 64-byte vector
+// of 16 columns' input pairs: up to 4 rows of x on AMX machines (a decode step of a few
+// sequences: a row costs no padding to 16), every product on CPUs with AVX512-BF16 and no AMX
+// (AMD Zen 4 and later, Intel Cooper Lake). DotBlock sums R rows of x against C column blocks
+// (R x 2C accumulators), broadcasting each input pair of a row against a tile row of weights.
+// Its work items are split as the tiles' are, and each pulls the next item's weights (one
+// group of rows: a decode step) or its next rows of x (many rows) into cache as it runs.
+// Products of many rows run on XLA's pool, not the Helpers (kernel_common.h): a prefill step's
+// products take milliseconds each, and XLA's other threads stay runnable between them, so a
+// helper's spin took their core (gate / up products 20-25 ms instead of 17 at 4096 x 576 x
+// 1536 inside a SmolLM2 prefill step, 2 cores).
 //
-// Why it exists: XLA:CPU's bf16 dot (f32 results) runs at ~450-500 GFLOP/s on 2 cores at
-// 64 x 576 x 1536 (a decode step of 64 sequences of a 135M model spends most of its time in
-// such dots) and reads the weights in their [K, N] layout; repacking them into tiles on every
-// call costs more than the tiles save. Packed once, the same product takes 0.14-0.17 ms
-// against XLA's 0.22-0.25 ms, and one row 0.03-0.05 ms (benchmarks/RESULTS.md).
+// Why it exists: XLA:CPU reads a bf16 kernel in its [K, N] layout and, on 2 cores, runs a
+// decode step's products well below the machine's peak. Intel Xeon (AMX): XLA's bf16 dot (f32
+// results) at 64 x 576 x 1536 in 0.22-0.25 ms, the tiles 0.14-0.17 ms, one row 0.03-0.05 ms.
+// AMD EPYC (Zen 4, AVX512-BF16, no AMX; peak 464 GFLOP/s measured with a register-only
+// VDPBF16PS loop): XLA 0.38 ms (300 GFLOP/s), the dot products 0.26 ms (430 GFLOP/s); 2048
+// rows 8.4 against 9.0 ms (benchmarks/RESULTS.md).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -37,10 +46,13 @@
 #include "kernel_common.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && \
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define JAXKV_BF16_DOT 1
+#include <immintrin.h>
+#endif
+#if defined(JAXKV_BF16_DOT) && defined(__AMX_BF16__) && defined(__AMX_TILE__) && \
     defined(__linux__)
 #define JAXKV_AMX 1
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -52,6 +64,8 @@ namespace {
 constexpr int64_t kBlock = 32;         // rows, columns and inputs of one block of y (2 x 2 tiles)
 constexpr int64_t kTileBf16 = 512;     // bf16 values of one tile (16 rows of 64 bytes)
 constexpr int64_t kFewRows = 4;        // rows up to which AVX512-BF16 dot products run
+constexpr int64_t kDotRows = 6;        // rows of y a DotBlock sums together
+constexpr int64_t kDotGroupRows = 96;  // rows of a work item of the dot products
 constexpr int64_t kGroupBlocks = 4;    // blocks of 32 rows run against each column block in turn
 constexpr int64_t kChunkBytes = 1 << 20;  // packed weights of the column blocks of one work item
 
@@ -84,6 +98,17 @@ void Configure() {
   _tile_loadconfig(&config);
 }
 
+#endif  // JAXKV_AMX
+
+#if defined(JAXKV_BF16_DOT)
+
+// Cache lines still to prefetch, one per step of a DotBlock: the next work item's weights, or
+// the next group's rows of x.
+struct Ahead {
+  const char* at;
+  const char* end;
+};
+
 struct Problem {
   const uint16_t* x;     // [m, k] bf16 bits
   const uint16_t* w;     // [nb, kb, 2, 16, 32] packed
@@ -108,6 +133,109 @@ inline void StoreRow(const float* v, int64_t cols, const Problem& p, int64_t row
     _mm256_mask_storeu_epi16(out + c, mask, (__m256i)b);
   }
 }
+
+// Rows [row0, row0 + R) of y, columns [c0, c0 + 32 C) from the C column blocks whose packed
+// tiles start at `pack` (block c at pack + c * `next`), off the tiles' rows with AVX512-BF16
+// dot products: a tile row is 16 columns' input pairs, the operand VDPBF16PS takes, and each
+// pair of a row of x is broadcast against it. R x 2C accumulators (R = 6, C = 2: 24 of the 32
+// vector registers) take each loaded vector of weights R times and each broadcast 2C times.
+// x: rows of stride `xs` with kp readable values (zero past k). No tile is padded to 16 rows,
+// so one row reads no more than it needs.
+template <int R, int C>
+void DotBlock(const uint16_t* __restrict__ x, int64_t xs, int64_t kp,
+              const uint16_t* __restrict__ pack, int64_t next, const Problem& p, int64_t row0,
+              int64_t c0, Ahead& ahead) {
+  __m512 acc[R][2 * C];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 8
+    for (int t = 0; t < 2 * C; ++t) acc[i][t] = _mm512_setzero_ps();
+  }
+  for (int64_t kb = 0; kb < kp / kBlock; ++kb) {
+    const uint16_t* tiles = pack + kb * 2 * kTileBf16;
+    const uint16_t* xk = x + kb * kBlock;
+#pragma GCC unroll 2
+    for (int r = 0; r < 16; ++r) {
+      __m512bh w[2 * C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        w[2 * c] = (__m512bh)_mm512_loadu_si512(tiles + c * next + r * 32);
+        w[2 * c + 1] = (__m512bh)_mm512_loadu_si512(tiles + c * next + kTileBf16 + r * 32);
+        // the same tile rows two blocks of inputs on
+        _mm_prefetch(reinterpret_cast<const char*>(tiles + c * next + 4 * kTileBf16 + r * 32),
+                     _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(tiles + c * next + 5 * kTileBf16 + r * 32),
+                     _MM_HINT_T0);
+      }
+      if (ahead.at < ahead.end) {  // a line of the next work item's weights, into L2
+        _mm_prefetch(ahead.at, _MM_HINT_T1);
+        ahead.at += 64;
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        uint32_t pair;
+        std::memcpy(&pair, xk + i * xs + 2 * r, 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+#pragma GCC unroll 8
+        for (int t = 0; t < 2 * C; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], xb, w[t]);
+      }
+    }
+  }
+  alignas(64) float row[kBlock];
+  for (int c = 0; c < C; ++c) {
+    const int64_t cols = std::min(kBlock, p.n - c0 - c * kBlock);
+    for (int i = 0; i < R; ++i) {
+      _mm512_store_ps(row, acc[i][2 * c]);
+      _mm512_store_ps(row + 16, acc[i][2 * c + 1]);
+      StoreRow(row, cols, p, row0 + i, c0 + c * kBlock);
+    }
+  }
+}
+
+// Rows [i, i + R) of y, column blocks [j0, j1): DotBlock on fours (one or two rows) or pairs
+// of blocks, then one block.
+template <int R>
+void DotGroup(const uint16_t* x, int64_t xs, int64_t kp, const Problem& p, int64_t i,
+              int64_t j0, int64_t j1, Ahead& ahead) {
+  const int64_t next = kp / kBlock * 2 * kTileBf16;  // bf16 values of one column block's tiles
+  const uint16_t* xi = x + i * xs;
+  int64_t j = j0;
+  if constexpr (R <= 2) {  // more weights in flight for a row or two (memory-bound)
+    for (; j + 4 <= j1; j += 4) {
+      DotBlock<R, 4>(xi, xs, kp, p.w + j * next, next, p, i, j * kBlock, ahead);
+    }
+  }
+  for (; j + 2 <= j1; j += 2) {
+    DotBlock<R, 2>(xi, xs, kp, p.w + j * next, next, p, i, j * kBlock, ahead);
+  }
+  for (; j < j1; ++j) DotBlock<R, 1>(xi, xs, kp, p.w + j * next, next, p, i, j * kBlock, ahead);
+}
+
+// Rows [row0, row1) of y (groups of kDotRows, then the rest), column blocks [j0, j1): each
+// group of rows passes over all the blocks, so its rows of x stay in L1 and the blocks' tiles
+// in L2.
+void DotRows(const uint16_t* x, int64_t xs, int64_t kp, const Problem& p, int64_t row0,
+             int64_t row1, int64_t j0, int64_t j1, Ahead& ahead) {
+  const bool rows_ahead = ahead.at == nullptr;  // else the item streams the next weights
+  for (int64_t i = row0; i < row1; i += kDotRows) {
+    if (rows_ahead) {  // the next group's rows of x, from memory while these run
+      ahead.at = reinterpret_cast<const char*>(x + std::min(row1, i + kDotRows) * xs);
+      ahead.end = reinterpret_cast<const char*>(x + std::min(row1, i + 2 * kDotRows) * xs);
+    }
+    switch (std::min<int64_t>(kDotRows, row1 - i)) {
+      case 1: DotGroup<1>(x, xs, kp, p, i, j0, j1, ahead); break;
+      case 2: DotGroup<2>(x, xs, kp, p, i, j0, j1, ahead); break;
+      case 3: DotGroup<3>(x, xs, kp, p, i, j0, j1, ahead); break;
+      case 4: DotGroup<4>(x, xs, kp, p, i, j0, j1, ahead); break;
+      case 5: DotGroup<5>(x, xs, kp, p, i, j0, j1, ahead); break;
+      default: DotGroup<kDotRows>(x, xs, kp, p, i, j0, j1, ahead);
+    }
+  }
+}
+
+#endif  // JAXKV_BF16_DOT
+
+#if defined(JAXKV_AMX)
 
 // Rows [r0, r0 + 32) of y, columns [c0, c0 + 32) from column block `pack`; ragged edges go
 // through `ragged` (32 x 32 floats).
@@ -145,38 +273,6 @@ void Block(const Problem& p, int64_t r0, int64_t c0, const uint16_t* __restrict_
   _tile_stored(3, ragged + 16 * kBlock + 16, kBlock * 4);
   const int64_t rows = std::min(kBlock, p.m - r0), cols = std::min(kBlock, p.n - c0);
   for (int64_t i = 0; i < rows; ++i) StoreRow(ragged + i * kBlock, cols, p, r0 + i, c0);
-}
-
-// Rows [i0, i0 + R) of y, columns [c0, c0 + 32), for a few rows of x: AVX512-BF16 dot
-// products straight off the packed tiles (a tile row is the 16 columns' input pairs, the
-// operand VDPBF16PS takes), one broadcast pair of x per row and tile row. x rows of kp
-// values (zero-padded). No tile is padded to 16 rows, so one row reads no more than it needs.
-template <int R>
-void FewRows(const uint16_t* __restrict__ x, int64_t kp, const uint16_t* __restrict__ pack,
-             const Problem& p, int64_t row0, int64_t c0) {
-  __m512 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t kb = 0; kb < kp / kBlock; ++kb) {
-    const uint16_t* t = pack + kb * 2 * kTileBf16;
-    for (int r = 0; r < 16; ++r) {
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(t + r * 32);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(t + kTileBf16 + r * 32);
-      for (int i = 0; i < R; ++i) {
-        uint32_t pair;
-        std::memcpy(&pair, x + i * kp + kb * kBlock + 2 * r, 4);
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xb, w0);
-        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xb, w1);
-      }
-    }
-  }
-  const int64_t cols = std::min(kBlock, p.n - c0);
-  alignas(64) float row[kBlock];
-  for (int i = 0; i < R; ++i) {
-    _mm512_store_ps(row, acc[i][0]);
-    _mm512_store_ps(row + 16, acc[i][1]);
-    StoreRow(row, cols, p, row0 + i, c0);
-  }
 }
 
 #endif  // JAXKV_AMX
@@ -221,35 +317,51 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
     std::memset(out, 0, m * n * (bf16_out ? 2 : 4));
     return ffi::Error::Success();
   }
-  if (!AmxReady()) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "jaxkv AMX matmul: this build or process cannot run AMX tiles");
-  }
-#if defined(JAXKV_AMX)
+#if defined(JAXKV_BF16_DOT)
   const int64_t kp = kb * kBlock;
   const auto* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
+  const auto* ws = reinterpret_cast<const uint16_t*>(w.typed_data());
   const int threads = jaxkv_cpu::Threads(pool, num_threads);
-  if (m <= kFewRows) {  // a few rows: dot products off the tiles, column blocks split
+  if (m <= kFewRows || !AmxReady()) {  // AVX512-BF16 dot products off the tiles
     const uint16_t* xp = k == kp ? xs : PadRows(xs, 0, m, k, kp);
-    const auto* ws = reinterpret_cast<const uint16_t*>(w.typed_data());
     const Problem p{xp, ws, nullptr, 0, m, k, n, kp, out, bf16_out};
-    const int parts = static_cast<int>(std::min<int64_t>(nb, 4 * threads));
-    jaxkv_cpu::ParallelFor(pool, threads, parts, [&p, nb, kb, kp, m, ws, xp, parts](int part) {
-      for (int64_t j = nb * part / parts; j < nb * (part + 1) / parts; ++j) {
-        const uint16_t* pack = ws + j * kb * 2 * kTileBf16;
-        for (int64_t i = 0; i < m; i += 4) {
-          const uint16_t* xi = xp + i * kp;
-          switch (std::min<int64_t>(4, m - i)) {
-            case 1: FewRows<1>(xi, kp, pack, p, i, j * kBlock); break;
-            case 2: FewRows<2>(xi, kp, pack, p, i, j * kBlock); break;
-            case 3: FewRows<3>(xi, kp, pack, p, i, j * kBlock); break;
-            default: FewRows<4>(xi, kp, pack, p, i, j * kBlock);
-          }
+    // Work items (chunk of column blocks, group of rows), chunk-major, as for the tiles below:
+    // one group when the rows are few (a decode step), and then two or four blocks a chunk.
+    const int64_t group_rows = m <= 2 * kDotGroupRows ? m : kDotGroupRows;
+    const int64_t groups = (m + group_rows - 1) / group_rows;
+    const int64_t chunk =
+        groups > 1 ? std::max<int64_t>(2, kChunkBytes / 2 / (kp * kBlock * 2) / 2 * 2)
+                   : (m <= kFewRows ? 4 : 2);
+    const int64_t chunks = (nb + chunk - 1) / chunk;
+    const int64_t items = chunks * groups;
+    const int64_t next = kb * 2 * kTileBf16;  // bf16 values of one column block's tiles
+    // A few rows stream the weights from memory: one contiguous run of them a thread.
+    const int parts =
+        static_cast<int>(std::min<int64_t>(items, (m <= kFewRows ? 1 : 4) * threads));
+    const auto run = [&p, xp, kp, m, nb, items, parts, groups, chunk, group_rows,
+                      next](int part) {
+      for (int64_t item = items * part / parts; item < items * (part + 1) / parts; ++item) {
+        const int64_t j0 = item / groups * chunk, r0 = item % groups * group_rows;
+        // One group of rows: the next item's weights stream into L2 while this one's run.
+        Ahead ahead{nullptr, nullptr};
+        if (groups == 1 && item + 1 < items * (part + 1) / parts) {
+          ahead.at = reinterpret_cast<const char*>(p.w + std::min(nb, j0 + chunk) * next);
+          ahead.end = reinterpret_cast<const char*>(p.w + std::min(nb, j0 + 2 * chunk) * next);
         }
+        DotRows(xp, kp, kp, p, r0, std::min(m, r0 + group_rows), j0, std::min(nb, j0 + chunk),
+                ahead);
       }
-    });
+    };
+    jaxkv_cpu::ParallelFor(pool, threads, parts, run,
+                           groups > 1 ? jaxkv_cpu::Team::kPool : jaxkv_cpu::Team::kHelpers);
     return ffi::Error::Success();
   }
+#endif
+  if (!AmxReady()) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "jaxkv bf16 matmul: this build has no AVX512-BF16");
+  }
+#if defined(JAXKV_AMX)
   // Rows read in place: whole blocks of 32, when K is a multiple of 32.
   const int64_t tail_row = k == kp ? m / kBlock * kBlock : 0;
   const uint16_t* tail = tail_row < m ? PadRows(xs, tail_row, m, k, kp) : nullptr;
@@ -294,3 +406,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvAmxMatmulCpu, AmxMatmulImpl,
 
 // 1 when this library and process can run AMX tiles (cpu_backend.amx_available).
 extern "C" int JaxkvAmxReady() { return AmxReady() ? 1 : 0; }
+
+// 1 when this library was built with AVX512-BF16 (the packed layout's dot-product path).
+extern "C" int JaxkvBf16DotReady() {
+#if defined(JAXKV_BF16_DOT)
+  return 1;
+#else
+  return 0;
+#endif
+}

@@ -1,8 +1,11 @@
-"""bf16 matmuls on AMX tiles with packed weights (``pallas_kernels.amx``,
-``cpu_kernels/amx_matmul.cc``) and the layers that use them (``models.cpu_layout``): the tile
-layout on literal values, products equal to XLA's bf16 dot with f32 results, and an engine whose
-linears run on the tiles producing the tokens of one that does not. The layout tests run
-everywhere; the rest need a CPU with AMX (Sapphire Rapids or later) and skip elsewhere."""
+"""bf16 matmuls with weights packed at load (``pallas_kernels.amx``,
+``cpu_kernels/amx_matmul.cc``: AMX tiles, or AVX512-BF16 dot products on CPUs without AMX) and
+the layers that use them (``models.cpu_layout``): the layout on literal values, products equal
+to XLA's bf16 dot with f32 results, and an engine whose linears run packed producing the tokens
+of one that does not. The layout tests run everywhere; the rest need a CPU with AMX or
+AVX512-BF16 (Intel Cooper Lake / Sapphire Rapids, AMD Zen 4 and later) and skip elsewhere.
+On an AMX machine products of more than ``amx.FEW_ROWS`` rows run on the tiles, on the others
+on the dot products, so each machine checks the kernel it runs."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from jaxkv.models.layers import linear
 from jaxkv.pallas_kernels import amx
 
 needs_amx = pytest.mark.skipif(
-    not amx.available(), reason="no AMX tiles here (CPU, build or JAXKV_CPU_AMX=0)"
+    not amx.available(), reason="no AMX or AVX512-BF16 here (CPU, build or JAXKV_CPU_AMX=0)"
 )
 
 
@@ -56,6 +59,9 @@ def test_unpack_restores_the_kernel(k, n):
         (160, 64, 96),  # two row groups of 4 blocks: chunks of column blocks
         (300, 576, 192),  # a prefill chunk, ragged last row block read through the copy
         (5, 2048, 33),
+        (2, 64, 224),  # two rows: blocks taken four, then two, then one at a time
+        (7, 96, 200),  # a group of six rows and one more; pairs of column blocks, then one
+        (400, 40, 100),  # groups of 96 rows (dot products), inputs padded
     ],
 )
 def test_matmul_equals_xla_bf16_dot_with_f32_results(m, k, n):
