@@ -85,11 +85,14 @@ def matmul(
     packed,  # [ceil(N / 32), ceil(K / 32), 2, 16, 32] bf16
     n: int,
     out_dtype=jnp.float32,
+    *,
+    tiles: bool = True,
 ) -> jax.Array:
-    """``x @ unpack(packed, K, n)`` as ``[M, n]``, summed in f32 (AMX tiles or AVX512-BF16 dot
-    products), in ``out_dtype``
-    (float32, or bfloat16 rounded to nearest even in the kernel: half the bytes written); the
-    FFI call, CPU only."""
+    """``x @ unpack(packed, K, n)`` as ``[M, n]``, summed in f32, in ``out_dtype`` (float32, or
+    bfloat16 rounded to nearest even in the kernel: half the bytes written); the FFI call, CPU
+    only. Above :data:`FEW_ROWS` rows the sums run on AMX tiles where this process has them,
+    else (and with ``tiles=False``, which checks that path on any machine) on AVX512-BF16 dot
+    products."""
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"amx.matmul writes float32 or bfloat16, not {out_dtype}")
@@ -106,6 +109,7 @@ def matmul(
         packed.astype(jnp.bfloat16),
         n=np.int64(n),
         num_threads=np.int32(cpu_backend._num_threads()),
+        tiles=np.int32(tiles),
     )
 
 

@@ -293,7 +293,7 @@ const uint16_t* PadRows(const uint16_t* x, int64_t row0, int64_t m, int64_t k, i
 
 ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                          ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::AnyBuffer> y, int64_t n,
-                         int32_t num_threads) {
+                         int32_t num_threads, int32_t tiles) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const int64_t k = xd.size() == 2 ? xd[1] : -1;
@@ -322,7 +322,7 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   const auto* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
   const auto* ws = reinterpret_cast<const uint16_t*>(w.typed_data());
   const int threads = jaxkv_cpu::Threads(pool, num_threads);
-  if (m <= kFewRows || !AmxReady()) {  // AVX512-BF16 dot products off the tiles
+  if (m <= kFewRows || !tiles || !AmxReady()) {  // AVX512-BF16 dot products off the tiles
     const uint16_t* xp = k == kp ? xs : PadRows(xs, 0, m, k, kp);
     const Problem p{xp, ws, nullptr, 0, m, k, n, kp, out, bf16_out};
     // Work items (chunk of column blocks, group of rows), chunk-major, as for the tiles below:
@@ -402,7 +402,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvAmxMatmulCpu, AmxMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w [NB, KB, 2, 16, 32]
                                   .Ret<ffi::AnyBuffer>()          // y [M, N] f32 | bf16
                                   .Attr<int64_t>("n")
-                                  .Attr<int32_t>("num_threads"));
+                                  .Attr<int32_t>("num_threads")
+                                  .Attr<int32_t>("tiles"));  // 0: dot products at any M
 
 // 1 when this library and process can run AMX tiles (cpu_backend.amx_available).
 extern "C" int JaxkvAmxReady() { return AmxReady() ? 1 : 0; }

@@ -5,9 +5,12 @@ to XLA's bf16 dot with f32 results, and an engine whose linears run packed produ
 of one that does not. The layout tests run everywhere; the rest need a CPU with AMX or
 AVX512-BF16 (Intel Cooper Lake / Sapphire Rapids, AMD Zen 4 and later) and skip elsewhere.
 On an AMX machine products of more than ``amx.FEW_ROWS`` rows run on the tiles, on the others
-on the dot products, so each machine checks the kernel it runs."""
+on the dot products; the products are checked both ways (``tiles=False``: the dot products
+on any machine)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -64,16 +67,18 @@ def test_unpack_restores_the_kernel(k, n):
         (400, 40, 100),  # groups of 96 rows (dot products), inputs padded
     ],
 )
-def test_matmul_equals_xla_bf16_dot_with_f32_results(m, k, n):
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles-if-any", "dot-products"])
+def test_matmul_equals_xla_bf16_dot_with_f32_results(m, k, n, tiles):
     rng = np.random.default_rng(m + k + n)
     x, w = _bf16(rng, (m, k)), _bf16(rng, (k, n))
-    got = jax.jit(amx.matmul, static_argnums=2)(x, amx.pack(w), n)
+    call = functools.partial(amx.matmul, tiles=tiles)
+    got = jax.jit(call, static_argnums=2)(x, amx.pack(w), n)
     want = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
     assert got.shape == (m, n) and got.dtype == jnp.float32
     # bf16 products are exact in f32; only the order of the f32 sums differs
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4 * k**0.5)
     # bf16 results: the same sums rounded to nearest even (the kernel's own rounding)
-    got16 = jax.jit(amx.matmul, static_argnums=(2, 3))(x, amx.pack(w), n, jnp.bfloat16)
+    got16 = jax.jit(call, static_argnums=(2, 3))(x, amx.pack(w), n, jnp.bfloat16)
     assert got16.dtype == jnp.bfloat16
     assert (got16 == got.astype(jnp.bfloat16)).all()
 
