@@ -238,40 +238,55 @@ inline void accumulate_pv_group(const float (*w)[kChunk], const float* const* v,
   }
 }
 
-// GB query vectors of one row (heads of one GQA group: same keys, same mask [a, b)) over a
-// chunk whose K is transposed to kt [D, kChunk] (prefill tiles). Every K and V vector loaded
-// feeds GB FMAs (q elements / weights broadcast), so the loop is not bound by loads: 64 logits
-// per query as 4 vectors, then the p.v sums in register blocks of up to 16 accumulators.
-// GB == 1 keeps two accumulator sets (even / odd elements) so that its FMA chains overlap.
-template <int NC, int GB>
-void chunk_transposed(const float* q, const float* kt, const Chunk& c, int a, int b,
-                      float soft_cap, float* m, float* l, float* acc) {
+// GB query vectors of one row (heads of one GQA group: same keys, same mask [a, b)) over the
+// first NV * 16 keys of a chunk whose K is transposed to kt [D, kChunk] (prefill tiles). Every
+// K and V vector loaded feeds GB FMAs (q elements / weights broadcast), so the loop is not
+// bound by loads: NV vectors of logits per query, then the p.v sums in register blocks of up to
+// 16 accumulators. GB == 1 keeps two accumulator sets (even / odd elements) so that its FMA
+// chains overlap.
+template <int NC, int GB, int NV>
+void chunk_transposed_keys(const float* q, const float* kt, const Chunk& c, int a, int b,
+                           float soft_cap, float* m, float* l, float* acc) {
   constexpr int D = NC * kLanes;
-  constexpr int kVecs = kChunk / kLanes;
   constexpr int kSets = GB == 1 ? 2 : 1;
-  const int n_pad = (c.n + kLanes - 1) / kLanes * kLanes;
-  v16 s[kSets][GB][kVecs] = {};
+  constexpr int n_keys = NV * kLanes;
+  v16 s[kSets][GB][NV] = {};
   for (int e = 0; e < D; e += kSets) {
     for (int u = 0; u < kSets; ++u) {
-      v16 k[kVecs];
-      for (int j = 0; j < kVecs; ++j) k[j] = load16(kt + (e + u) * kChunk + j * kLanes);
+      v16 k[NV];
+      for (int j = 0; j < NV; ++j) k[j] = load16(kt + (e + u) * kChunk + j * kLanes);
       for (int g = 0; g < GB; ++g) {
         const float qe = q[g * D + e + u];
-        for (int j = 0; j < kVecs; ++j) s[u][g][j] += qe * k[j];
+        for (int j = 0; j < NV; ++j) s[u][g][j] += qe * k[j];
       }
     }
   }
   alignas(64) float logit[GB][kChunk];
   float corr[GB];
   for (int g = 0; g < GB; ++g) {
-    for (int j = 0; j < kVecs; ++j) {
+    for (int j = 0; j < NV; ++j) {
       v16 x = s[0][g][j];
       for (int u = 1; u < kSets; ++u) x += s[u][g][j];
       store16(logit[g] + j * kLanes, x);
     }
-    corr[g] = softmax_update(logit[g], a, b, n_pad, soft_cap, m[g], l[g]);
+    corr[g] = softmax_update(logit[g], a, b, n_keys, soft_cap, m[g], l[g]);
   }
-  accumulate_pv_group<NC, GB>(logit, c.v, n_pad, corr, acc);
+  accumulate_pv_group<NC, GB>(logit, c.v, n_keys, corr, acc);
+}
+
+// chunk_transposed_keys over the chunk's keys up to b rounded up to 16: the keys past b (the
+// causal mask's, in a prompt's last chunk) would get weight exactly 0 (exp_nonpositive below
+// -87), so leaving them out changes no sum.
+template <int NC, int GB>
+void chunk_transposed(const float* q, const float* kt, const Chunk& c, int a, int b,
+                      float soft_cap, float* m, float* l, float* acc) {
+  static_assert(kChunk == 4 * kLanes, "chunk_transposed takes 1-4 vectors of keys");
+  switch ((std::min(b, c.n) + kLanes - 1) / kLanes) {
+    case 1: chunk_transposed_keys<NC, GB, 1>(q, kt, c, a, b, soft_cap, m, l, acc); break;
+    case 2: chunk_transposed_keys<NC, GB, 2>(q, kt, c, a, b, soft_cap, m, l, acc); break;
+    case 3: chunk_transposed_keys<NC, GB, 3>(q, kt, c, a, b, soft_cap, m, l, acc); break;
+    default: chunk_transposed_keys<NC, GB, 4>(q, kt, c, a, b, soft_cap, m, l, acc);
+  }
 }
 
 // GB query vectors of one row (heads of one GQA group) over one chunk's keys [a, b) (decode
