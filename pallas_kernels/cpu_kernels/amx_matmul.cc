@@ -110,13 +110,17 @@ struct Ahead {
 };
 
 struct Problem {
-  const uint16_t* x;     // [m, k] bf16 bits
+  const uint16_t* x;     // [m, k] bf16 bits (the dot products: [m, kp], zero past k)
   const uint16_t* w;     // [nb, kb, 2, 16, 32] packed
   const uint16_t* tail;  // the zero-padded copy of x's rows [tail_row, m): [32, kp] (or all)
   int64_t tail_row;      // first row read from `tail` (a multiple of 32)
   int64_t m, k, n, kp;
   void* y;               // [m, n] f32, or bf16 when `bf16_out`
   bool bf16_out;
+
+  // bf16 values of one column block's tiles (all of K), and where block j's start.
+  int64_t block_values() const { return kp / kBlock * 2 * kTileBf16; }
+  const uint16_t* column_block(int64_t j) const { return w + j * block_values(); }
 };
 
 // y[row, c0 : c0 + cols] = v[:cols] (cols <= 32), rounded to bf16 (nearest even) for a bf16 y.
@@ -134,17 +138,17 @@ inline void StoreRow(const float* v, int64_t cols, const Problem& p, int64_t row
   }
 }
 
-// Rows [row0, row0 + R) of y, columns [c0, c0 + 32 C) from the C column blocks whose packed
-// tiles start at `pack` (block c at pack + c * `next`), off the tiles' rows with AVX512-BF16
-// dot products: a tile row is 16 columns' input pairs, the operand VDPBF16PS takes, and each
-// pair of a row of x is broadcast against it. R x 2C accumulators (R = 6, C = 2: 24 of the 32
-// vector registers) take each loaded vector of weights R times and each broadcast 2C times.
-// x: rows of stride `xs` with kp readable values (zero past k). No tile is padded to 16 rows,
+// Rows [row0, row0 + R) of y, columns of the C column blocks from block j, off the tiles' rows
+// with AVX512-BF16 dot products: a tile row is 16 columns' input pairs, the operand VDPBF16PS
+// takes, and each pair of a row of x is broadcast against it. R x 2C accumulators (R = 6,
+// C = 2: 24 of the 32 vector registers) take each loaded vector of weights R times and each
+// broadcast 2C times. x: p.x's rows of kp values (zero past k). No tile is padded to 16 rows,
 // so one row reads no more than it needs.
 template <int R, int C>
-void DotBlock(const uint16_t* __restrict__ x, int64_t xs, int64_t kp,
-              const uint16_t* __restrict__ pack, int64_t next, const Problem& p, int64_t row0,
-              int64_t c0, Ahead& ahead) {
+void DotBlock(const Problem& p, int64_t row0, int64_t j, Ahead& ahead) {
+  const int64_t kp = p.kp, next = p.block_values(), c0 = j * kBlock;
+  const uint16_t* __restrict__ x = p.x + row0 * kp;
+  const uint16_t* __restrict__ pack = p.column_block(j);
   __m512 acc[R][2 * C];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
@@ -174,7 +178,7 @@ void DotBlock(const uint16_t* __restrict__ x, int64_t xs, int64_t kp,
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
         uint32_t pair;
-        std::memcpy(&pair, xk + i * xs + 2 * r, 4);
+        std::memcpy(&pair, xk + i * kp + 2 * r, 4);
         const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
 #pragma GCC unroll 8
         for (int t = 0; t < 2 * C; ++t) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], xb, w[t]);
@@ -195,40 +199,33 @@ void DotBlock(const uint16_t* __restrict__ x, int64_t xs, int64_t kp,
 // Rows [i, i + R) of y, column blocks [j0, j1): DotBlock on fours (one or two rows) or pairs
 // of blocks, then one block.
 template <int R>
-void DotGroup(const uint16_t* x, int64_t xs, int64_t kp, const Problem& p, int64_t i,
-              int64_t j0, int64_t j1, Ahead& ahead) {
-  const int64_t next = kp / kBlock * 2 * kTileBf16;  // bf16 values of one column block's tiles
-  const uint16_t* xi = x + i * xs;
+void DotGroup(const Problem& p, int64_t i, int64_t j0, int64_t j1, Ahead& ahead) {
   int64_t j = j0;
   if constexpr (R <= 2) {  // more weights in flight for a row or two (memory-bound)
-    for (; j + 4 <= j1; j += 4) {
-      DotBlock<R, 4>(xi, xs, kp, p.w + j * next, next, p, i, j * kBlock, ahead);
-    }
+    for (; j + 4 <= j1; j += 4) DotBlock<R, 4>(p, i, j, ahead);
   }
-  for (; j + 2 <= j1; j += 2) {
-    DotBlock<R, 2>(xi, xs, kp, p.w + j * next, next, p, i, j * kBlock, ahead);
-  }
-  for (; j < j1; ++j) DotBlock<R, 1>(xi, xs, kp, p.w + j * next, next, p, i, j * kBlock, ahead);
+  for (; j + 2 <= j1; j += 2) DotBlock<R, 2>(p, i, j, ahead);
+  for (; j < j1; ++j) DotBlock<R, 1>(p, i, j, ahead);
 }
 
 // Rows [row0, row1) of y (groups of kDotRows, then the rest), column blocks [j0, j1): each
 // group of rows passes over all the blocks, so its rows of x stay in L1 and the blocks' tiles
 // in L2.
-void DotRows(const uint16_t* x, int64_t xs, int64_t kp, const Problem& p, int64_t row0,
-             int64_t row1, int64_t j0, int64_t j1, Ahead& ahead) {
+void DotRows(const Problem& p, int64_t row0, int64_t row1, int64_t j0, int64_t j1,
+             Ahead& ahead) {
   const bool rows_ahead = ahead.at == nullptr;  // else the item streams the next weights
   for (int64_t i = row0; i < row1; i += kDotRows) {
     if (rows_ahead) {  // the next group's rows of x, from memory while these run
-      ahead.at = reinterpret_cast<const char*>(x + std::min(row1, i + kDotRows) * xs);
-      ahead.end = reinterpret_cast<const char*>(x + std::min(row1, i + 2 * kDotRows) * xs);
+      ahead.at = reinterpret_cast<const char*>(p.x + std::min(row1, i + kDotRows) * p.kp);
+      ahead.end = reinterpret_cast<const char*>(p.x + std::min(row1, i + 2 * kDotRows) * p.kp);
     }
     switch (std::min<int64_t>(kDotRows, row1 - i)) {
-      case 1: DotGroup<1>(x, xs, kp, p, i, j0, j1, ahead); break;
-      case 2: DotGroup<2>(x, xs, kp, p, i, j0, j1, ahead); break;
-      case 3: DotGroup<3>(x, xs, kp, p, i, j0, j1, ahead); break;
-      case 4: DotGroup<4>(x, xs, kp, p, i, j0, j1, ahead); break;
-      case 5: DotGroup<5>(x, xs, kp, p, i, j0, j1, ahead); break;
-      default: DotGroup<kDotRows>(x, xs, kp, p, i, j0, j1, ahead);
+      case 1: DotGroup<1>(p, i, j0, j1, ahead); break;
+      case 2: DotGroup<2>(p, i, j0, j1, ahead); break;
+      case 3: DotGroup<3>(p, i, j0, j1, ahead); break;
+      case 4: DotGroup<4>(p, i, j0, j1, ahead); break;
+      case 5: DotGroup<5>(p, i, j0, j1, ahead); break;
+      default: DotGroup<kDotRows>(p, i, j0, j1, ahead);
     }
   }
 }
@@ -334,22 +331,19 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                    : (m <= kFewRows ? 4 : 2);
     const int64_t chunks = (nb + chunk - 1) / chunk;
     const int64_t items = chunks * groups;
-    const int64_t next = kb * 2 * kTileBf16;  // bf16 values of one column block's tiles
     // A few rows stream the weights from memory: one contiguous run of them a thread.
     const int parts =
         static_cast<int>(std::min<int64_t>(items, (m <= kFewRows ? 1 : 4) * threads));
-    const auto run = [&p, xp, kp, m, nb, items, parts, groups, chunk, group_rows,
-                      next](int part) {
+    const auto run = [&p, m, nb, items, parts, groups, chunk, group_rows](int part) {
       for (int64_t item = items * part / parts; item < items * (part + 1) / parts; ++item) {
         const int64_t j0 = item / groups * chunk, r0 = item % groups * group_rows;
         // One group of rows: the next item's weights stream into L2 while this one's run.
         Ahead ahead{nullptr, nullptr};
         if (groups == 1 && item + 1 < items * (part + 1) / parts) {
-          ahead.at = reinterpret_cast<const char*>(p.w + std::min(nb, j0 + chunk) * next);
-          ahead.end = reinterpret_cast<const char*>(p.w + std::min(nb, j0 + 2 * chunk) * next);
+          ahead.at = reinterpret_cast<const char*>(p.column_block(std::min(nb, j0 + chunk)));
+          ahead.end = reinterpret_cast<const char*>(p.column_block(std::min(nb, j0 + 2 * chunk)));
         }
-        DotRows(xp, kp, kp, p, r0, std::min(m, r0 + group_rows), j0, std::min(nb, j0 + chunk),
-                ahead);
+        DotRows(p, r0, std::min(m, r0 + group_rows), j0, std::min(nb, j0 + chunk), ahead);
       }
     };
     jaxkv_cpu::ParallelFor(pool, threads, parts, run,
@@ -375,15 +369,15 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   const int64_t chunks = (nb + chunk - 1) / chunk;
   const int64_t items = chunks * groups;  // chunk-major
   const int parts = static_cast<int>(std::min<int64_t>(items, 4 * threads));
-  jaxkv_cpu::ParallelFor(pool, threads, parts, [&p, items, parts, groups, chunk, nb, row_blocks,
-                                                kb](int part) {
+  jaxkv_cpu::ParallelFor(pool, threads, parts, [&p, items, parts, groups, chunk, nb,
+                                                row_blocks](int part) {
     Configure();  // tile configuration is per thread
     alignas(64) float ragged[kBlock * kBlock];
     for (int64_t item = items * part / parts; item < items * (part + 1) / parts; ++item) {
       const int64_t j0 = item / groups * chunk, rb0 = item % groups * kGroupBlocks;
       const int64_t rb1 = std::min(row_blocks, rb0 + kGroupBlocks);
       for (int64_t j = j0; j < std::min(nb, j0 + chunk); ++j) {
-        const uint16_t* pack = p.w + j * kb * 2 * kTileBf16;
+        const uint16_t* pack = p.column_block(j);
         for (int64_t rb = rb0; rb < rb1; ++rb) Block(p, rb * kBlock, j * kBlock, pack, ragged);
       }
     }
