@@ -97,8 +97,8 @@ def _packable(node) -> bool:
 def pack_for_cpu(model):
     """``model`` with its bf16 ``nnx.Linear`` layers as :class:`AmxLinear` where this process
     runs the packed kernel (``amx.available()``: AMX tiles or AVX512-BF16), else ``model``
-    itself. The packed model is a copy
-    (``model``'s own layers are untouched) sharing every other array with it."""
+    itself. The packed model is a copy (``model``'s own layers are untouched) sharing every
+    other array with it."""
     if not amx.available():
         return model
     return _replaced(model, _packable, AmxLinear.from_linear)

@@ -328,10 +328,10 @@ def float_matmul(
     """``x [..., in] @ w [in, out]`` (``w [out, in]`` when ``out_major``) for a float ``w`` of
     ``CPU_KERNEL_FLOAT_DTYPES``, in ``out_dtype``; with ``transposed``, ``[out, R]`` for ``x
     [R, in]`` (the LM head's vocabulary-major logits). On the CPU an out-major bf16 ``w``
-    above ``amx.FEW_ROWS`` rows runs on the packed kernel where present (``amx.out_major_matmul``:
-    AMX tiles or AVX512-BF16),
-    else the C++ kernel (up to ``CPU_FLOAT_KERNEL_MAX_ROWS`` rows) or XLA's dot with f32
-    results; elsewhere ``default(x, w)`` (XLA's dot in ``out_dtype`` when None)."""
+    above ``amx.FEW_ROWS`` rows runs on the packed kernel where present
+    (``amx.out_major_matmul``: AMX tiles or AVX512-BF16), else the C++ kernel (up to
+    ``CPU_FLOAT_KERNEL_MAX_ROWS`` rows) or XLA's dot with f32 results; elsewhere
+    ``default(x, w)`` (XLA's dot in ``out_dtype`` when None)."""
     from jaxkv.pallas_kernels import amx, cpu_backend  # build their C++ only when asked
 
     w_in = 1 if out_major else 0

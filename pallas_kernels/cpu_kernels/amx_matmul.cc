@@ -399,9 +399,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvAmxMatmulCpu, AmxMatmulImpl,
                                   .Attr<int32_t>("num_threads")
                                   .Attr<int32_t>("tiles"));  // 0: dot products at any M
 
-// 1 when this library and process can run AMX tiles (cpu_backend.amx_available).
-extern "C" int JaxkvAmxReady() { return AmxReady() ? 1 : 0; }
-
 // 1 when this library was built with AVX512-BF16 (the packed layout's dot-product path).
 extern "C" int JaxkvBf16DotReady() {
 #if defined(JAXKV_BF16_DOT)
