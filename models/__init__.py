@@ -11,6 +11,7 @@ local RoPE base). Public surface:
                 -> (hidden [T, hidden] after the final norm, new kv_buffers)
             model.compute_logits(hidden [R, hidden]) -> [R, V] float32
             model.compute_logits(hidden [R, hidden], vocab_major=True) -> [V, R] float32
+            model.float_lm_head() -> [V, hidden] | None (optional: logits are hidden @ W^T)
             model.kv_layer_infos() -> {layer_name: LayerKVInfo}
             model.config: vocab_size, head_dim, max_position_embeddings, dtype, eos_token_id
   layers:   attend_paged (one attention layer's paged step: write K/V, attend; what a model of

@@ -118,6 +118,16 @@ class CausalLM(nnx.Module):
             h, buffers[tensor] = layer(h, positions, attend)
         return self.model.norm(h), tuple(buffers)
 
+    def float_lm_head(self) -> jax.Array | None:
+        """The LM head's float weights ``[V, hidden]`` (the tied embedding or ``lm_head``) when
+        the logits are exactly ``hidden @ W^T`` summed in f32 (no quantized head, no final
+        soft-cap), else None: what a greedy head may read in place of the logits
+        (``jaxkv.worker.heads.LogitsHead.greedy_tokens``)."""
+        if isinstance(self.lm_head, QuantizedLMHead) or self.config.final_logit_softcapping:
+            return None
+        head = self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head.weight
+        return head[...]
+
     def compute_logits(
         self,
         hidden: jax.Array,  # [..., hidden] final-normed ([R, hidden] if vocab_major)

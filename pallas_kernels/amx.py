@@ -123,6 +123,34 @@ def out_major_applies(rows: int, w) -> bool:
     )
 
 
+def out_major_first_max(x, w, *, tiles: bool = True) -> jax.Array:
+    """``argmax(x [R, in] @ w [out, in]^T, axis=-1)`` as ``[R]`` int32 (the first maximum; the
+    first NaN if any, as ``jnp.argmax``) of the same f32 sums as :func:`out_major_matmul`,
+    without storing the ``[R, out]`` product: the greedy LM head. Each work item of the kernel
+    keeps its rows' first maxima per column; the items' are merged in order. SmolLM2-135M's
+    49152 x 576 head at 64 rows: 9.1 against 13.3 ms for the product then
+    ``jaxkv.worker.logits_ops.argmax`` (AMD EPYC VM, 2 cores, 2026-12-05; the f32 logits,
+    12.5 MB, were a fresh temporary of every step, written page by page)."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or x.shape[1] % BLOCK:
+        raise ValueError(
+            f"amx.out_major_first_max takes x [R, in] and w [out, in] with in a multiple of "
+            f"{BLOCK}, got x {x.shape} and w {w.shape}"
+        )
+    if w.shape[0] == 0:
+        raise ValueError(f"amx.out_major_first_max needs a vocabulary, got w {w.shape}")
+    x2 = x.astype(jnp.bfloat16)  # [R, in]
+    call = cpu_backend._ffi_call(
+        cpu_backend.FIRST_MAX_TARGET, jax.ShapeDtypeStruct((x2.shape[0],), jnp.int32)
+    )
+    return call(
+        w.astype(jnp.bfloat16),
+        pack(x2.T),
+        n=np.int64(x2.shape[0]),
+        num_threads=np.int32(cpu_backend._num_threads()),
+        tiles=np.int32(tiles),
+    )
+
+
 def out_major_matmul(x, w, out_dtype, transposed: bool) -> jax.Array:
     """``x [..., in] @ w [out, in]^T`` on this kernel with the roles swapped: ``w`` (an LM head
     or tied embedding, read in place, no packed copy) is the tiles' row operand and ``x^T``,

@@ -67,6 +67,7 @@ ZERO_TARGET = "jaxkv_zero_pages_cpu"
 QMATMUL_TARGET = "jaxkv_quantized_matmul_cpu"
 Q4_TARGET = "jaxkv_q4_matmul_cpu"
 AMX_TARGET = "jaxkv_amx_matmul_cpu"
+FIRST_MAX_TARGET = "jaxkv_bf16_first_max_cpu"
 HANDLERS = {
     TARGET: "JaxkvPagedAttentionCpu",
     WRITE_TARGET: "JaxkvWriteKvCpu",
@@ -74,6 +75,7 @@ HANDLERS = {
     QMATMUL_TARGET: "JaxkvQuantizedMatmulCpu",
     Q4_TARGET: "JaxkvQ4MatmulCpu",
     AMX_TARGET: "JaxkvAmxMatmulCpu",
+    FIRST_MAX_TARGET: "JaxkvBf16FirstMaxCpu",
 }
 #: Kernel dtypes of ``quantized_matmul`` (its ``qtype`` attribute): quantized (with scales),
 #: then float (``FLOAT_QTYPES``: no scales).

@@ -3,9 +3,11 @@
 Each is compiled once per size it is keyed by and reads the forward's outputs on the device
 (no host round trip):
 
-* ``greedy[S]``: the argmax of the raw logits of the first S sampled positions (vocab-major LM
-  head, the faster orientation on XLA:CPU), for steps where no sampling row needs more (a
-  forward of T <= S tokens runs the same function itself: ``jaxkv.worker.forward``);
+* ``greedy[S]``: the argmax of the raw logits of the first S sampled positions, for steps where
+  no sampling row needs more (a forward of T <= S tokens runs the same function itself:
+  ``jaxkv.worker.forward``). On the CPU a bf16 head's argmax is taken inside its product
+  (``LogitsHead.greedy_tokens``); elsewhere from vocab-major logits, the faster orientation on
+  XLA:CPU;
 * ``sample[S]``: the general sampler (``jaxkv.worker.sampler``) over the rows' slots of the
   device ``SamplingState``; it appends each sampled token to its slot's history;
 * ``verify[P]``: the same over P scored positions against n-gram drafts (speculative decoding);
@@ -30,6 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv.models.sharding import TP_AXIS
+from jaxkv.pallas_kernels import amx
 from jaxkv.worker.logits_ops import compute_logprobs
 from jaxkv.worker.packing import PackSpec, pack_record, unpack_record
 from jaxkv.worker.sampler import (
@@ -91,6 +94,29 @@ class LogitsHead:
             for spec in (split, PartitionSpec()):
                 logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, spec))
         return logits
+
+    def greedy_tokens(self, head: list, hidden: jax.Array) -> jax.Array:
+        """hidden [R, hidden] -> [R] int32: the first maximum of each row's raw logits (the
+        first NaN if any). On a one-device CPU engine whose bf16 LM head is a plain matrix
+        (``float_lm_head``), one kernel keeps each row's first maximum as it sums
+        (``amx.out_major_first_max``): the same f32 sums, no ``[V, R]`` logits written and
+        read back. Else the vocab-major logits, then their argmax."""
+
+        def from_logits(h, w=None):  # [R, hidden] -> [R]
+            return _replicated(
+                sample_greedy_vocab_major(self.logits(head, h, vocab_major=True)), self.mesh
+            )
+
+        float_lm_head = getattr(self._merge(head, self.used), "float_lm_head", None)
+        w = None if self.mesh is not None or float_lm_head is None else float_lm_head()
+        if w is None or hidden.ndim != 2 or not amx.out_major_applies(hidden.shape[0], w):
+            return from_logits(hidden)
+        return jax.lax.platform_dependent(
+            hidden,
+            w,
+            cpu=lambda h, w: amx.out_major_first_max(h.astype(w.dtype), w),
+            default=from_logits,
+        )
 
 
 def _replicated(x, mesh):
@@ -205,10 +231,7 @@ def build_greedy_fn(head: LogitsHead, *, num_rows: int):
     """``greedy(head_params, selected [P, hidden], last_sampled [R]) -> (last_sampled, tokens [S])``."""
 
     def greedy(head_params, selected, last_sampled):
-        logits_t = head.logits(
-            head_params, first_rows(selected, num_rows), vocab_major=True
-        )  # [V, S]
-        tokens = _replicated(sample_greedy_vocab_major(logits_t), head.mesh)
+        tokens = head.greedy_tokens(head_params, first_rows(selected, num_rows))  # [S]
         rows = min(num_rows, last_sampled.shape[0])
         return jax.lax.dynamic_update_slice(last_sampled, tokens[:rows], (0,)), tokens
 

@@ -39,8 +39,11 @@
 // VDPBF16PS loop): XLA 0.38 ms (300 GFLOP/s), the dot products 0.26 ms (430 GFLOP/s); 2048
 // rows 8.4 against 9.0 ms (benchmarks/RESULTS.md).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "kernel_common.h"
@@ -71,7 +74,7 @@ constexpr int64_t kChunkBytes = 1 << 20;  // packed weights of the column blocks
 
 // Whether this process may run AMX tiles: the build has AMX-BF16 and Linux grants the tile
 // data state (asked once; the permission is process-wide and survives fork).
-bool AmxReady() {
+[[maybe_unused]] bool AmxReady() {
 #if defined(JAXKV_AMX)
   static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                                     18 /* XFEATURE_XTILEDATA */) == 0;
@@ -117,14 +120,44 @@ struct Problem {
   int64_t m, k, n, kp;
   void* y;               // [m, n] f32, or bf16 when `bf16_out`
   bool bf16_out;
+  // The greedy head: instead of y, each group of `fold_rows` rows keeps every column's first
+  // maximum over its rows (value, row) in fold_val / fold_idx [groups, n]; nullptr: store y.
+  float* fold_val = nullptr;
+  int32_t* fold_idx = nullptr;
+  int64_t fold_rows = 0;
 
   // bf16 values of one column block's tiles (all of K), and where block j's start.
   int64_t block_values() const { return kp / kBlock * 2 * kTileBf16; }
   const uint16_t* column_block(int64_t j) const { return w + j * block_values(); }
 };
 
-// y[row, c0 : c0 + cols] = v[:cols] (cols <= 32), rounded to bf16 (nearest even) for a bf16 y.
+// Row `row` of y, columns [c0, c0 + cols), folded into its group's first maxima: a column
+// takes the row where its value is larger, or is NaN over a number (jnp.argmax's order: the
+// first NaN, else the first maximum). Rows of a group arrive in increasing order.
+inline void FoldRow(const float* v, int64_t cols, const Problem& p, int64_t row, int64_t c0) {
+  const int64_t at = row / p.fold_rows * p.n + c0;
+  float* best = p.fold_val + at;
+  int32_t* idx = p.fold_idx + at;
+  for (int64_t c = 0; c < cols; c += 16) {
+    const int64_t w = std::min<int64_t>(16, cols - c);
+    const __mmask16 mask = w == 16 ? 0xffff : static_cast<__mmask16>((1u << w) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(mask, v + c);
+    const __m512 b = _mm512_maskz_loadu_ps(mask, best + c);
+    const __mmask16 nan_over_number =
+        _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) & ~_mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+    const __mmask16 take = mask & (_mm512_cmp_ps_mask(x, b, _CMP_GT_OQ) | nan_over_number);
+    _mm512_mask_storeu_ps(best + c, take, x);
+    _mm512_mask_storeu_epi32(idx + c, take, _mm512_set1_epi32(static_cast<int>(row)));
+  }
+}
+
+// y[row, c0 : c0 + cols] = v[:cols] (cols <= 32), rounded to bf16 (nearest even) for a bf16 y;
+// or folded into the greedy head's maxima.
 inline void StoreRow(const float* v, int64_t cols, const Problem& p, int64_t row, int64_t c0) {
+  if (p.fold_val) {
+    FoldRow(v, cols, p, row, c0);
+    return;
+  }
   if (!p.bf16_out) {
     std::memcpy(static_cast<float*>(p.y) + row * p.n + c0, v, cols * 4);
     return;
@@ -256,7 +289,7 @@ void Block(const Problem& p, int64_t r0, int64_t c0, const uint16_t* __restrict_
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  if (!p.bf16_out && r0 + kBlock <= p.m && c0 + kBlock <= p.n) {
+  if (!p.bf16_out && !p.fold_val && r0 + kBlock <= p.m && c0 + kBlock <= p.n) {
     float* out = static_cast<float*>(p.y) + r0 * p.n + c0;
     _tile_stored(0, out, p.n * 4);
     _tile_stored(1, out + 16, p.n * 4);
@@ -275,7 +308,8 @@ void Block(const Problem& p, int64_t r0, int64_t c0, const uint16_t* __restrict_
 #endif  // JAXKV_AMX
 
 // Zero-padded tiles of x's rows [row0, m): [round_up(m - row0, 32), kp] bf16, kept per thread.
-const uint16_t* PadRows(const uint16_t* x, int64_t row0, int64_t m, int64_t k, int64_t kp) {
+[[maybe_unused]] const uint16_t* PadRows(const uint16_t* x, int64_t row0, int64_t m, int64_t k,
+                                         int64_t kp) {
   thread_local std::vector<uint16_t> buf;
   const int64_t rows = (m - row0 + kBlock - 1) / kBlock * kBlock;
   if (static_cast<int64_t>(buf.size()) < rows * kp) buf.resize(rows * kp);
@@ -288,43 +322,59 @@ const uint16_t* PadRows(const uint16_t* x, int64_t row0, int64_t m, int64_t k, i
   return buf.data();
 }
 
-ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
-                         ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::AnyBuffer> y, int64_t n,
-                         int32_t num_threads, int32_t tiles) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  const int64_t k = xd.size() == 2 ? xd[1] : -1;
-  const int64_t nb = (n + kBlock - 1) / kBlock, kb = (k + kBlock - 1) / kBlock;
-  if (xd.size() != 2 || wd.size() != 5 || n < 0 || wd[0] != nb || wd[1] != kb || wd[2] != 2 ||
-      wd[3] != 16 || wd[4] != 32) {
-    return ffi::Error::InvalidArgument(
-        "jaxkv AMX matmul: x [M, K] bf16 and w packed [ceil(N / 32), ceil(K / 32), 2, 16, 32] "
-        "bf16 expected");
-  }
-  const int64_t m = xd[0];
-  const auto yd = y->dimensions();
-  const bool bf16_out = y->element_type() == ffi::DataType::BF16;
-  if ((!bf16_out && y->element_type() != ffi::DataType::F32) || yd.size() != 2 || yd[0] != m ||
-      yd[1] != n) {
-    return ffi::Error::InvalidArgument("jaxkv AMX matmul: y [M, N] f32 or bf16 expected");
-  }
-  void* out = y->untyped_data();
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  if (k == 0) {
-    std::memset(out, 0, m * n * (bf16_out ? 2 : 4));
-    return ffi::Error::Success();
-  }
 #if defined(JAXKV_BF16_DOT)
+
+// The greedy head's partial maxima (Problem::fold_val / fold_idx), sized by Product once it
+// knows its groups of rows; a column's entries start at (-inf, the group's first row).
+struct Fold {
+  std::vector<float> val;
+  std::vector<int32_t> idx;
+
+  void Start(Problem& p, int64_t group_rows) {
+    const int64_t groups = (p.m + group_rows - 1) / group_rows;
+    val.assign(groups * p.n, -std::numeric_limits<float>::infinity());
+    idx.resize(groups * p.n);
+    for (int64_t g = 0; g < groups; ++g) {
+      std::fill(idx.begin() + g * p.n, idx.begin() + (g + 1) * p.n,
+                static_cast<int32_t>(g * group_rows));
+    }
+    p.fold_val = val.data();
+    p.fold_idx = idx.data();
+    p.fold_rows = group_rows;
+  }
+
+  // Column c's first maximum over all rows (groups in order, the rule of FoldRow).
+  int32_t Column(int64_t n, int64_t c) const {
+    float best = val[c];
+    int32_t at = idx[c];
+    for (size_t g = 1; g * n < val.size(); ++g) {
+      const float x = val[g * n + c];
+      if (x > best || (std::isnan(x) && !std::isnan(best))) {
+        best = x;
+        at = idx[g * n + c];
+      }
+    }
+    return at;
+  }
+};
+
+// p.x [m, k] @ p.w (packed) on the dot products or the tiles, stored to p.y ([m, n] f32 or
+// bf16), or, with `fold`, folded into each column's first maximum. `p` comes with x, w, m,
+// k, n, y and bf16_out set; the rest is filled here.
+ffi::Error Product(ffi::ThreadPool& pool, Problem p, Fold* fold, int threads, bool tiles) {
+  const int64_t m = p.m, k = p.k, kb = (k + kBlock - 1) / kBlock;
+  const int64_t nb = (p.n + kBlock - 1) / kBlock;
   const int64_t kp = kb * kBlock;
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
-  const auto* ws = reinterpret_cast<const uint16_t*>(w.typed_data());
-  const int threads = jaxkv_cpu::Threads(pool, num_threads);
+  const uint16_t* xs = p.x;
+  p.kp = kp;
   if (m <= kFewRows || !tiles || !AmxReady()) {  // AVX512-BF16 dot products off the tiles
-    const uint16_t* xp = k == kp ? xs : PadRows(xs, 0, m, k, kp);
-    const Problem p{xp, ws, nullptr, 0, m, k, n, kp, out, bf16_out};
+    p.x = k == kp ? xs : PadRows(xs, 0, m, k, kp);
+    p.tail = nullptr;
+    p.tail_row = 0;
     // Work items (chunk of column blocks, group of rows), chunk-major, as for the tiles below:
     // one group when the rows are few (a decode step), and then two or four blocks a chunk.
     const int64_t group_rows = m <= 2 * kDotGroupRows ? m : kDotGroupRows;
+    if (fold) fold->Start(p, group_rows);
     const int64_t groups = (m + group_rows - 1) / group_rows;
     const int64_t chunk =
         groups > 1 ? std::max<int64_t>(2, kChunkBytes / 2 / (kp * kBlock * 2) / 2 * 2)
@@ -350,17 +400,11 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                            groups > 1 ? jaxkv_cpu::Team::kPool : jaxkv_cpu::Team::kHelpers);
     return ffi::Error::Success();
   }
-#endif
-  if (!AmxReady()) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "jaxkv bf16 matmul: this build has no AVX512-BF16");
-  }
 #if defined(JAXKV_AMX)
   // Rows read in place: whole blocks of 32, when K is a multiple of 32.
-  const int64_t tail_row = k == kp ? m / kBlock * kBlock : 0;
-  const uint16_t* tail = tail_row < m ? PadRows(xs, tail_row, m, k, kp) : nullptr;
-  const Problem p{xs, reinterpret_cast<const uint16_t*>(w.typed_data()), tail, tail_row, m, k,
-                  n, kp, out, bf16_out};
+  p.tail_row = k == kp ? m / kBlock * kBlock : 0;
+  p.tail = p.tail_row < m ? PadRows(xs, p.tail_row, m, k, kp) : nullptr;
+  if (fold) fold->Start(p, kGroupBlocks * kBlock);
   const int64_t row_blocks = (m + kBlock - 1) / kBlock;
   const int64_t groups = (row_blocks + kGroupBlocks - 1) / kGroupBlocks;
   // Column blocks per chunk: one (the finest split) when all rows form one group, else as many
@@ -383,11 +427,105 @@ ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
     }
     _tile_release();
   });
-#endif
   return ffi::Error::Success();
+#else
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "jaxkv bf16 matmul: no AMX tiles");
+#endif
+}
+
+#endif  // JAXKV_BF16_DOT
+
+// x [M, K] and w packed [ceil(N / 32), ceil(K / 32), 2, 16, 32]; "" when they fit, else why.
+const char* CheckOperands(ffi::Buffer<ffi::BF16>& x, ffi::Buffer<ffi::BF16>& w, int64_t n) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const int64_t k = xd.size() == 2 ? xd[1] : -1;
+  const int64_t nb = (n + kBlock - 1) / kBlock, kb = (k + kBlock - 1) / kBlock;
+  if (xd.size() != 2 || wd.size() != 5 || n < 0 || wd[0] != nb || wd[1] != kb || wd[2] != 2 ||
+      wd[3] != 16 || wd[4] != 32) {
+    return "x [M, K] bf16 and w packed [ceil(N / 32), ceil(K / 32), 2, 16, 32] bf16 expected";
+  }
+  return "";
+}
+
+ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                         ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::AnyBuffer> y, int64_t n,
+                         int32_t num_threads, int32_t tiles) {
+  if (const char* bad = CheckOperands(x, w, n); *bad) {
+    return ffi::Error::InvalidArgument(std::string("jaxkv AMX matmul: ") + bad);
+  }
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
+  const auto yd = y->dimensions();
+  const bool bf16_out = y->element_type() == ffi::DataType::BF16;
+  if ((!bf16_out && y->element_type() != ffi::DataType::F32) || yd.size() != 2 || yd[0] != m ||
+      yd[1] != n) {
+    return ffi::Error::InvalidArgument("jaxkv AMX matmul: y [M, N] f32 or bf16 expected");
+  }
+  void* out = y->untyped_data();
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {
+    std::memset(out, 0, m * n * (bf16_out ? 2 : 4));
+    return ffi::Error::Success();
+  }
+#if defined(JAXKV_BF16_DOT)
+  Problem p{reinterpret_cast<const uint16_t*>(x.typed_data()),
+            reinterpret_cast<const uint16_t*>(w.typed_data()), nullptr, 0, m, k, n, 0, out,
+            bf16_out};
+  return Product(pool, p, nullptr, jaxkv_cpu::Threads(pool, num_threads), tiles != 0);
+#else
+  (void)pool, (void)num_threads, (void)tiles;
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    "jaxkv bf16 matmul: this build has no AVX512-BF16");
+#endif
+}
+
+// The greedy LM head: first_max[c] = the first row of x @ w with the largest value in column c
+// (jnp.argmax over axis 0, a NaN first), without storing the [M, N] product. x holds the
+// head's [V, K] weights, w the packed [K, R] transposed hidden rows.
+ffi::Error FirstMaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                        ffi::ResultBuffer<ffi::S32> first_max, int64_t n, int32_t num_threads,
+                        int32_t tiles) {
+  if (const char* bad = CheckOperands(x, w, n); *bad) {
+    return ffi::Error::InvalidArgument(std::string("jaxkv bf16 first max: ") + bad);
+  }
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1];
+  if (first_max->element_count() != static_cast<size_t>(n) || m == 0) {
+    return ffi::Error::InvalidArgument("jaxkv bf16 first max: M > 0 rows and [N] int32 expected");
+  }
+  int32_t* at = first_max->typed_data();
+  if (k == 0) {  // every value 0: the first row
+    std::fill(at, at + n, 0);
+    return ffi::Error::Success();
+  }
+#if defined(JAXKV_BF16_DOT)
+  Fold fold;
+  Problem p{reinterpret_cast<const uint16_t*>(x.typed_data()),
+            reinterpret_cast<const uint16_t*>(w.typed_data()), nullptr, 0, m, k, n, 0, nullptr,
+            false};
+  if (ffi::Error e = Product(pool, p, &fold, jaxkv_cpu::Threads(pool, num_threads), tiles != 0);
+      e.failure()) {
+    return e;
+  }
+  for (int64_t c = 0; c < n; ++c) at[c] = fold.Column(n, c);
+  return ffi::Error::Success();
+#else
+  (void)pool, (void)num_threads, (void)tiles;
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    "jaxkv bf16 first max: this build has no AVX512-BF16");
+#endif
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvBf16FirstMaxCpu, FirstMaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x [M, K]: the head [V, K]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w packed: hidden^T [K, R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // first_max [N = R]
+                                  .Attr<int64_t>("n")
+                                  .Attr<int32_t>("num_threads")
+                                  .Attr<int32_t>("tiles"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvAmxMatmulCpu, AmxMatmulImpl,
                               ffi::Ffi::Bind()

@@ -213,3 +213,72 @@ def test_lm_head_on_tiles_equals_xla(rows, transposed):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
     hlo = jax.jit(lambda x, w: float_matmul(x, w, jnp.float32, out_major=True)).lower(x, w)
     assert "jaxkv_amx_matmul_cpu" in hlo.as_text()
+
+
+@needs_amx
+@pytest.mark.parametrize("vocab, rows", [(7, 5), (1000, 5), (5000, 64), (2000, 130)])
+@pytest.mark.parametrize("tiles", [True, False])
+def test_first_max_is_the_argmax_of_the_lm_head_products(vocab, rows, tiles):
+    """``amx.out_major_first_max`` equals ``argmax`` over the f32 logits the same kernel
+    writes (the same sums), across group and work-item borders (96 / 128 rows of the head)."""
+    rng = np.random.default_rng(vocab + rows)
+    w = _bf16(rng, (vocab, 64))  # [V, hidden]
+    x = _bf16(rng, (rows, 64))
+    logits = amx.out_major_matmul(x, w, jnp.float32, transposed=False)  # [R, V]
+    got = jax.jit(functools.partial(amx.out_major_first_max, tiles=tiles))(x, w)
+    assert got.shape == (rows,) and got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(logits, axis=-1)))
+
+
+@needs_amx
+def test_first_max_takes_the_first_of_ties_and_the_first_nan():
+    """Literal heads: equal maxima in rows of different work items (the first wins), a NaN
+    anywhere (the first NaN wins, as jnp.argmax), every logit -inf (row 0)."""
+    w = jnp.zeros((400, 32), jnp.bfloat16).at[250].set(1.0).at[130].set(1.0).at[390].set(1.0)
+    x = jnp.ones((6, 32), jnp.bfloat16).at[1].set(-1.0)  # row 1: every logit <= 0, first is 0
+    np.testing.assert_array_equal(amx.out_major_first_max(x, w), [130, 0, 130, 130, 130, 130])
+    w_nan = w.at[300, 0].set(jnp.nan).at[200, 0].set(jnp.nan)
+    np.testing.assert_array_equal(amx.out_major_first_max(x, w_nan), [200] * 6)
+    w_inf = jnp.full((300, 32), -jnp.inf, jnp.bfloat16)
+    np.testing.assert_array_equal(amx.out_major_first_max(x[:5], w_inf), [0, 0, 0, 0, 0])
+
+
+def test_first_max_refuses_shapes_it_does_not_take():
+    x = jnp.zeros((5, 48), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        amx.out_major_first_max(x, jnp.zeros((100, 48), jnp.bfloat16))
+    with pytest.raises(ValueError, match="vocabulary"):
+        amx.out_major_first_max(x[:, :32], jnp.zeros((0, 32), jnp.bfloat16))
+
+
+@needs_amx
+def test_greedy_engine_takes_its_tokens_from_the_first_max_kernel(monkeypatch):
+    """A bf16 engine's greedy program (8 rows) reads its tokens off the first-max kernel, and
+    they equal the general sampler's (which asks for logprobs, so it takes the logits): the
+    same f32 sums, so the same tokens, no near-tie excepted."""
+    from jaxkv import LLM, SamplingParams
+
+    calls = []
+    real = amx.out_major_first_max
+    monkeypatch.setattr(
+        amx, "out_major_first_max", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
+    )
+    prompts = [{"prompt_token_ids": [5 + i, 17, 99, 3, 42] * (1 + i % 3)} for i in range(8)]
+    llm = LLM(
+        "tiny-llama",
+        dtype="bfloat16",
+        kv_cache_memory_bytes=8 << 20,
+        max_num_seqs=8,
+        max_model_len=256,
+    )
+    runs = [
+        llm.generate(
+            prompts,
+            SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=logprobs),
+            use_tqdm=False,
+        )
+        for logprobs in (None, 1)
+    ]
+    assert calls and all(shape[0] > amx.FEW_ROWS for shape in calls)
+    for greedy, sampled in zip(*runs):
+        assert greedy.outputs[0].token_ids == sampled.outputs[0].token_ids
