@@ -9,6 +9,8 @@ A 64 x 576 x 1536 product of a decode step of 64 sequences of SmolLM2-135M: ~0.1
 tiles against XLA:CPU's ~0.22 ms (Intel Xeon), 0.26 against 0.38 ms on the dot products (AMD
 EPYC); prefill products as fast as XLA's or faster (numbers in benchmarks/RESULTS.md). The
 products equal XLA's bf16 dot with f32 results (the same bf16 inputs, f32 sums, one rounding).
+A SwiGLU ``GatedMLP`` whose gate and up projections are packed computes its hidden layer in one
+kernel (:meth:`AmxLinear.silu_gated`: x read once, neither projection written; the same values).
 
 Not packed: float32 models, the LM head and the embedding (a bf16 head runs on the same
 kernel as it is stored: ``amx.out_major_matmul``), quantized layers, tensor-parallel engines
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv.models.layers import gated_product
 from jaxkv.models.quant import replace_module
 from jaxkv.pallas_kernels import amx
 
@@ -76,6 +79,36 @@ class AmxLinear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+    def silu_gated(self, up: AmxLinear, x: jax.Array) -> jax.Array | None:
+        """``silu(self(x)) * up(x)`` as ``GatedMLP`` computes it on bf16 layers (the same
+        roundings), ``[..., in] -> [..., out]`` bf16, in one kernel on the CPU
+        (``amx.silu_gated_matmul``); None where it does not apply (``up`` not packed alike, a
+        bias)."""
+        if (
+            not isinstance(up, AmxLinear)
+            or self.bias is not None
+            or up.bias is not None
+            or (up.in_features, up.out_features) != (self.in_features, self.out_features)
+        ):
+            return None
+        lead = x.shape[:-1]
+        x2 = x.reshape(int(np.prod(lead)), self.in_features).astype(jnp.bfloat16)
+
+        def on_cpu(x2, gate, up_packed):
+            return amx.silu_gated_matmul(x2, gate, up_packed, self.out_features)
+
+        def elsewhere(x2, gate, up_packed):  # not reached by engines (packing is CPU-only)
+            def project(packed):
+                w = amx.unpack(packed, self.in_features, self.out_features)
+                return jnp.dot(x2, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+            return gated_product("silu", project(gate), project(up_packed))
+
+        y = jax.lax.platform_dependent(
+            x2, self.packed[...], up.packed[...], cpu=on_cpu, default=elsewhere
+        )
+        return y.reshape(*lead, self.out_features)
 
 
 def _packable(node) -> bool:

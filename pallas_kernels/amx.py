@@ -111,6 +111,38 @@ def matmul(
     )
 
 
+def silu_gated_matmul(
+    x,  # [M, K] (cast to bf16)
+    gate,  # packed [ceil(N / 32), ceil(K / 32), 2, 16, 32] bf16
+    up,  # packed, the same shape
+    n: int,
+    *,
+    tiles: bool = True,
+) -> jax.Array:
+    """``silu(x @ gate) * (x @ up)`` as ``[M, n]`` bf16, rounded as ``models.layers.GatedMLP``
+    rounds on bf16 layers (each projection to bf16, the SiLU of the gate in f32 to bf16, the
+    product in f32 to bf16): a SwiGLU MLP's hidden layer in one kernel, x read once for both
+    projections and neither ``[M, n]`` projection written. Equal to XLA's ``jax.nn.silu``
+    path on every value tried (``tests/kernels/test_amx_matmul_cpu.py``)."""
+    shape = packed_shape(x.shape[-1], n) if x.ndim == 2 else None
+    if shape is None or gate.shape != shape or up.shape != shape:
+        raise ValueError(
+            f"amx.silu_gated_matmul takes x [M, K] and gate / up packed as {shape} for n={n}, "
+            f"got x {x.shape}, gate {gate.shape} and up {up.shape}"
+        )
+    call = cpu_backend._ffi_call(
+        cpu_backend.GATED_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.bfloat16)
+    )
+    return call(
+        x.astype(jnp.bfloat16),
+        gate.astype(jnp.bfloat16),
+        up.astype(jnp.bfloat16),
+        n=np.int64(n),
+        num_threads=np.int32(cpu_backend._num_threads()),
+        tiles=np.int32(tiles),
+    )
+
+
 def out_major_applies(rows: int, w) -> bool:
     """Whether ``x [rows, in] @ w [out, in]^T`` (an LM head, ``models.quant.float_matmul``)
     runs on this kernel (:func:`out_major_matmul`): more than :data:`FEW_ROWS` rows, a bf16

@@ -68,6 +68,7 @@ QMATMUL_TARGET = "jaxkv_quantized_matmul_cpu"
 Q4_TARGET = "jaxkv_q4_matmul_cpu"
 AMX_TARGET = "jaxkv_amx_matmul_cpu"
 FIRST_MAX_TARGET = "jaxkv_bf16_first_max_cpu"
+GATED_TARGET = "jaxkv_bf16_gated_cpu"
 HANDLERS = {
     TARGET: "JaxkvPagedAttentionCpu",
     WRITE_TARGET: "JaxkvWriteKvCpu",
@@ -76,6 +77,7 @@ HANDLERS = {
     Q4_TARGET: "JaxkvQ4MatmulCpu",
     AMX_TARGET: "JaxkvAmxMatmulCpu",
     FIRST_MAX_TARGET: "JaxkvBf16FirstMaxCpu",
+    GATED_TARGET: "JaxkvBf16GatedCpu",
 }
 #: Kernel dtypes of ``quantized_matmul`` (its ``qtype`` attribute): quantized (with scales),
 #: then float (``FLOAT_QTYPES``: no scales).

@@ -282,3 +282,55 @@ def test_greedy_engine_takes_its_tokens_from_the_first_max_kernel(monkeypatch):
     assert calls and all(shape[0] > amx.FEW_ROWS for shape in calls)
     for greedy, sampled in zip(*runs):
         assert greedy.outputs[0].token_ids == sampled.outputs[0].token_ids
+
+
+@needs_amx
+@pytest.mark.parametrize("m, k, n", [(1, 64, 96), (5, 576, 1536), (64, 96, 200), (300, 40, 33)])
+@pytest.mark.parametrize("tiles", [True, False])
+def test_silu_gated_matmul_equals_the_unfused_swiglu(m, k, n, tiles):
+    """One kernel for ``silu(x @ gate) * (x @ up)``: the values of XLA's bf16 products, SiLU
+    and product rounded as ``GatedMLP`` rounds them, exactly (ragged K and N included)."""
+    from jaxkv.models.layers import gated_product
+
+    rng = np.random.default_rng(m + k + n)
+    x = _bf16(rng, (m, k))
+    gate, up = _bf16(rng, (k, n)) * 0.3, _bf16(rng, (k, n)) * 0.3
+    got = jax.jit(functools.partial(amx.silu_gated_matmul, n=n, tiles=tiles))(
+        x, amx.pack(gate), amx.pack(up)
+    )
+
+    def project(w):
+        return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    want = gated_product("silu", project(gate), project(up))
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@needs_amx
+def test_packed_swiglu_mlp_runs_one_gated_kernel_and_equals_the_bf16_mlp():
+    """A packed SwiGLU ``GatedMLP`` takes its hidden layer from the gated kernel (one call in
+    its program, no separate gate / up products) and equals the unpacked MLP's output; a
+    GeGLU one keeps two products."""
+    from jaxkv.models.layers import GatedMLP
+
+    rng = np.random.default_rng(3)
+    x = _bf16(rng, (7, 64))
+    for act, gated_calls in (("silu", 1), ("gelu_pytorch_tanh", 0)):
+        mlp = GatedMLP(64, 96, act=act, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        packed = cpu_layout.pack_for_cpu(mlp)
+        assert cpu_layout.packed_linears(packed) == 3
+        got = jax.jit(lambda x, m=packed: m(x))(x)
+        np.testing.assert_array_equal(
+            np.asarray(got, np.float32), np.asarray(jax.jit(lambda x, m=mlp: m(x))(x), np.float32)
+        )
+        hlo = jax.jit(lambda x, m=packed: m(x)).lower(x).as_text()
+        assert hlo.count("jaxkv_bf16_gated_cpu") == gated_calls
+        assert hlo.count("jaxkv_amx_matmul_cpu") == 3 - 2 * gated_calls
+
+
+def test_silu_gated_matmul_refuses_a_layout_that_does_not_fit():
+    x = jnp.zeros((4, 64), jnp.bfloat16)
+    packed = amx.pack(jnp.zeros((64, 96), jnp.bfloat16))
+    with pytest.raises(ValueError, match="gate / up packed"):
+        amx.silu_gated_matmul(x, packed, amx.pack(jnp.zeros((64, 64), jnp.bfloat16)), 96)
