@@ -9,6 +9,8 @@
 //   * Decode-like items (fewer than 16 query vectors): per query vector, a 16-lane vector of
 //     partial q.k sums per key and one transposing tree of adds for 16 keys (transpose_sum);
 //     the p.v sums of a row's GQA heads, in blocks of up to 4, share every V vector loaded.
+//     Over a bf16 cache, queries whose values are bf16 (a bf16 model's) take q.k as AVX512-BF16
+//     dot products on the K rows in place, where the build has them (chunk_rows_bf16).
 //   * Prefill tiles: the chunk's K is transposed once into [D, 64]; the heads of a row's GQA
 //     group, in blocks of up to 4, score 64 keys with broadcast-q FMAs and sum p.v together,
 //     so each loaded K / V vector feeds up to 4 FMAs.
@@ -116,6 +118,7 @@ inline int key_lo(const Problem& p, int pos) { return p.window > 0 ? std::max(0,
 struct Chunk {
   const float* k[kChunk];
   const float* v[kChunk];
+  const uint16_t* kb[kChunk];  // the bf16 rows of K, in place (chunk_rows_bf16 only)
   int n;
 };
 
@@ -317,6 +320,42 @@ void chunk_rows(const float* q, const Chunk& c, int a, int b, float soft_cap, fl
   accumulate_pv_group<NC, GB>(logit, c.v, n_pad, corr, acc);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define JAXKV_BF16_QK 1
+#include <immintrin.h>
+// chunk_rows for queries whose values are bf16 (a bf16 model's q) over a bf16 cache: q.k as
+// AVX512-BF16 dot products on the K rows in place (no widening), each product exact in f32 as
+// in the f32 FMAs (two roundings per pair of products where the FMAs make one each). `qb` holds
+// the GB query vectors unscaled; the scale multiplies the logits. NC is even (32 bf16 a vector).
+template <int NC, int GB>
+void chunk_rows_bf16(const uint16_t* qb, float scale, const Chunk& c, int a, int b,
+                     float soft_cap, float* m, float* l, float* acc) {
+  static_assert(NC % 2 == 0, "whole vectors of 32 bf16");
+  constexpr int D = NC * kLanes, NB = NC / 2;
+  const int n_pad = (c.n + kLanes - 1) / kLanes * kLanes;
+  alignas(64) float logit[GB][kChunk];
+  float corr[GB];
+  for (int g = 0; g < GB; ++g) {
+    __m512bh qv[NB];
+    for (int j = 0; j < NB; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qb + g * D + j * 32);
+    for (int t0 = 0; t0 < n_pad; t0 += kLanes) {
+      v16 part[kLanes];
+      for (int t = 0; t < kLanes; ++t) {
+        const uint16_t* kr = c.kb[t0 + t];
+        __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0],
+                                    (__m512bh)_mm512_loadu_si512(kr));
+        for (int j = 1; j < NB; ++j)
+          s = _mm512_dpbf16_ps(s, qv[j], (__m512bh)_mm512_loadu_si512(kr + j * 32));
+        part[kBitrev4[t]] = (v16)s;
+      }
+      store16(logit[g] + t0, transpose_sum(part) * scale);
+    }
+    corr[g] = softmax_update(logit[g], a, b, n_pad, soft_cap, m[g], l[g]);
+  }
+  accumulate_pv_group<NC, GB>(logit, c.v, n_pad, corr, acc);
+}
+#endif
+
 using RowsKernel = void (*)(const float*, const Chunk&, int, int, float, float*, float*, float*);
 using TransposedKernel = void (*)(const float*, const float*, const Chunk&, int, int, float,
                                   float*, float*, float*);
@@ -327,6 +366,7 @@ constexpr int kNumGroupBlocks = 4;
 
 // The instantiation of JAXKV_KERNEL for head size d_n and group block gb (nullptr: none).
 #define JAXKV_HEAD_SIZES(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(10) X(12) X(16)
+#define JAXKV_EVEN_HEAD_SIZES(X) X(2) X(4) X(6) X(8) X(10) X(12) X(16)
 #define JAXKV_CASE(nc)                                                                   \
   if (d_n == nc * kLanes)                                                                \
     return gb == 4   ? JAXKV_KERNEL<nc, 4>                                                 \
@@ -345,6 +385,16 @@ TransposedKernel transposed_kernel(int d_n, int gb) {
 #undef JAXKV_KERNEL
   return nullptr;
 }
+#if JAXKV_BF16_QK
+using RowsBf16Kernel = void (*)(const uint16_t*, float, const Chunk&, int, int, float, float*,
+                                float*, float*);
+RowsBf16Kernel rows_bf16_kernel(int d_n, int gb) {
+#define JAXKV_KERNEL chunk_rows_bf16
+  JAXKV_EVEN_HEAD_SIZES(JAXKV_CASE)
+#undef JAXKV_KERNEL
+  return nullptr;
+}
+#endif
 #undef JAXKV_CASE
 #else
 #define JAXKV_VECTOR_KERNELS 0
@@ -376,10 +426,11 @@ void chunk_portable(const float* q, const Chunk& c, int a, int b, int d_n, float
 // tile's scaled queries and softmax state.
 struct Scratch {
   std::vector<float> krows, vrows, kt, q, acc, m, l;
+  std::vector<uint16_t> qb;  // the queries as bf16, unscaled (chunk_rows_bf16)
   explicit Scratch(int d_n, int group)
       : krows(kChunk * d_n), vrows(kChunk * d_n), kt(static_cast<size_t>(d_n) * kChunk),
         q(static_cast<size_t>(kTileRows) * group * d_n), acc(q.size()),
-        m(kTileRows * group), l(kTileRows * group) {}
+        m(kTileRows * group), l(kTileRows * group), qb(q.size()) {}
 
   // This thread's buffers for these sizes, kept between calls.
   static Scratch& of_thread(int d_n, int group) {
@@ -423,6 +474,24 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
   constexpr RowsKernel rows_by_block[kNumGroupBlocks] = {};
   constexpr TransposedKernel by_block[kNumGroupBlocks] = {};
 #endif
+  // Decode rows over a bf16 cache whose queries are bf16 values (their low 16 bits zero, as
+  // a bf16 model's q widened to f32): q.k on the bf16 K rows in place.
+#if JAXKV_BF16_QK
+  RowsBf16Kernel bf16_by_block[kNumGroupBlocks] = {};
+  bool qk_bf16 = vector && !transposed && p.storage == kBF16 && rows_bf16_kernel(d_n, 1);
+  for (int i = 0; qk_bf16 && i < it.nq; ++i) {
+    const uint32_t* qs = reinterpret_cast<const uint32_t*>(
+        p.q + (static_cast<int64_t>(it.row0 + i) * p.q_heads + it.h * group) * d_n);
+    uint32_t low = 0;
+    for (int e = 0; e < group * d_n; ++e) low |= qs[e] & 0xffffu;
+    for (int e = 0; e < group * d_n; ++e) w.qb[i * group * d_n + e] = qs[e] >> 16;
+    qk_bf16 = low == 0;
+  }
+  for (int k = 0; qk_bf16 && k < kNumGroupBlocks; ++k)
+    bf16_by_block[k] = rows_bf16_kernel(d_n, kGroupBlocks[k]);
+#else
+  constexpr bool qk_bf16 = false;
+#endif
   const int64_t row_bytes = static_cast<int64_t>(d_n) * p.itemsize;
   const int64_t page_bytes = bs * row_bytes;
   const int32_t* table = p.tables + static_cast<int64_t>(it.s) * p.width;
@@ -459,6 +528,7 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
         for (int t = 0; t < rows; ++t) {
           c.k[t0 + t] = reinterpret_cast<const float*>(kr + t * row_bytes);
           c.v[t0 + t] = reinterpret_cast<const float*>(vr + t * row_bytes);
+          c.kb[t0 + t] = nullptr;
         }
         continue;
       }
@@ -479,6 +549,10 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
             __builtin_prefetch(va + 2 * e0, 0, 3);
           }
           const int e1 = std::min(count, e0 + 32);
+          if (qk_bf16) {  // K is read in place
+            for (int e = e0; e < e1; ++e) vd[e] = convert(v16[e]);
+            continue;
+          }
           for (int e = e0; e < e1; ++e) { kd[e] = convert(k16[e]); vd[e] = convert(v16[e]); }
         }
       };
@@ -487,12 +561,14 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
       for (int t = 0; t < rows; ++t) {
         c.k[t0 + t] = kd + t * d_n;
         c.v[t0 + t] = vd + t * d_n;
+        c.kb[t0 + t] = k16 + t * d_n;
       }
     }
     const int n_pad = (c.n + kLanes - 1) / kLanes * kLanes;
     for (int t = c.n; t < n_pad; ++t) {
       c.k[t] = c.k[c.n - 1];
       c.v[t] = c.v[c.n - 1];
+      c.kb[t] = c.kb[c.n - 1];
     }
     if (transposed) {  // kt[e][t] = K[t][e]; zero past n (finite logits, masked later)
       float* kt = w.kt.data();
@@ -511,6 +587,11 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
           const int v = i * group + g;
           if (transposed)
             by_block[k](q + v * d_n, w.kt.data(), c, a, b, p.soft_cap, &w.m[v], &w.l[v], acc + v * d_n);
+#if JAXKV_BF16_QK
+          else if (qk_bf16)
+            bf16_by_block[k](w.qb.data() + v * d_n, p.scale, c, a, b, p.soft_cap, &w.m[v], &w.l[v],
+                             acc + v * d_n);
+#endif
           else
             rows_by_block[k](q + v * d_n, c, a, b, p.soft_cap, &w.m[v], &w.l[v], acc + v * d_n);
           g += kGroupBlocks[k];

@@ -333,22 +333,31 @@ class TestCpuBytes(TestCpu):
         super().check(as_bytes=True, **kw)
 
 
-@pytest.mark.skipif(ON_GPU, reason="the cpu backend's kernel is a CPU custom call")
-@settings(max_examples=15, deadline=None, derandomize=True)
-@given(data=st.data())
-def test_cpu_kernel_random_batches(data):
-    """Random ragged batches (chunks anywhere in a sequence, decodes, tiles of 1..32+ rows),
-    block sizes, head sizes on and off the vector kernels, windows and soft-caps vs the
-    reference; unused cache slots hold NaN, so a read past a row's keys fails the test."""
+def _check_cpu_kernel_on_drawn_batch(
+    data,
+    *,
+    block_sizes,
+    head_sizes,
+    groups,
+    max_kv_len,
+    max_seqs,
+    max_q_vectors,
+    cache_dtype,
+    bf16_queries=False,
+):
+    """A drawn ragged batch (sequences of up to ``max_kv_len`` keys, query rows of up to
+    ``max_q_vectors`` query vectors a KV head, windows, soft-caps): the "cpu" backend equals
+    the reference within 2e-5; unused cache slots hold NaN, so a read past a row's keys fails.
+    ``bf16_queries``: the queries' values rounded to bf16 (held in f32), as a bf16 model's."""
     from jaxkv.pallas_kernels import cpu_backend
 
     if not cpu_backend.available():
         pytest.skip(f"CPU attention kernel unavailable: {cpu_backend.build_error()}")
-    bs = data.draw(st.sampled_from([4, 8, 16, 32]))
-    head_size = data.draw(st.sampled_from([16, 40, 64]))
-    group = data.draw(st.sampled_from([1, 2, 3, 4]))
-    kv_lens = data.draw(st.lists(st.integers(1, 160), min_size=1, max_size=5))
-    q_lens = [data.draw(st.integers(1, kl)) for kl in kv_lens]
+    bs = data.draw(st.sampled_from(block_sizes))
+    head_size = data.draw(st.sampled_from(head_sizes))
+    group = data.draw(st.sampled_from(groups))
+    kv_lens = data.draw(st.lists(st.integers(1, max_kv_len), min_size=1, max_size=max_seqs))
+    q_lens = [data.draw(st.integers(1, min(kl, max_q_vectors // group))) for kl in kv_lens]
     window = data.draw(st.one_of(st.none(), st.integers(1, 90)))
     soft_cap = data.draw(st.sampled_from([None, 15.0]))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
@@ -360,15 +369,60 @@ def test_cpu_kernel_random_batches(data):
         num_q_heads=group * 2,
         num_kv_heads=2,
         head_size=head_size,
+        cache_dtype=cache_dtype,
         num_seq_rows=len(q_lens) + 1,
         num_tokens=sum(q_lens) + 2,
         sliding_window=window,
     )
+    args = list(b.attention_args())
+    if bf16_queries:
+        args[0] = args[0].astype(jnp.bfloat16).astype(jnp.float32)
+        assert (np.asarray(args[0]).view(np.uint32) & 0xFFFF == 0).all()
     kw = dict(sm_scale=head_size**-0.5, sliding_window=window, soft_cap=soft_cap)
-    args = b.attention_args()
     want = np.asarray(pk.paged_attention(*args, backend="reference", **kw))
     got = np.asarray(pk.paged_attention(*args, backend="cpu", **kw))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the cpu backend's kernel is a CPU custom call")
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_cpu_kernel_random_batches(data):
+    """Random ragged batches (chunks anywhere in a sequence, decodes, tiles of 1..32+ rows),
+    block sizes, head sizes on and off the vector kernels, windows and soft-caps vs the
+    reference."""
+    _check_cpu_kernel_on_drawn_batch(
+        data,
+        block_sizes=[4, 8, 16, 32],
+        head_sizes=[16, 40, 64],
+        groups=[1, 2, 3, 4],
+        max_kv_len=160,
+        max_seqs=5,
+        max_q_vectors=10**6,
+        cache_dtype="float32",
+    )
+
+
+@pytest.mark.skipif(ON_GPU, reason="the cpu backend's kernel is a CPU custom call")
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_cpu_kernel_decodes_bf16_queries_over_a_bf16_cache(data):
+    """A bf16 model's decode: queries whose values are bf16 over a bf16 cache take q.k as bf16
+    dot products on the cache's rows where the build has AVX512-BF16 (the scale on the
+    logits), still within 2e-5 of the f32 reference. Head sizes off whole vectors of 32 (40)
+    and scales that are not powers of two (40, 96); decode rows and a few speculative rows
+    (under 16 query vectors a KV head)."""
+    _check_cpu_kernel_on_drawn_batch(
+        data,
+        block_sizes=[8, 16, 32],
+        head_sizes=[32, 40, 64, 96],
+        groups=[1, 3, 4],
+        max_kv_len=200,
+        max_seqs=6,
+        max_q_vectors=15,
+        cache_dtype="bfloat16",
+        bf16_queries=True,
+    )
 
 
 def test_cpu_kernel_builds_where_a_compiler_exists():
