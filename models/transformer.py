@@ -123,7 +123,10 @@ class CausalLM(nnx.Module):
         the logits are exactly ``hidden @ W^T`` summed in f32 (no quantized head, no final
         soft-cap), else None: what a greedy head may read in place of the logits
         (``jaxkv.worker.heads.LogitsHead.greedy_tokens``)."""
-        if isinstance(self.lm_head, QuantizedLMHead) or self.config.final_logit_softcapping:
+        if (
+            isinstance(self.lm_head, QuantizedLMHead)
+            or self.config.final_logit_softcapping is not None
+        ):
             return None
         head = self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head.weight
         return head[...]

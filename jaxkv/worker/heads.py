@@ -102,7 +102,7 @@ class LogitsHead:
         (``amx.out_major_first_max``): the same f32 sums, no ``[V, R]`` logits written and
         read back. Else the vocab-major logits, then their argmax."""
 
-        def from_logits(h, w=None):  # [R, hidden] -> [R]
+        def from_logits(h, w=None):  # [R, hidden] -> [R]; w: platform_dependent's operand
             return _replicated(
                 sample_greedy_vocab_major(self.logits(head, h, vocab_major=True)), self.mesh
             )
