@@ -160,7 +160,7 @@ def out_major_first_max(x, w, *, tiles: bool = True) -> jax.Array:
     first NaN if any, as ``jnp.argmax``) of the same f32 sums as :func:`out_major_matmul`,
     without storing the ``[R, out]`` product: the greedy LM head. Each work item of the kernel
     keeps its rows' first maxima per column; the items' are merged in order. SmolLM2-135M's
-    49152 x 576 head at 64 rows: 9.1 against 13.3 ms for the product then
+    49152 x 576 head at 64 rows: 9.0 against 13.5 ms for the product then
     ``jaxkv.worker.logits_ops.argmax`` (AMD EPYC VM, 2 cores, 2026-12-05; the f32 logits,
     12.5 MB, were a fresh temporary of every step, written page by page)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or x.shape[1] % BLOCK:
