@@ -63,19 +63,23 @@ class AmxLinear(nnx.Module):
     def kernel(self) -> jax.Array:  # [in, out] bf16
         return amx.unpack(self.packed[...], self.in_features, self.out_features)
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out] bf16
-        lead = x.shape[:-1]
-        x2 = x.reshape(int(np.prod(lead)), self.in_features).astype(jnp.bfloat16)
+    def _rows(self, x: jax.Array) -> jax.Array:  # [..., in] -> [R, in] bf16
+        return x.reshape(int(np.prod(x.shape[:-1])), self.in_features).astype(jnp.bfloat16)
 
+    def _portable_product(self, x2: jax.Array, packed: jax.Array) -> jax.Array:
+        """``x2 [R, in] @ unpack(packed)`` in bf16 with XLA's dot: what the packed kernels
+        compute, for platforms without them (not reached by engines: packing is CPU-only)."""
+        w = amx.unpack(packed, self.in_features, self.out_features)
+        return jnp.dot(x2, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out] bf16
         def on_cpu(x2, packed):  # rounded to bf16 in the kernel
             return amx.matmul(x2, packed, self.out_features, jnp.bfloat16)
 
-        def elsewhere(x2, packed):  # not reached by engines (packing is CPU-only); kept exact
-            w = amx.unpack(packed, self.in_features, self.out_features)
-            return jnp.dot(x2, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-
-        y = jax.lax.platform_dependent(x2, self.packed[...], cpu=on_cpu, default=elsewhere)
-        y = y.reshape(*lead, self.out_features)
+        y = jax.lax.platform_dependent(
+            self._rows(x), self.packed[...], cpu=on_cpu, default=self._portable_product
+        )
+        y = y.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -92,23 +96,18 @@ class AmxLinear(nnx.Module):
             or (up.in_features, up.out_features) != (self.in_features, self.out_features)
         ):
             return None
-        lead = x.shape[:-1]
-        x2 = x.reshape(int(np.prod(lead)), self.in_features).astype(jnp.bfloat16)
 
         def on_cpu(x2, gate, up_packed):
             return amx.silu_gated_matmul(x2, gate, up_packed, self.out_features)
 
-        def elsewhere(x2, gate, up_packed):  # not reached by engines (packing is CPU-only)
-            def project(packed):
-                w = amx.unpack(packed, self.in_features, self.out_features)
-                return jnp.dot(x2, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-
-            return gated_product("silu", project(gate), project(up_packed))
+        def elsewhere(x2, gate, up_packed):
+            project = self._portable_product
+            return gated_product("silu", project(x2, gate), project(x2, up_packed))
 
         y = jax.lax.platform_dependent(
-            x2, self.packed[...], up.packed[...], cpu=on_cpu, default=elsewhere
+            self._rows(x), self.packed[...], up.packed[...], cpu=on_cpu, default=elsewhere
         )
-        return y.reshape(*lead, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 def _packable(node) -> bool:
