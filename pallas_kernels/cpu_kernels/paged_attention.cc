@@ -13,7 +13,9 @@
 //     dot products on the K rows in place, where the build has them (chunk_rows_bf16).
 //   * Prefill tiles: the chunk's K is transposed once into [D, 64]; the heads of a row's GQA
 //     group, in blocks of up to 4, score 64 keys with broadcast-q FMAs and sum p.v together,
-//     so each loaded K / V vector feeds up to 4 FMAs.
+//     so each loaded K / V vector feeds up to 4 FMAs. With bf16 queries over a bf16 cache, K
+//     is transposed as pairs of bf16 into [D / 2, 64] and scored by AVX512-BF16 dot products
+//     (chunk_transposed_bf16).
 // Built on first use by pallas_kernels/cpu_backend.py (c++ -O3 -march=native); the Python side
 // validates shapes and dtypes, this file re-checks what it relies on and clamps indices.
 //
@@ -354,6 +356,50 @@ void chunk_rows_bf16(const uint16_t* qb, float scale, const Chunk& c, int a, int
   }
   accumulate_pv_group<NC, GB>(logit, c.v, n_pad, corr, acc);
 }
+
+// chunk_transposed_keys for bf16 queries over a bf16 cache (prefill tiles): kt2 [D / 2, kChunk]
+// holds the chunk's K as pairs of bf16 (the 32-bit words of its rows, transposed), and each
+// VDPBF16PS takes two elements of q.k for 16 keys: half the q.k instructions and half the
+// transposition of the f32 kernel, and no widening of K. Numbers as in chunk_rows_bf16.
+template <int NC, int GB, int NV>
+void chunk_transposed_keys_bf16(const uint16_t* qb, float scale, const uint32_t* kt2,
+                                const Chunk& c, int a, int b, float soft_cap, float* m, float* l,
+                                float* acc) {
+  static_assert(NC % 2 == 0, "whole vectors of 32 bf16");
+  constexpr int D = NC * kLanes, pairs = D / 2;
+  constexpr int n_keys = NV * kLanes;
+  __m512 s[GB][NV];
+  for (int g = 0; g < GB; ++g)
+    for (int j = 0; j < NV; ++j) s[g][j] = _mm512_setzero_ps();
+  const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qb);
+  for (int e = 0; e < pairs; ++e) {
+    __m512bh k[NV];
+    for (int j = 0; j < NV; ++j) k[j] = (__m512bh)_mm512_loadu_si512(kt2 + e * kChunk + j * kLanes);
+    for (int g = 0; g < GB; ++g) {
+      const __m512bh qe = (__m512bh)_mm512_set1_epi32(static_cast<int>(q32[g * pairs + e]));
+      for (int j = 0; j < NV; ++j) s[g][j] = _mm512_dpbf16_ps(s[g][j], qe, k[j]);
+    }
+  }
+  alignas(64) float logit[GB][kChunk];
+  float corr[GB];
+  for (int g = 0; g < GB; ++g) {
+    for (int j = 0; j < NV; ++j) store16(logit[g] + j * kLanes, (v16)s[g][j] * scale);
+    corr[g] = softmax_update(logit[g], a, b, n_keys, soft_cap, m[g], l[g]);
+  }
+  accumulate_pv_group<NC, GB>(logit, c.v, n_keys, corr, acc);
+}
+
+// chunk_transposed for chunk_transposed_keys_bf16 (the keys up to b rounded up to 16).
+template <int NC, int GB>
+void chunk_transposed_bf16(const uint16_t* qb, float scale, const uint32_t* kt2, const Chunk& c,
+                           int a, int b, float soft_cap, float* m, float* l, float* acc) {
+  switch ((std::min(b, c.n) + kLanes - 1) / kLanes) {
+    case 1: chunk_transposed_keys_bf16<NC, GB, 1>(qb, scale, kt2, c, a, b, soft_cap, m, l, acc); break;
+    case 2: chunk_transposed_keys_bf16<NC, GB, 2>(qb, scale, kt2, c, a, b, soft_cap, m, l, acc); break;
+    case 3: chunk_transposed_keys_bf16<NC, GB, 3>(qb, scale, kt2, c, a, b, soft_cap, m, l, acc); break;
+    default: chunk_transposed_keys_bf16<NC, GB, 4>(qb, scale, kt2, c, a, b, soft_cap, m, l, acc);
+  }
+}
 #endif
 
 using RowsKernel = void (*)(const float*, const Chunk&, int, int, float, float*, float*, float*);
@@ -390,6 +436,14 @@ using RowsBf16Kernel = void (*)(const uint16_t*, float, const Chunk&, int, int, 
                                 float*, float*);
 RowsBf16Kernel rows_bf16_kernel(int d_n, int gb) {
 #define JAXKV_KERNEL chunk_rows_bf16
+  JAXKV_EVEN_HEAD_SIZES(JAXKV_CASE)
+#undef JAXKV_KERNEL
+  return nullptr;
+}
+using TransposedBf16Kernel = void (*)(const uint16_t*, float, const uint32_t*, const Chunk&, int,
+                                      int, float, float*, float*, float*);
+TransposedBf16Kernel transposed_bf16_kernel(int d_n, int gb) {
+#define JAXKV_KERNEL chunk_transposed_bf16
   JAXKV_EVEN_HEAD_SIZES(JAXKV_CASE)
 #undef JAXKV_KERNEL
   return nullptr;
@@ -474,11 +528,13 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
   constexpr RowsKernel rows_by_block[kNumGroupBlocks] = {};
   constexpr TransposedKernel by_block[kNumGroupBlocks] = {};
 #endif
-  // Decode rows over a bf16 cache whose queries are bf16 values (their low 16 bits zero, as
-  // a bf16 model's q widened to f32): q.k on the bf16 K rows in place.
+  // Over a bf16 cache, queries whose values are bf16 (their low 16 bits zero, as a bf16
+  // model's q widened to f32): q.k on the bf16 K rows in place (decode rows), or on their
+  // 32-bit pairs transposed (prefill tiles); K is never widened.
 #if JAXKV_BF16_QK
   RowsBf16Kernel bf16_by_block[kNumGroupBlocks] = {};
-  bool qk_bf16 = vector && !transposed && p.storage == kBF16 && rows_bf16_kernel(d_n, 1);
+  TransposedBf16Kernel transposed_bf16_by_block[kNumGroupBlocks] = {};
+  bool qk_bf16 = vector && p.storage == kBF16 && rows_bf16_kernel(d_n, 1);
   for (int i = 0; qk_bf16 && i < it.nq; ++i) {
     const uint32_t* qs = reinterpret_cast<const uint32_t*>(
         p.q + (static_cast<int64_t>(it.row0 + i) * p.q_heads + it.h * group) * d_n);
@@ -487,8 +543,10 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
     for (int e = 0; e < group * d_n; ++e) w.qb[i * group * d_n + e] = qs[e] >> 16;
     qk_bf16 = low == 0;
   }
-  for (int k = 0; qk_bf16 && k < kNumGroupBlocks; ++k)
+  for (int k = 0; qk_bf16 && k < kNumGroupBlocks; ++k) {
     bf16_by_block[k] = rows_bf16_kernel(d_n, kGroupBlocks[k]);
+    transposed_bf16_by_block[k] = transposed_bf16_kernel(d_n, kGroupBlocks[k]);
+  }
 #else
   constexpr bool qk_bf16 = false;
 #endif
@@ -570,7 +628,16 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
       c.v[t] = c.v[c.n - 1];
       c.kb[t] = c.kb[c.n - 1];
     }
-    if (transposed) {  // kt[e][t] = K[t][e]; zero past n (finite logits, masked later)
+    if (transposed && qk_bf16) {  // kt2[e][t] = the e-th pair of K[t]'s bf16; zero past n
+      uint32_t* kt2 = reinterpret_cast<uint32_t*>(w.kt.data());
+      const int pairs = d_n / 2;
+      for (int t = 0; t < c.n; ++t) {
+        const uint32_t* kr = reinterpret_cast<const uint32_t*>(c.kb[t]);
+        for (int e = 0; e < pairs; ++e) kt2[e * kChunk + t] = kr[e];
+      }
+      for (int e = 0; e < pairs; ++e)
+        std::fill(kt2 + e * kChunk + c.n, kt2 + (e + 1) * kChunk, 0u);
+    } else if (transposed) {  // kt[e][t] = K[t][e]; zero past n (finite logits, masked later)
       float* kt = w.kt.data();
       for (int t = 0; t < c.n; ++t)
         for (int e = 0; e < d_n; ++e) kt[e * kChunk + t] = c.k[t][e];
@@ -585,6 +652,13 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
         for (int g = 0, k = 0; g < group;) {
           while (group - g < kGroupBlocks[k]) ++k;
           const int v = i * group + g;
+#if JAXKV_BF16_QK
+          if (transposed && qk_bf16)
+            transposed_bf16_by_block[k](w.qb.data() + v * d_n, p.scale,
+                                        reinterpret_cast<const uint32_t*>(w.kt.data()), c, a, b,
+                                        p.soft_cap, &w.m[v], &w.l[v], acc + v * d_n);
+          else
+#endif
           if (transposed)
             by_block[k](q + v * d_n, w.kt.data(), c, a, b, p.soft_cap, &w.m[v], &w.l[v], acc + v * d_n);
 #if JAXKV_BF16_QK

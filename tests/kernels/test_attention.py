@@ -425,6 +425,27 @@ def test_cpu_kernel_decodes_bf16_queries_over_a_bf16_cache(data):
     )
 
 
+@pytest.mark.skipif(ON_GPU, reason="the cpu backend's kernel is a CPU custom call")
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_cpu_kernel_prefill_tiles_bf16_queries_over_a_bf16_cache(data):
+    """A bf16 model's prefill: tiles (16 query vectors a KV head or more) of bf16 queries over
+    a bf16 cache score keys with bf16 dot products on K transposed as pairs of bf16, still
+    within 2e-5 of the f32 reference; chunked prompts, windows, soft-caps, head sizes on and
+    off whole vectors of 32."""
+    _check_cpu_kernel_on_drawn_batch(
+        data,
+        block_sizes=[8, 16, 32],
+        head_sizes=[32, 40, 64, 96],
+        groups=[1, 3, 4],
+        max_kv_len=160,
+        max_seqs=4,
+        max_q_vectors=10**6,
+        cache_dtype="bfloat16",
+        bf16_queries=True,
+    )
+
+
 def test_cpu_kernel_builds_where_a_compiler_exists():
     """A compiler on PATH means the kernel must build: a silent fallback would hide a broken
     build (CI machines have g++)."""
