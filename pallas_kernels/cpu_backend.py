@@ -278,9 +278,15 @@ def ragged_attention(
     ``scale``, ``soft_cap`` and ``sliding_window`` are compile-time attributes (Python numbers).
     """
     storage = STORAGE[jnp.dtype(kv_cache.dtype if kv_dtype is None else kv_dtype)]
+    q32 = q.astype(jnp.float32)
+    if jnp.dtype(q.dtype) == jnp.bfloat16:
+        # XLA:CPU computes a bf16 fusion (RoPE) in f32 and may skip its rounding to bf16 before
+        # this convert (excess precision): the kernel would see f32 values and leave its bf16
+        # q.k path. The explicit rounding gives it q's bf16 values.
+        q32 = jax.lax.reduce_precision(q32, exponent_bits=8, mantissa_bits=7)
     call = _ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
-        q.astype(jnp.float32),
+        q32,
         kv_cache,
         seq_lens.astype(jnp.int32),
         query_start_loc.astype(jnp.int32),

@@ -446,6 +446,42 @@ def test_cpu_kernel_prefill_tiles_bf16_queries_over_a_bf16_cache(data):
     )
 
 
+@pytest.mark.skipif(ON_GPU, reason="the cpu backend's kernel is a CPU custom call")
+def test_cpu_kernel_sees_the_bf16_values_of_a_query_computed_in_the_same_jit():
+    """A bf16 query computed inside the jit that attends (RoPE's multiply-add, which XLA:CPU
+    fuses and computes in f32) reaches the kernel as its bf16 values: the result equals, bit
+    for bit, the kernel's on the same query materialised as bf16 outside. XLA's excess
+    precision would otherwise hand the kernel f32 values (and its f32 q.k path)."""
+    from jaxkv.pallas_kernels import cpu_backend
+
+    if not cpu_backend.available():
+        pytest.skip(f"CPU attention kernel unavailable: {cpu_backend.build_error()}")
+    rng = np.random.default_rng(0)
+    b = make_batch(
+        rng,
+        q_lens=[40, 1, 1],
+        kv_lens=[60, 90, 33],
+        block_size=16,
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_size=64,
+        cache_dtype="bfloat16",
+    )
+    q0, *rest = b.attention_args()
+    x = q0.astype(jnp.bfloat16)
+    c = jnp.asarray(rng.uniform(0.5, 1.5, x.shape), jnp.bfloat16)
+    s = jnp.asarray(rng.uniform(-1.0, 1.0, x.shape), jnp.bfloat16)
+
+    def attend(q):
+        return pk.paged_attention(q, *rest, sm_scale=0.125, backend="cpu")
+
+    fused = jax.jit(lambda x, c, s: attend(x * c + s * x))(x, c, s)
+    q = jax.jit(lambda x, c, s: x * c + s * x)(x, c, s)
+    assert q.dtype == jnp.bfloat16
+    alone = jax.jit(attend)(q)
+    np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(alone, np.float32))
+
+
 def test_cpu_kernel_builds_where_a_compiler_exists():
     """A compiler on PATH means the kernel must build: a silent fallback would hide a broken
     build (CI machines have g++)."""
