@@ -10,7 +10,8 @@
 //     partial q.k sums per key and one transposing tree of adds for 16 keys (transpose_sum);
 //     the p.v sums of a row's GQA heads, in blocks of up to 4, share every V vector loaded.
 //     Over a bf16 cache, queries whose values are bf16 (a bf16 model's) take q.k as AVX512-BF16
-//     dot products on the K rows in place, where the build has them (chunk_rows_bf16).
+//     dot products on the K rows in place, where the build has them (chunk_rows_bf16), and
+//     p.v widens each V vector in registers (no widened copy of the chunk).
 //   * Prefill tiles: the chunk's K is transposed once into [D, 64]; the heads of a row's GQA
 //     group, in blocks of up to 4, score 64 keys with broadcast-q FMAs and sum p.v together,
 //     so each loaded K / V vector feeds up to 4 FMAs. With bf16 queries over a bf16 cache, K
@@ -120,7 +121,8 @@ inline int key_lo(const Problem& p, int pos) { return p.window > 0 ? std::max(0,
 struct Chunk {
   const float* k[kChunk];
   const float* v[kChunk];
-  const uint16_t* kb[kChunk];  // the bf16 rows of K, in place (chunk_rows_bf16 only)
+  const uint16_t* kb[kChunk];  // the bf16 rows of K and V, in place (the bf16 kernels only)
+  const uint16_t* vb[kChunk];
   int n;
 };
 
@@ -325,6 +327,42 @@ void chunk_rows(const float* q, const Chunk& c, int a, int b, float soft_cap, fl
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define JAXKV_BF16_QK 1
 #include <immintrin.h>
+// 16 bf16 values widened to f32 (a bf16 is the top half of its f32).
+inline v16 widen16(const uint16_t* p) {
+  const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+
+// accumulate_pv_group on the bf16 V rows in place, each V vector widened in registers (no
+// widened copy of the chunk is written and read back).
+template <int NC, int GB>
+inline void accumulate_pv_group_bf16(const float (*w)[kChunk], const uint16_t* const* v,
+                                     int n_pad, const float* corr, float* acc) {
+  constexpr int D = NC * kLanes;
+  constexpr int JB = NC < 16 / GB ? NC : 16 / GB;  // vectors of D per register block
+  for (int j0 = 0; j0 < NC; j0 += JB) {
+    const int nj = NC - j0 < JB ? NC - j0 : JB;
+    v16 o[GB][JB];
+    for (int g = 0; g < GB; ++g)
+      for (int j = 0; j < JB; ++j)
+        if (j < nj) o[g][j] = load16(acc + g * D + (j0 + j) * kLanes) * corr[g];
+    for (int t = 0; t < n_pad; ++t) {
+      const uint16_t* vr = v[t] + j0 * kLanes;
+      v16 x[JB];
+      for (int j = 0; j < JB; ++j)
+        if (j < nj) x[j] = widen16(vr + j * kLanes);
+      for (int g = 0; g < GB; ++g) {
+        const float wt = w[g][t];
+        for (int j = 0; j < JB; ++j)
+          if (j < nj) o[g][j] += wt * x[j];
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int j = 0; j < JB; ++j)
+        if (j < nj) store16(acc + g * D + (j0 + j) * kLanes, o[g][j]);
+  }
+}
+
 // chunk_rows for queries whose values are bf16 (a bf16 model's q) over a bf16 cache: q.k as
 // AVX512-BF16 dot products on the K rows in place (no widening), each product exact in f32 as
 // in the f32 FMAs (two roundings per pair of products where the FMAs make one each). `qb` holds
@@ -354,7 +392,7 @@ void chunk_rows_bf16(const uint16_t* qb, float scale, const Chunk& c, int a, int
     }
     corr[g] = softmax_update(logit[g], a, b, n_pad, soft_cap, m[g], l[g]);
   }
-  accumulate_pv_group<NC, GB>(logit, c.v, n_pad, corr, acc);
+  accumulate_pv_group_bf16<NC, GB>(logit, c.vb, n_pad, corr, acc);
 }
 
 // chunk_transposed_keys for bf16 queries over a bf16 cache (prefill tiles): kt2 [D / 2, kChunk]
@@ -530,7 +568,8 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
 #endif
   // Over a bf16 cache, queries whose values are bf16 (their low 16 bits zero, as a bf16
   // model's q widened to f32): q.k on the bf16 K rows in place (decode rows), or on their
-  // 32-bit pairs transposed (prefill tiles); K is never widened.
+  // 32-bit pairs transposed (prefill tiles); K is never widened, and V only for the tiles
+  // (each of whose rows reads it: widened once a chunk).
 #if JAXKV_BF16_QK
   RowsBf16Kernel bf16_by_block[kNumGroupBlocks] = {};
   TransposedBf16Kernel transposed_bf16_by_block[kNumGroupBlocks] = {};
@@ -586,7 +625,7 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
         for (int t = 0; t < rows; ++t) {
           c.k[t0 + t] = reinterpret_cast<const float*>(kr + t * row_bytes);
           c.v[t0 + t] = reinterpret_cast<const float*>(vr + t * row_bytes);
-          c.kb[t0 + t] = nullptr;
+          c.kb[t0 + t] = c.vb[t0 + t] = nullptr;
         }
         continue;
       }
@@ -606,8 +645,9 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
             __builtin_prefetch(ka + 2 * e0, 0, 3);
             __builtin_prefetch(va + 2 * e0, 0, 3);
           }
+          if (qk_bf16 && !transposed) continue;  // decode rows read K and V in place
           const int e1 = std::min(count, e0 + 32);
-          if (qk_bf16) {  // K is read in place
+          if (qk_bf16) {  // prefill tiles read K in place; V, read by every row, is widened
             for (int e = e0; e < e1; ++e) vd[e] = convert(v16[e]);
             continue;
           }
@@ -620,6 +660,7 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
         c.k[t0 + t] = kd + t * d_n;
         c.v[t0 + t] = vd + t * d_n;
         c.kb[t0 + t] = k16 + t * d_n;
+        c.vb[t0 + t] = v16 + t * d_n;
       }
     }
     const int n_pad = (c.n + kLanes - 1) / kLanes * kLanes;
@@ -627,6 +668,7 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
       c.k[t] = c.k[c.n - 1];
       c.v[t] = c.v[c.n - 1];
       c.kb[t] = c.kb[c.n - 1];
+      c.vb[t] = c.vb[c.n - 1];
     }
     if (transposed && qk_bf16) {  // kt2[e][t] = the e-th pair of K[t]'s bf16; zero past n
       uint32_t* kt2 = reinterpret_cast<uint32_t*>(w.kt.data());
