@@ -632,6 +632,9 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
       // Widened in runs of 32 values, each run prefetching a line of K and of V one chunk on
       // (spread this way, the prefetches overlap the widening: 0.67-0.72 against 0.84-0.89 ms
       // a layer for the prefetch of a whole chunk and row-by-row widening, benchmarks/RESULTS.md).
+      // The lines go to L2 (prefetcht2), not L1: decode rows over bf16 widen nothing, so
+      // their prefetches come in one burst a page, and into L2 they ran 0.52-0.55 against
+      // 0.68-0.71 ms a layer (64 rows x 180 keys from memory; prefill tiles unchanged).
       const uint8_t* ka = ahead < hi ? row(ahead, 0) : nullptr;
       const uint8_t* va = ahead < hi ? row(ahead, 1) : nullptr;
       float* kd = w.krows.data() + t0 * d_n;
@@ -642,8 +645,8 @@ void run_item(const Problem& p, const Item& it, Scratch& w) {
       auto widen = [&](auto convert) {
         for (int e0 = 0; e0 < count; e0 += 32) {
           if (ka) {
-            __builtin_prefetch(ka + 2 * e0, 0, 3);
-            __builtin_prefetch(va + 2 * e0, 0, 3);
+            __builtin_prefetch(ka + 2 * e0, 0, 1);
+            __builtin_prefetch(va + 2 * e0, 0, 1);
           }
           if (qk_bf16 && !transposed) continue;  // decode rows read K and V in place
           const int e1 = std::min(count, e0 + 32);
