@@ -212,36 +212,44 @@ inline void accumulate_pv(const float* w, const float* const* v, int n_pad, floa
 }
 
 // acc[g] = acc[g] * corr[g] + sum_t w[g][t] * v[t] for GB query vectors of one row (GQA heads,
-// stride D in acc): each V vector loaded feeds GB FMAs, in register blocks of <= 16 accumulators.
+// stride D in acc): each V vector loaded (load(row) -> v16: f32 rows, or bf16 rows widened in
+// registers) feeds GB FMAs, in register blocks of <= 16 accumulators.
+template <int NC, int GB, typename T, typename Load>
+inline void accumulate_pv_blocks(const float (*w)[kChunk], const T* const* v, int n_pad,
+                                 const float* corr, float* acc, Load load) {
+  constexpr int D = NC * kLanes;
+  constexpr int JB = NC < 16 / GB ? NC : 16 / GB;  // vectors of D per register block
+  for (int j0 = 0; j0 < NC; j0 += JB) {
+    const int nj = NC - j0 < JB ? NC - j0 : JB;
+    v16 o[GB][JB];
+    for (int g = 0; g < GB; ++g)
+      for (int j = 0; j < JB; ++j)
+        if (j < nj) o[g][j] = load16(acc + g * D + (j0 + j) * kLanes) * corr[g];
+    for (int t = 0; t < n_pad; ++t) {
+      const T* vr = v[t] + j0 * kLanes;
+      v16 x[JB];
+      for (int j = 0; j < JB; ++j)
+        if (j < nj) x[j] = load(vr + j * kLanes);
+      for (int g = 0; g < GB; ++g) {
+        const float wt = w[g][t];
+        for (int j = 0; j < JB; ++j)
+          if (j < nj) o[g][j] += wt * x[j];
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int j = 0; j < JB; ++j)
+        if (j < nj) store16(acc + g * D + (j0 + j) * kLanes, o[g][j]);
+  }
+}
+
+// accumulate_pv_blocks over f32 V rows; one query vector keeps two accumulator sets.
 template <int NC, int GB>
 inline void accumulate_pv_group(const float (*w)[kChunk], const float* const* v, int n_pad,
                                 const float* corr, float* acc) {
-  constexpr int D = NC * kLanes;
   if constexpr (GB == 1) {
     accumulate_pv<NC>(w[0], v, n_pad, corr[0], acc);
   } else {
-    constexpr int JB = NC < 16 / GB ? NC : 16 / GB;   // vectors of D per register block
-    for (int j0 = 0; j0 < NC; j0 += JB) {
-      const int nj = NC - j0 < JB ? NC - j0 : JB;
-      v16 o[GB][JB];
-      for (int g = 0; g < GB; ++g)
-        for (int j = 0; j < JB; ++j)
-          if (j < nj) o[g][j] = load16(acc + g * D + (j0 + j) * kLanes) * corr[g];
-      for (int t = 0; t < n_pad; ++t) {
-        const float* vr = v[t] + j0 * kLanes;
-        v16 x[JB];
-        for (int j = 0; j < JB; ++j)
-          if (j < nj) x[j] = load16(vr + j * kLanes);
-        for (int g = 0; g < GB; ++g) {
-          const float wt = w[g][t];
-          for (int j = 0; j < JB; ++j)
-            if (j < nj) o[g][j] += wt * x[j];
-        }
-      }
-      for (int g = 0; g < GB; ++g)
-        for (int j = 0; j < JB; ++j)
-          if (j < nj) store16(acc + g * D + (j0 + j) * kLanes, o[g][j]);
-    }
+    accumulate_pv_blocks<NC, GB>(w, v, n_pad, corr, acc, [](const float* r) { return load16(r); });
   }
 }
 
@@ -333,34 +341,12 @@ inline v16 widen16(const uint16_t* p) {
   return (v16)_mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
 }
 
-// accumulate_pv_group on the bf16 V rows in place, each V vector widened in registers (no
+// accumulate_pv_blocks on the bf16 V rows in place, each V vector widened in registers (no
 // widened copy of the chunk is written and read back).
 template <int NC, int GB>
 inline void accumulate_pv_group_bf16(const float (*w)[kChunk], const uint16_t* const* v,
                                      int n_pad, const float* corr, float* acc) {
-  constexpr int D = NC * kLanes;
-  constexpr int JB = NC < 16 / GB ? NC : 16 / GB;  // vectors of D per register block
-  for (int j0 = 0; j0 < NC; j0 += JB) {
-    const int nj = NC - j0 < JB ? NC - j0 : JB;
-    v16 o[GB][JB];
-    for (int g = 0; g < GB; ++g)
-      for (int j = 0; j < JB; ++j)
-        if (j < nj) o[g][j] = load16(acc + g * D + (j0 + j) * kLanes) * corr[g];
-    for (int t = 0; t < n_pad; ++t) {
-      const uint16_t* vr = v[t] + j0 * kLanes;
-      v16 x[JB];
-      for (int j = 0; j < JB; ++j)
-        if (j < nj) x[j] = widen16(vr + j * kLanes);
-      for (int g = 0; g < GB; ++g) {
-        const float wt = w[g][t];
-        for (int j = 0; j < JB; ++j)
-          if (j < nj) o[g][j] += wt * x[j];
-      }
-    }
-    for (int g = 0; g < GB; ++g)
-      for (int j = 0; j < JB; ++j)
-        if (j < nj) store16(acc + g * D + (j0 + j) * kLanes, o[g][j]);
-  }
+  accumulate_pv_blocks<NC, GB>(w, v, n_pad, corr, acc, [](const uint16_t* r) { return widen16(r); });
 }
 
 // chunk_rows for queries whose values are bf16 (a bf16 model's q) over a bf16 cache: q.k as
